@@ -1,0 +1,94 @@
+"""mesharray: a single-controller distributed runtime where a mesh of processes is an array.
+
+>>> import mesharray as ma
+>>> s = ma.Shape({"hosts": 2, "procs": 4})
+>>> s[1, ::2].ranks().tolist()
+[4, 6]
+
+Heavy parts (the runtime, engines, MPI) are imported lazily on first use, so
+``import mesharray`` never imports torch, mpi4py or ucxx.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .errors import (
+    ActorDiedError,
+    ActorError,
+    AuthenticationError,
+    BootstrapError,
+    BrokenTransportError,
+    BusyTransportError,
+    ClosedTransportError,
+    DimensionError,
+    EngineUnavailableError,
+    FrameError,
+    MeshArrayError,
+    MeshFailure,
+    MeshIndexError,
+    MeshShapeError,
+    MeshStoppedError,
+    SerializationError,
+    SupervisionError,
+    TransportError,
+)
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (imported on first attribute access)
+_LAZY = {
+    "Shape": "mesharray._core",
+    "broadcast_shapes": "mesharray._core",
+    "reduction_plan": "mesharray._core",
+    "MeshTrait": "mesharray.mesh",
+    "MeshArray": "mesharray.array",
+    "Actor": "mesharray.actor",
+    "ActorMesh": "mesharray.actor",
+    "Future": "mesharray.actor",
+    "endpoint": "mesharray.actor",
+    "context": "mesharray.actor",
+    "current_rank": "mesharray.actor",
+    "current_size": "mesharray.actor",
+    "ProcMesh": "mesharray.proc",
+    "proc_mesh": "mesharray.proc",
+    "this_host": "mesharray.proc",
+    "Buffer": "mesharray.buffer",
+}
+
+__all__ = [
+    "__version__",
+    "ActorDiedError",
+    "ActorError",
+    "AuthenticationError",
+    "BootstrapError",
+    "BrokenTransportError",
+    "BusyTransportError",
+    "ClosedTransportError",
+    "DimensionError",
+    "EngineUnavailableError",
+    "FrameError",
+    "MeshArrayError",
+    "MeshFailure",
+    "MeshIndexError",
+    "MeshShapeError",
+    "MeshStoppedError",
+    "SerializationError",
+    "SupervisionError",
+    "TransportError",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mesharray' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

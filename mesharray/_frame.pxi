@@ -1,0 +1,1 @@
+# _frame: see _core.pyx

@@ -1,0 +1,1 @@
+# _kernels: see _core.pyx

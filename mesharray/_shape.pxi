@@ -1,0 +1,1 @@
+# _shape: see _core.pyx

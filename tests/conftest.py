@@ -1,0 +1,58 @@
+"""Project-wide test policy: every test that starts processes must clean them up.
+
+A process left behind by a test fails *that* test (and is killed, so the next
+test starts clean).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+try:
+    import psutil
+except ImportError:  # pragma: no cover - psutil is in the [test] extra
+    psutil = None
+
+
+def _children() -> set[int]:
+    if psutil is None:
+        return set()
+    try:
+        return {p.pid for p in psutil.Process(os.getpid()).children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_processes(request):
+    """Fail a test that leaves child processes behind (after a short grace period)."""
+    before = _children()
+    yield
+    if psutil is None:
+        return
+    deadline = time.monotonic() + 3.0
+    leaked = _children() - before
+    while leaked and time.monotonic() < deadline:
+        time.sleep(0.05)
+        leaked = {pid for pid in _children() - before if psutil.pid_exists(pid)}
+        leaked = {pid for pid in leaked if _alive(pid)}
+    if leaked:
+        descr = []
+        for pid in leaked:
+            try:
+                p = psutil.Process(pid)
+                descr.append(f"{pid} {' '.join(p.cmdline())[:120]}")
+                p.kill()
+            except psutil.Error:
+                pass
+        pytest.fail(f"test left {len(leaked)} process(es) behind: {descr}", pytrace=False)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
