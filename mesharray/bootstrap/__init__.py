@@ -1,0 +1,12 @@
+"""Bootstraps: how the processes of a mesh are started or found.
+
+- :mod:`.local` — worker processes on this host, forked from a zygote (the default).
+- ``mpi``       — the world of an ``mpirun``-launched script (written separately).
+
+A bootstrap starts (or finds) the workers, each running
+:func:`mesharray.runtime.worker.run_worker`, and lets a
+:class:`mesharray.runtime.controller.Controller` adopt them; it may give the
+controller ``exit_status`` and ``kill`` hooks.
+"""
+
+__all__ = ["local"]
