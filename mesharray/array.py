@@ -988,7 +988,12 @@ def _fmt_mesh(a: MeshArray) -> str:
     return str(a.mesh_sizes)
 
 
-def _plan(inputs: list, out: tuple) -> _Plan:
+def _plan(inputs: list, out: tuple, per_element: bool = False) -> _Plan:
+    """The result layout of an elementwise op; ``per_element`` for a generalized ufunc.
+
+    A generalized ufunc (``matmul``) maps local blocks to blocks of its own
+    shape, so only the mesh dims are broadcast; its local shape is left empty.
+    """
     arrays = [x for x in inputs if isinstance(x, MeshArray)]
     outs = [x for x in out if isinstance(x, MeshArray)]
     names: list[str] = []
@@ -1003,6 +1008,9 @@ def _plan(inputs: list, out: tuple) -> _Plan:
         shapes = " and ".join(_fmt_mesh(a) for a in arrays)
         raise MeshShapeError(f"mesh dims {shapes} do not broadcast") from e
     sizes_by_name = dict(sizes_by_name)
+    if per_element:
+        sizes = tuple(sizes_by_name[n] for n in names)
+        return _Plan(tuple(names), sizes, _result_shape(every, names, sizes), ())
     try:
         local = tuple(np.broadcast_shapes(*[a.local_shape for a in arrays]))
     except ValueError:
@@ -1039,14 +1047,16 @@ def _plan(inputs: list, out: tuple) -> _Plan:
                 f"output with mesh dims {_fmt_mesh(o)} and local shape {o.local_shape} cannot hold a result "
                 f"with mesh dims {dict(zip(names, sizes))} and local shape {local}"
             )
-    shape = None
-    for a in every:
-        if a._shape.ndim == m and dict(zip(a._shape.names, a._shape.sizes)) == dict(zip(names, sizes)):
-            shape = a._shape if tuple(a._shape.names) == tuple(names) else a._shape.transpose(*names)
-            break
-    if shape is None:
-        shape = Shape(dict(zip(names, sizes)))
-    return _Plan(tuple(names), tuple(sizes), shape, tuple(local))
+    return _Plan(tuple(names), tuple(sizes), _result_shape(every, names, sizes), tuple(local))
+
+
+def _result_shape(operands: list, names: list[str], sizes: tuple[int, ...]) -> Shape:
+    """The Shape of the first operand having every result dim at full size, else a dense one."""
+    want = dict(zip(names, sizes))
+    for a in operands:
+        if a._shape.ndim == len(names) and dict(zip(a._shape.names, a._shape.sizes)) == want:
+            return a._shape if tuple(a._shape.names) == tuple(names) else a._shape.transpose(*names)
+    return Shape(want)
 
 
 def _elementwise(ufunc: np.ufunc, inputs: list, kwargs: dict) -> Any:
@@ -1054,7 +1064,7 @@ def _elementwise(ufunc: np.ufunc, inputs: list, kwargs: dict) -> Any:
     if out is None:
         out = ()
     where = kwargs.get("where")
-    plan = _plan(inputs + ([where] if isinstance(where, MeshArray) else []), tuple(out))
+    plan = _plan(inputs + ([where] if isinstance(where, MeshArray) else []), tuple(out), ufunc.signature is not None)
     storage_cls = _storage_class(inputs + list(out))
     if out:
         kwargs["out"] = tuple(o._storage.to_numpy() if isinstance(o, MeshArray) else o for o in out)
@@ -1074,6 +1084,8 @@ def _elementwise(ufunc: np.ufunc, inputs: list, kwargs: dict) -> Any:
 
 def _gufunc_per_element(ufunc: np.ufunc, plan: _Plan, inputs: list, kwargs: dict) -> tuple[np.ndarray, ...]:
     """A generalized ufunc (``matmul``...) applied to each element's local block."""
+    if kwargs.get("out") is not None:
+        raise TypeError(f"{ufunc.__name__} of MeshArrays does not take out=; assign the result instead")
     aligned = [plan.align(x, pad_local=False) if isinstance(x, MeshArray) else x for x in inputs]
     m = len(plan.names)
     results: list[list[Any]] = []
