@@ -77,12 +77,20 @@ def _pickle_exc(exc: BaseException):
 def error_record(exc: BaseException, actor_name: str, coords, host: str, pid: int) -> dict:
     """The picklable description of an exception raised by user code in an actor."""
     chain = []
-    e = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     seen = {id(exc)}
-    while e is not None and id(e) not in seen and len(chain) < 16:
-        seen.add(id(e))
-        chain.append((_pickle_exc(e), e.__cause__ is not None or e is exc.__cause__))
-        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    e = exc
+    while len(chain) < 16:
+        if e.__cause__ is not None:
+            nxt, is_cause = e.__cause__, True
+        elif e.__context__ is not None and not e.__suppress_context__:
+            nxt, is_cause = e.__context__, False
+        else:
+            break
+        if id(nxt) in seen:
+            break
+        seen.add(id(nxt))
+        chain.append((_pickle_exc(nxt), is_cause))
+        e = nxt
     return {
         "exc": _pickle_exc(exc),
         "chain": chain,
