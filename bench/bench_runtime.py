@@ -7,6 +7,13 @@ cannot disturb the other)::
     python bench/bench_runtime.py --quick    # fewer rounds
     python bench/bench_runtime.py --system mesharray --json   # one system, raw JSON
 
+torchmonarch 0.7.0 needs cloudpickle >= 2.2; where the environment has an
+older one, install a newer one aside and point ``BENCH_PEER_PYTHONPATH`` at it
+(only the peer's subprocess sees it)::
+
+    pip install --target /tmp/peer-deps "cloudpickle>=3"
+    BENCH_PEER_PYTHONPATH=/tmp/peer-deps python bench/bench_runtime.py
+
 ``pytest bench --benchmark-only`` runs the mesharray cases through
 pytest-benchmark as well. torchmonarch is never a dependency of mesharray: if
 it does not import, its column says why.
@@ -201,6 +208,11 @@ def run_monarch(quick: bool) -> dict:
         f.write(MONARCH_ACTOR)
     sys.path.insert(0, d)
     os.environ["PYTHONPATH"] = d + os.pathsep + os.environ.get("PYTHONPATH", "")
+    import cloudpickle
+
+    if not hasattr(cloudpickle.cloudpickle, "_function_getstate"):
+        raise RuntimeError(f"torchmonarch 0.7.0 needs cloudpickle >= 2.2 (this environment has "
+                           f"{cloudpickle.__version__}); point BENCH_PEER_PYTHONPATH at a newer one")
     from monarch.actor import this_host
     from monarch_bench_actor import Bench
 
@@ -296,7 +308,11 @@ ROWS = [
 
 def _child(system: str, quick: bool) -> dict | str:
     cmd = [sys.executable, os.path.abspath(__file__), "--system", system, "--json"] + (["--quick"] if quick else [])
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    path = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+    if system == "monarch" and os.environ.get("BENCH_PEER_PYTHONPATH"):
+        # packages only the peer needs (e.g. a newer cloudpickle), kept out of mesharray's run
+        path = os.environ["BENCH_PEER_PYTHONPATH"] + os.pathsep + path
+    env = dict(os.environ, PYTHONPATH=path)
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     except subprocess.TimeoutExpired:

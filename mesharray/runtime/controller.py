@@ -112,7 +112,7 @@ class Controller:
         conn = Connection(sock, handler=self._on_frame, on_close=self._on_close, name="worker")
         with self._cond:
             self._conns.add(conn)
-        conn.start()
+        conn.start_polled()
 
     def _on_frame(self, conn, kind, flags, msg_id, target, view, payload) -> None:
         if kind == P.REPLY:
@@ -216,6 +216,7 @@ class Controller:
         """
         t0 = time.monotonic()
         shown = False
+        next_note = t0 + 1.0
         with self._cond:
             while True:
                 have = sum(1 for r in range(n) if r in self.workers)
@@ -226,10 +227,11 @@ class Controller:
                     missing = [r for r in range(n) if r not in self.workers]
                     raise BootstrapError(f"only {have} of {n} workers joined within {timeout} s; "
                                          f"missing ranks {missing[:16]}")
-                if progress and now - t0 > 1.0 and (not shown or int(now - t0) != int(now - t0 - 0.1)):
+                if progress and now >= next_note:
                     print(f"mesharray: {have}/{n} processes started ({now - t0:.1f} s)",
                           file=sys.stderr, flush=True)
                     shown = True
+                    next_note = now + 1.0
                 self._cond.wait(0.1)
                 if check is not None:
                     self._cond.release()

@@ -67,7 +67,7 @@ class Router:
             conn = Connection(sock, handler=self._on_frame, on_close=self._on_close, name=address)
             conn.peer["address"] = address
             conn.send(P.HELLO, parts=[pickle.dumps(self.identity)])
-            conn.start()
+            conn.start_polled()
             self.conns[address] = conn
             return conn
 

@@ -29,7 +29,7 @@ from .._core import pack_header, unpack_header
 from ..errors import AuthenticationError, BrokenTransportError, ClosedTransportError, FrameError
 from . import auth, framing
 
-__all__ = ["Connection", "Listener", "connect", "parse_address"]
+__all__ = ["Connection", "Listener", "Poller", "connect", "default_poller", "parse_address"]
 
 log = logging.getLogger("mesharray.transport")
 
@@ -236,6 +236,96 @@ class Connection:
             view.release()
             self._finish(exc)
 
+    # -- poll mode: one thread reads many connections ---------------------------
+    def start_polled(self, poller: "Poller | None" = None) -> None:
+        """Let ``poller`` (default: the process's) read this connection instead of a thread.
+
+        For connections whose handler never blocks (the caller side: replies
+        resolve futures): one reader thread for all peers means one wake-up
+        for the replies of a whole ``call()``.
+        """
+        self._pbuf = bytearray(_RECV_BUF)
+        self._pview = memoryview(self._pbuf)
+        self._pstart = self._pend = 0
+        self._big = None
+        self._polled = threading.Event()
+        (poller or default_poller()).add(self)
+
+    def _poll_read(self) -> bool:
+        """Read what is there and handle complete frames; False once the connection ended."""
+        sock, view = self.sock, self._pview
+        try:
+            if self._big is not None:
+                payload, pv, have, hdr = self._big
+                n = sock.recv_into(pv[have:], 0, socket.MSG_DONTWAIT)
+                if n == 0:
+                    raise EOFError
+                have += n
+                if have < len(payload):
+                    self._big = (payload, pv, have, hdr)
+                    return True
+                self._big = None
+                pv.release()
+                self.handler(self, *hdr, payload)
+                return True
+            start, end = self._pstart, self._pend
+            n = sock.recv_into(view[end:], 0, socket.MSG_DONTWAIT)
+            if n == 0:
+                raise EOFError
+            end += n
+            limit, handler = self.limit, self.handler
+            while end - start >= 24:
+                try:
+                    kind, flags, length, msg_id, target, vw = unpack_header(view, limit, start)
+                except ValueError as e:
+                    raise FrameError(f"bad frame from {self.name}: {e}") from None
+                total = 24 + length
+                if end - start >= total:
+                    payload = bytearray(view[start + 24:start + total]) if length else b""
+                    start += total
+                    handler(self, kind, flags, msg_id, target, vw, payload)
+                elif total > len(self._pbuf):
+                    payload = bytearray(length)
+                    have = end - start - 24
+                    payload[:have] = view[start + 24:end]
+                    self._big = (payload, memoryview(payload), have, (kind, flags, msg_id, target, vw))
+                    start = end = 0
+                    break
+                else:
+                    break
+            if start == end:
+                start = end = 0
+            elif start and len(self._pbuf) - end < 65536:
+                view[0:end - start] = view[start:end]
+                end -= start
+                start = 0
+            self._pstart, self._pend = start, end
+            return True
+        except (BlockingIOError, InterruptedError):
+            return True
+        except EOFError:
+            exc = None
+        except FrameError as e:
+            log.warning("%s; dropping the connection", e)
+            exc = e
+        except OSError as e:
+            exc = None if self._closed else BrokenTransportError(f"connection {self.name} broke: {e}")
+        except BaseException as e:
+            log.exception("reader of connection %s failed", self.name)
+            exc = e
+        self._poll_exc = exc
+        return False
+
+    def _poll_done(self) -> None:
+        self._pview.release()
+        if self._big is not None:
+            self._big[1].release()
+            self._big = None
+        try:
+            self._finish(self._poll_exc)
+        finally:
+            self._polled.set()
+
     def _finish(self, exc) -> None:
         first = not self._closed
         self._closed = True
@@ -266,6 +356,11 @@ class Connection:
             except OSError:
                 pass
         t = self._thread
+        polled = getattr(self, "_polled", None)
+        if polled is not None:
+            if join and not polled.is_set() and threading.current_thread() is not _poller_thread():
+                polled.wait(5.0)
+            return
         if t is None:
             try:
                 self.sock.close()
@@ -276,6 +371,75 @@ class Connection:
                 cb(self, None)
         elif join and t is not threading.current_thread():
             t.join(5.0)
+
+
+class Poller:
+    """One thread that reads many connections (epoll); see :meth:`Connection.start_polled`."""
+
+    def __init__(self) -> None:
+        import selectors
+
+        self._sel = selectors.DefaultSelector()
+        self._rfd, self._wfd = os.pipe()
+        os.set_blocking(self._rfd, False)
+        self._sel.register(self._rfd, 1, None)
+        self._adds: list = []
+        self._lock = threading.Lock()
+        self.thread = threading.Thread(target=self._loop, name="mesharray-poller", daemon=True)
+        self.thread.start()
+
+    def add(self, conn: Connection) -> None:
+        with self._lock:
+            self._adds.append(conn)
+        os.write(self._wfd, b"x")
+
+    def _loop(self) -> None:
+        sel = self._sel
+        while True:
+            for key, _ in sel.select():
+                conn = key.data
+                if conn is None:
+                    try:
+                        while os.read(self._rfd, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                    with self._lock:
+                        adds, self._adds = self._adds, []
+                    for c in adds:
+                        try:
+                            sel.register(c.sock, 1, c)
+                        except (ValueError, OSError):  # closed before we got to it
+                            c._poll_exc = None
+                            c._poll_done()
+                    continue
+                if not conn._poll_read():
+                    try:
+                        sel.unregister(conn.sock)
+                    except (KeyError, ValueError, OSError):
+                        pass
+                    conn._poll_done()
+
+
+_poller: Poller | None = None
+_poller_lock = threading.Lock()
+
+
+def default_poller() -> Poller:
+    """The process's poller (started on first use, recreated after fork)."""
+    global _poller
+    p = _poller
+    if p is None or not p.thread.is_alive():
+        with _poller_lock:
+            if _poller is None or not _poller.thread.is_alive():
+                _poller = Poller()
+            p = _poller
+    return p
+
+
+def _poller_thread():
+    p = _poller
+    return p.thread if p is not None else None
 
 
 def connect(address: str, secret: bytes, timeout: float = 10.0) -> socket.socket:
