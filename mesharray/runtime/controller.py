@@ -252,7 +252,7 @@ class Controller:
         return infos
 
     # -- stop -------------------------------------------------------------------
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 3.0) -> None:
         """Ask every live worker to exit and wait for their connections to end."""
         if self.stopped:
             return

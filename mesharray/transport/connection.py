@@ -1,6 +1,7 @@
 """Connections and listeners: one authenticated socket per peer pair and direction.
 
-Addresses are strings: ``"unix:/path/to/socket"`` (same host, the default:
+Addresses are strings: ``"unix:@name"`` (Linux abstract namespace) or
+``"unix:/path/to/socket"`` (same host, the default:
 unix sockets have ~60% of TCP's loopback latency) or ``"tcp:host:port"``
 (other hosts; listeners bind 127.0.0.1 unless told otherwise).
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 
@@ -43,6 +45,8 @@ def parse_address(address: str):
     """Split an address string into ``(family, sockaddr)``."""
     if not isinstance(address, str):
         raise TypeError(f"address must be a str, got {type(address).__name__}")
+    if address.startswith("unix:@"):  # Linux abstract namespace: no file, nothing to leak
+        return socket.AF_UNIX, "\0" + address[6:]
     if address.startswith("unix:"):
         return socket.AF_UNIX, address[5:]
     if address.startswith("tcp:"):
@@ -327,7 +331,6 @@ class Connection:
             self._polled.set()
 
     def _finish(self, exc) -> None:
-        first = not self._closed
         self._closed = True
         if self.closed_error is None:
             self.closed_error = exc
@@ -335,13 +338,12 @@ class Connection:
             self.sock.close()
         except OSError:
             pass
-        if first or exc is not None or True:
-            cb, self.on_close = self.on_close, None
-            if cb is not None:
-                try:
-                    cb(self, exc)
-                except Exception:
-                    log.exception("close handler of %s failed", self.name)
+        cb, self.on_close = self.on_close, None  # the close handler runs once
+        if cb is not None:
+            try:
+                cb(self, exc)
+            except Exception:
+                log.exception("close handler of %s failed", self.name)
 
     @property
     def closed(self) -> bool:
@@ -470,16 +472,23 @@ class Listener:
         self.on_connection = on_connection
         self.refused = 0
         if kind == "unix":
-            if path is None:
-                import tempfile
-
-                d = tempfile.mkdtemp(prefix="mesharray-")
-                path = os.path.join(d, "sock")
-            self._dir = os.path.dirname(path)
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.sock.bind(path)
-            self.address = "unix:" + path
-            self._path = path
+            if path is None and sys.platform.startswith("linux"):
+                # abstract socket: no file is left behind by a killed process; the
+                # HMAC challenge, not file permissions, keeps strangers out
+                name = f"mesharray-{os.getpid()}-{os.urandom(6).hex()}"
+                self.sock.bind("\0" + name)
+                self.address = "unix:@" + name
+                self._path = None
+            else:
+                if path is None:
+                    import tempfile
+
+                    path = os.path.join(tempfile.mkdtemp(prefix="mesharray-"), "sock")
+                self._dir = os.path.dirname(path)
+                self.sock.bind(path)
+                self.address = "unix:" + path
+                self._path = path
         elif kind == "tcp":
             self._path = None
             self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
