@@ -35,6 +35,7 @@ cdef extern from "Python.h":
     Py_ssize_t _raw_as_ssize "PyLong_AsSsize_t"(object o) noexcept
     PyObject* PyErr_Occurred() noexcept
     void PyErr_Clear() noexcept
+    PyObject** PySequence_Fast_ITEMS(object o) noexcept
 
 cdef enum:
     MAX_DIMS = 32
@@ -111,6 +112,7 @@ cdef inline bint _is_int_like(object o):
 
 @cython.final
 @cython.freelist(64)
+@cython.no_gc  # holds only str tuples, int tuples and an int64 array: it cannot be in a cycle
 cdef class Shape:
     """Named dimensions over a set of global ranks, laid out row-major.
 
@@ -521,12 +523,14 @@ cdef class Shape:
         ('_0', 'hosts', 'procs')
         """
         cdef Shape r
+        cdef PyObject* one
         if PyTuple_CheckExact(idx):
-            r = self._basic(<tuple>idx)
+            r = self._basic(PySequence_Fast_ITEMS(idx), PyTuple_GET_SIZE(idx))
             if r is not None:
                 return r
-        elif PyLong_CheckExact(idx) or PySlice_Check(idx):
-            r = self._basic((idx,))
+        elif PyLong_CheckExact(idx) or PySlice_Check(idx) or idx is None or idx is _ELLIPSIS:
+            one = <PyObject*>idx
+            r = self._basic(&one, 1)
             if r is not None:
                 return r
         elif PyDict_Check(idx):
@@ -561,15 +565,15 @@ cdef class Shape:
             items[d] = v
         return tuple(items)
 
-    cdef Shape _basic(self, tuple idx):
-        # Fast path: a tuple of ints, slices, None and at most one Ellipsis.
-        # Returns None when anything else is present (the general path decides).
-        cdef Py_ssize_t n = PyTuple_GET_SIZE(idx)
+    cdef Shape _basic(self, PyObject** idx, Py_ssize_t n):
+        # Fast path: ``n`` items (borrowed) that are ints, slices, None and at most
+        # one Ellipsis.  Returns None when anything else is present (the general
+        # path decides).  No Python allocation but the result and its names.
         cdef Py_ssize_t i
         cdef int consumed = 0, nnew = 0, ell = -1
         cdef object o
         for i in range(n):
-            o = <object>PyTuple_GET_ITEM(idx, i)
+            o = <object>idx[i]
             if PyLong_CheckExact(o) or PySlice_Check(o):
                 consumed += 1
             elif o is None:
@@ -591,7 +595,7 @@ cdef class Shape:
         cdef PyObject* names_buf[MAX_DIMS]
         cdef tuple names = self._names
         for i in range(n):
-            o = <object>PyTuple_GET_ITEM(idx, i)
+            o = <object>idx[i]
             if PyLong_CheckExact(o):
                 v = _raw_as_ssize(o)
                 if v == -1 and PyErr_Occurred() != NULL:
@@ -743,7 +747,8 @@ cdef class Shape:
                             f"size of corresponding boolean axis is {a.shape[ax]}")
                 dim += a.ndim
         if not advanced:
-            return self._basic(tuple(items))
+            t = tuple(items)
+            return self._basic(PySequence_Fast_ITEMS(t), len(items))
         return self._advanced(items, kinds, consumed)
 
     cdef _array_bounds(self, list items, list kinds, int consumed):
