@@ -36,12 +36,14 @@ cdef extern from "Python.h":
     PyObject* PyErr_Occurred() noexcept
     void PyErr_Clear() noexcept
     PyObject** PySequence_Fast_ITEMS(object o) noexcept
+    int PyDict_Next(object d, Py_ssize_t* pos, PyObject** key, PyObject** value) noexcept
 
 cdef enum:
     MAX_DIMS = 32
 
 # Module-level singletons compared by identity on the fast path.
 cdef object _ELLIPSIS = Ellipsis
+cdef object _FULL = slice(None)
 cdef object _INT64 = _np.dtype(_np.int64)
 
 _INVALID_INDEX = ("only integers, slices (`:`), ellipsis (`...`), numpy.newaxis (`None`) "
@@ -534,7 +536,7 @@ cdef class Shape:
             if r is not None:
                 return r
         elif PyDict_Check(idx):
-            return self._general(self._named_index(idx))
+            return self._index_named(<dict>idx)
         return self._general(idx)
 
     def slice(self, **index):
@@ -548,7 +550,37 @@ cdef class Shape:
         >>> Shape(hosts=2, procs=4).slice(procs=slice(1, None, 2))
         Shape{hosts=2, procs=2; offset=1, strides=(4, 2)}
         """
-        return self[self._named_index(index)]
+        return self._index_named(index)
+
+    cdef Shape _index_named(self, dict index):
+        # Fast path of the named forms: items go straight to _basic (borrowed
+        # pointers, a shared ``slice(None)`` for the dims not named).
+        cdef PyObject* items[MAX_DIMS]
+        cdef int d, found
+        cdef Py_ssize_t pos = 0
+        cdef PyObject* key
+        cdef PyObject* value
+        cdef Shape r
+        for d in range(self._ndim):
+            items[d] = <PyObject*>_FULL
+        while PyDict_Next(index, &pos, &key, &value):
+            found = -1
+            for d in range(self._ndim):
+                if <PyObject*>self._names[d] is key:
+                    found = d
+                    break
+            if found < 0:
+                for d in range(self._ndim):
+                    if self._names[d] == <object>key:
+                        found = d
+                        break
+            if found < 0 or not (PyLong_CheckExact(<object>value) or PySlice_Check(<object>value)):
+                return self._general(self._named_index(index))
+            items[found] = value
+        r = self._basic(items, self._ndim)
+        if r is None:
+            return self._general(self._named_index(index))
+        return r
 
     cdef tuple _named_index(self, object index):
         cdef list items = [slice(None)] * self._ndim
