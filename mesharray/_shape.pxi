@@ -728,7 +728,9 @@ cdef class Shape:
                 items.append(o); kinds.append("s"); consumed += 1
             elif isinstance(o, (bool, _np.bool_)):
                 items.append(bool(o)); kinds.append("b"); advanced = True
-            elif _is_int_like(o):
+            elif PyLong_CheckExact(o) or isinstance(o, _np.integer):
+                items.append(_operator.index(o)); kinds.append("i"); consumed += 1
+            elif not isinstance(o, (_np.ndarray, list, tuple, range)) and _is_int_like(o):
                 items.append(_operator.index(o)); kinds.append("i"); consumed += 1
             elif isinstance(o, (_np.ndarray, list, tuple, range)) or (
                     hasattr(o, "__array__") and not isinstance(o, (str, bytes))):
@@ -1413,8 +1415,8 @@ def reduction_plan(Shape shape, dims):
     Examples
     --------
     >>> groups, result = reduction_plan(Shape(hosts=2, procs=3), "procs")
-    >>> groups.tolist(), result
-    ([[0, 1, 2], [3, 4, 5]], Shape{hosts=2})
+    >>> groups.tolist(), result.names, result.ranks().tolist()
+    ([[0, 1, 2], [3, 4, 5]], ('hosts',), [0, 3])
     """
     if isinstance(dims, (tuple, list)):
         axes = [shape._axis(x) for x in dims]
