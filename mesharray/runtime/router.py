@@ -25,6 +25,7 @@ from ..errors import ActorDiedError, BrokenTransportError, ClosedTransportError
 from ..transport import framing
 from ..transport.connection import Connection, connect
 from . import protocol as P
+from .context import current
 
 __all__ = ["Router", "get_router", "set_secret", "next_id", "flush_all"]
 
@@ -37,6 +38,7 @@ class Router:
     def __init__(self, secret: bytes) -> None:
         self.secret = secret
         self.conns: dict[str, Connection] = {}
+        self.peer_conns: dict[str, Connection] = {}  # used by code running inside actors
         self.dead: dict[str, BaseException] = {}
         self._lock = threading.Lock()
         self._view_lock = threading.Lock()
@@ -50,14 +52,22 @@ class Router:
             self.dead.pop(address, None)
 
     def connection(self, address: str) -> Connection:
-        conn = self.conns.get(address)
+        """The connection to send on to ``address``, opened on first use.
+
+        Code running inside an actor gets connections of its own (to the
+        worker's listener), never the ones the controller registered: when a
+        worker runs in the controller's process (rank 0 under MPI), a call from
+        an actor must not queue behind the very endpoint that makes it.
+        """
+        table = self.conns if current.get() is None else self.peer_conns
+        conn = table.get(address)
         if conn is not None:
             return conn
         err = self.dead.get(address)
         if err is not None:
             raise err
         with self._lock:
-            conn = self.conns.get(address)
+            conn = table.get(address)
             if conn is not None:
                 return conn
             try:
@@ -68,7 +78,7 @@ class Router:
             conn.peer["address"] = address
             conn.send(P.HELLO, parts=[pickle.dumps(self.identity)])
             conn.start_polled()
-            self.conns[address] = conn
+            table[address] = conn
             return conn
 
     def _on_frame(self, conn, kind, flags, msg_id, target, view, payload) -> None:
@@ -85,26 +95,27 @@ class Router:
         """Fail every pending call on ``address`` and every later send with ``err``."""
         with self._lock:
             self.dead[address] = err
-            if conn is None:
-                conn = self.conns.get(address)
-            if conn is not None and self.conns.get(address) is conn:
-                del self.conns[address]
-        if conn is not None:
-            conn.died = err
-            pending = conn.pending
+            conns = {c for c in (conn, self.conns.pop(address, None), self.peer_conns.pop(address, None))
+                     if c is not None}
+        for c in conns:
+            c.died = err
+            pending = c.pending
             while pending:
                 try:
                     _, cb = pending.popitem()
                 except KeyError:
                     break
                 cb(P.DIED, err)
+            if c is not conn:
+                c.close(join=False)
 
     def forget(self, address: str) -> None:
         with self._lock:
             self.dead.pop(address, None)
-            conn = self.conns.pop(address, None)
-        if conn is not None:
-            conn.close(join=False)
+            conns = [self.conns.pop(address, None), self.peer_conns.pop(address, None)]
+        for conn in conns:
+            if conn is not None:
+                conn.close(join=False)
 
     # -- calls ------------------------------------------------------------
     def on_reply(self, conn, msg_id, status, payload) -> None:

@@ -227,6 +227,12 @@ def test_actor_mesh_is_picklable_and_callable_from_an_actor(procs, probes):
     assert got == [3, 3, 3]
 
 
+def test_async_endpoint_awaits_a_call_to_another_mesh(procs):
+    c = procs.spawn("c_await", Counter, 4)
+    a = procs.spawn("a_await", AsyncActor).slice(procs=3)
+    assert a.ask.call_one(c[0, :2], "get").get(timeout=10) == [4, 4]
+
+
 def test_main_defined_values_use_cloudpickle(probes):
     ns = {}
     exec("class Point:\n    def __init__(self, x): self.x = x\n", ns)  # a class pickle cannot import
