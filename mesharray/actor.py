@@ -383,6 +383,7 @@ class Endpoint:
             return
         parts = [self._method, *framing.encode(p)]
         router.send(conn, P.CALL, self._mesh._actor_id, router.view_id(conn, shape), parts, cb)
+        return conn
 
     def call_one(self, *args, **kwargs) -> Future:
         """Call the only actor of the mesh; ``ValueError`` (nothing sent) if it has more than one.
@@ -397,7 +398,9 @@ class Endpoint:
         if n != 1:
             raise ValueError(f"call_one requires exactly 1 actor, but mesh has {n}")
         fut = Future._new()
-        self._send_one(shape.rank(0), shape, args, kwargs, _one_cb(fut))
+        conn = self._send_one(shape.rank(0), shape, args, kwargs, _one_cb(fut))
+        if conn is not None and getattr(conn, "_rlock", None) is not None:
+            fut._conn = conn
         return fut
 
     def choose(self, *args, **kwargs) -> Future:

@@ -253,7 +253,43 @@ class Connection:
         self._pstart = self._pend = 0
         self._big = None
         self._polled = threading.Event()
+        self._rlock = threading.Lock()
         (poller or default_poller()).add(self)
+
+    def read_until(self, fut, deadline: float | None) -> bool:
+        """Read this (polled) connection in the calling thread until ``fut`` is done.
+
+        Returns False at once if another thread is reading it. Stops at
+        ``deadline`` (``time.monotonic()``), or when the connection ends.
+        """
+        if not self._rlock.acquire(False):
+            return False
+        ok = True
+        self._poller.disarm(self)  # keep the poller thread asleep while we read
+        try:
+            import select
+
+            p = select.poll()
+            p.register(self._fd, select.POLLIN)
+            while not fut.done():
+                if deadline is None:
+                    ms = None
+                else:
+                    ms = int(max(0.0, deadline - time.monotonic()) * 1000)
+                if p.poll(ms):
+                    ok = self._poll_read()
+                    if not ok:
+                        break
+                elif deadline is not None and time.monotonic() >= deadline:
+                    break
+        finally:
+            self._rlock.release()
+            if ok:
+                self._poller.rearm(self)
+            else:
+                self._poller.discard(self)
+                self._poll_done()
+        return True
 
     def _poll_read(self) -> bool:
         """Read what is there and handle complete frames; False once the connection ended."""
@@ -376,50 +412,75 @@ class Connection:
 
 
 class Poller:
-    """One thread that reads many connections (epoll); see :meth:`Connection.start_polled`."""
+    """One thread that reads many connections (epoll); see :meth:`Connection.start_polled`.
+
+    Each connection is armed one-shot and has a read lock. Whoever holds the
+    lock reads: normally the poller thread, but a caller blocked on the reply
+    of a single call reads its connection itself (:meth:`Connection.read_until`),
+    which saves one thread wake-up per round trip; the lock holder re-arms the
+    connection when done.
+    """
 
     def __init__(self) -> None:
-        import selectors
+        import select
 
-        self._sel = selectors.DefaultSelector()
+        self._ep = select.epoll()
+        self._flags = select.EPOLLIN | select.EPOLLONESHOT
         self._rfd, self._wfd = os.pipe()
         os.set_blocking(self._rfd, False)
-        self._sel.register(self._rfd, 1, None)
-        self._adds: list = []
-        self._lock = threading.Lock()
+        self._ep.register(self._rfd, select.EPOLLIN)
+        self._conns: dict[int, Connection] = {}
         self.thread = threading.Thread(target=self._loop, name="mesharray-poller", daemon=True)
         self.thread.start()
 
     def add(self, conn: Connection) -> None:
-        with self._lock:
-            self._adds.append(conn)
-        os.write(self._wfd, b"x")
+        fd = conn.sock.fileno()
+        conn._poller = self
+        conn._fd = fd
+        self._conns[fd] = conn
+        self._ep.register(fd, self._flags)
+
+    def rearm(self, conn: Connection) -> None:
+        try:
+            self._ep.modify(conn._fd, self._flags)
+        except (OSError, ValueError):
+            pass
+
+    def disarm(self, conn: Connection) -> None:
+        try:
+            self._ep.modify(conn._fd, 0)
+        except (OSError, ValueError):
+            pass
+
+    def discard(self, conn: Connection) -> None:
+        if self._conns.get(conn._fd) is conn:
+            del self._conns[conn._fd]
+            try:
+                self._ep.unregister(conn._fd)
+            except (OSError, ValueError):
+                pass
 
     def _loop(self) -> None:
-        sel = self._sel
         while True:
-            for key, _ in sel.select():
-                conn = key.data
+            for fd, _ in self._ep.poll():
+                conn = self._conns.get(fd)
                 if conn is None:
-                    try:
-                        while os.read(self._rfd, 4096):
-                            pass
-                    except BlockingIOError:
-                        pass
-                    with self._lock:
-                        adds, self._adds = self._adds, []
-                    for c in adds:
+                    if fd == self._rfd:
                         try:
-                            sel.register(c.sock, 1, c)
-                        except (ValueError, OSError):  # closed before we got to it
-                            c._poll_exc = None
-                            c._poll_done()
+                            os.read(self._rfd, 4096)
+                        except BlockingIOError:
+                            pass
                     continue
-                if not conn._poll_read():
-                    try:
-                        sel.unregister(conn.sock)
-                    except (KeyError, ValueError, OSError):
-                        pass
+                if not conn._rlock.acquire(False):
+                    continue  # a caller is reading it; it re-arms when done
+                try:
+                    ok = conn._poll_read()
+                finally:
+                    conn._rlock.release()
+                if ok:
+                    self.rearm(conn)
+                else:
+                    self.discard(conn)
                     conn._poll_done()
 
 
