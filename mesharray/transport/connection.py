@@ -426,9 +426,6 @@ class Poller:
 
         self._ep = select.epoll()
         self._flags = select.EPOLLIN | select.EPOLLONESHOT
-        self._rfd, self._wfd = os.pipe()
-        os.set_blocking(self._rfd, False)
-        self._ep.register(self._rfd, select.EPOLLIN)
         self._conns: dict[int, Connection] = {}
         self.thread = threading.Thread(target=self._loop, name="mesharray-poller", daemon=True)
         self.thread.start()
@@ -464,12 +461,7 @@ class Poller:
         while True:
             for fd, _ in self._ep.poll():
                 conn = self._conns.get(fd)
-                if conn is None:
-                    if fd == self._rfd:
-                        try:
-                            os.read(self._rfd, 4096)
-                        except BlockingIOError:
-                            pass
+                if conn is None:  # discarded by a caller that saw it end
                     continue
                 if not conn._rlock.acquire(False):
                     continue  # a caller is reading it; it re-arms when done
