@@ -87,6 +87,14 @@ def test_spawn_on_a_slice_spawns_on_those_ranks_only(procs):
     assert [o["pid"] for o in out] == procs.pids[2:]
 
 
+def test_actor_mesh_stop_drops_the_actors(procs):
+    c = procs.spawn("c_stop", Counter, 0)
+    c[0, :2].stop()
+    with pytest.raises(ma.ActorError, match="no actor with id"):
+        c.slice(procs=0).get.call_one().get(timeout=10)
+    assert c[0, 2:].get.call().get(timeout=10).tolist() == [0, 0]
+
+
 def test_context_outside_an_actor_raises():
     with pytest.raises(RuntimeError, match="only available inside an actor"):
         ma.current_rank()
