@@ -96,6 +96,7 @@ from ._detect import detect_launcher
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "abort_world",
     "bootstrap",
     "import_mpi",
     "is_active",
@@ -415,7 +416,7 @@ def mesh_comm(ranks: Any = None) -> Any:
 
 
 def mpirun_command(n: int, argv: Sequence[str], *, oversubscribe: bool = True,
-                   mpirun: str | None = None) -> list[str]:
+                   mpirun: str | None = None, extra: Sequence[str] = ()) -> list[str]:
     """The argv to launch ``argv`` on ``n`` ranks with this machine's ``mpirun``.
 
     Adds what Open MPI needs in containers and on small machines: as root
@@ -432,6 +433,8 @@ def mpirun_command(n: int, argv: Sequence[str], *, oversubscribe: bool = True,
         Allow more ranks than cores (Open MPI).
     mpirun : str, optional
         The launcher; ``$MPIRUN``, else ``mpirun`` then ``mpiexec`` on ``PATH``.
+    extra : sequence of str
+        More launcher options, e.g. ``["--enable-recovery"]``.
 
     Examples
     --------
@@ -455,7 +458,7 @@ def mpirun_command(n: int, argv: Sequence[str], *, oversubscribe: bool = True,
             cmd.append("--allow-run-as-root")
         if oversubscribe:
             cmd.append("--oversubscribe")
-    return [*cmd, "-n", str(n), *argv]
+    return [*cmd, *extra, "-n", str(n), *argv]
 
 
 _flavors: dict[str, str] = {}
