@@ -27,9 +27,9 @@ are missing):
 1. every rank other than 0 sends a *join* message (host name, pid) to rank 0;
 2. rank 0 waits for N-1 joins, at most ``timeout`` seconds (30 s by default,
    ``MESHARRAY_BOOTSTRAP_TIMEOUT`` or ``proc_mesh(timeout=...)``), then starts
-   the runtime's controller listener — on loopback when every rank is on its
-   host, else on this host's address — and sends its address and a fresh
-   32-byte mesh secret to every rank;
+   the runtime's controller listener — a unix socket when every rank is on its
+   host, else TCP on this host's address — and sends its address and the job
+   secret to every rank (point to point, never on a command line);
 3. all ranks then make mesharray's own communicators (a ``Dup`` of the world and
    the shared-memory split), so mesharray's collectives never mix with the
    user's messages on ``COMM_WORLD``;
@@ -80,7 +80,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import secrets
 import shutil
 import socket
 import subprocess
@@ -592,7 +591,7 @@ def bootstrap(*, hosts: int | None = None, procs: int | None = None,
             raise BootstrapError("the mpi bootstrap already ran in this process and failed")
         rank = MPI.COMM_WORLD.Get_rank()
         if rank != 0:
-            _serve(MPI, options)  # never returns
+            _serve(MPI)  # never returns
         mesh = _bootstrap_controller(MPI, hosts, procs, timeout, options)
         return mesh
 
@@ -623,7 +622,6 @@ def _bootstrap_controller(MPI: Any, hosts: int | None, procs: int | None,
     comm = MPI.COMM_WORLD
     size = comm.Get_size()
     deadline = time.monotonic() + timeout
-    start = time.monotonic()
 
     # 1. joins, point to point: a hung rank cannot block the others
     joined: dict[int, tuple[str, int]] = {0: (socket.gethostname(), os.getpid())}
@@ -645,10 +643,11 @@ def _bootstrap_controller(MPI: Any, hosts: int | None, procs: int | None,
 
     # 2. the controller's listener; its address and the secret go to every rank
     host = _listen_host(h for h, _ in joined.values())
-    secret = secrets.token_bytes(32)
-    controller = _runtime_controller(host, secret, size, options)
+    controller = _runtime_controller(host, options)
+    # the runtime's per-process job secret: rank 0's worker thread shares it
+    secret = controller.secret
     address = controller.address
-    payload = {"address": address, "secret": secret, "options": options}
+    payload = {"address": address, "secret": secret}
     requests = [comm.isend(payload, dest=r, tag=_TAG_ADDRESS) for r in range(1, size)]
 
     # 3. mesharray's communicators (every rank has joined, so this cannot hang
@@ -658,13 +657,12 @@ def _bootstrap_controller(MPI: Any, hosts: int | None, procs: int | None,
 
     # 4. rank 0's worker in a thread; adopt all N workers
     state.worker_thread = threading.Thread(
-        target=_thread_worker, args=(address, secret, options), name="mesharray-mpi-worker-0",
-        daemon=True,
+        target=_thread_worker, args=(address, secret), name="mesharray-mpi-worker-0", daemon=True,
     )
     state.worker_thread.start()
     remaining = max(0.0, deadline - time.monotonic())
     try:
-        _runtime_adopt(controller, size, remaining, joined, address)
+        _runtime_adopt(controller, size, remaining, joined)
     except BaseException:
         _abort_on_unhandled(MPI)
         raise
@@ -679,13 +677,12 @@ def _bootstrap_controller(MPI: Any, hosts: int | None, procs: int | None,
     # LIFO: runs before mpi4py finalizes MPI, so workers are told to stop first
     atexit.register(_shutdown_controller)
     _abort_on_unhandled(MPI)
-    del start
     return mesh
 
 
-def _thread_worker(address: Any, secret: bytes, options: dict) -> None:
+def _thread_worker(address: str, secret: bytes) -> None:
     try:
-        _runtime_run_worker(address, secret, 0, options)
+        _runtime_run_worker(address, secret, 0, in_thread=True)
     except BaseException:  # the controller sees the EOF; say why here
         sys.stderr.write("mesharray: rank 0's worker failed:\n" + traceback.format_exc())
 
@@ -704,7 +701,7 @@ def _shutdown_controller() -> None:
         state.free()
 
 
-def _serve(MPI: Any, options: dict) -> None:
+def _serve(MPI: Any) -> None:
     """Ranks 1..N-1: join, get the controller's address, serve, finalize, exit."""
     global _state
     comm = MPI.COMM_WORLD
@@ -720,8 +717,7 @@ def _serve(MPI: Any, options: dict) -> None:
             time.sleep(_POLL_S)
         state = _make_comms(MPI)
         _state = state
-        merged = {**payload.get("options", {}), **options}
-        _runtime_run_worker(payload["address"], payload["secret"], rank, merged)
+        _runtime_run_worker(payload["address"], payload["secret"], rank, in_thread=False)
     except BaseException:
         sys.stderr.write(f"mesharray: rank {rank}'s worker failed:\n" + traceback.format_exc())
         code = 1
@@ -786,21 +782,68 @@ def abort_world(code: int = 1) -> None:
 # The only places that touch the runtime's API (mesharray.runtime, mesharray.proc).
 
 
-def _runtime_controller(host: str, secret: bytes, size: int, options: dict) -> Any:
-    raise NotImplementedError
+def _route_ip(peer_host: str) -> str:
+    """This host's address on the interface that routes to ``peer_host``."""
+    forced = os.environ.get("MESHARRAY_MPI_HOST", "").strip()
+    if forced:
+        return forced
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            # a UDP "connect" sends nothing; it only asks the kernel for a route
+            probe.connect((peer_host, 9))
+            return probe.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
 
 
-def _runtime_adopt(controller: Any, size: int, timeout: float, joined: dict, address: Any) -> None:
-    raise NotImplementedError
+def _runtime_controller(host: str, options: dict) -> Any:
+    from ..runtime.controller import Controller
+
+    listen = "unix" if host.startswith("127.") or host == "localhost" else "tcp"
+    return Controller(listen=listen, host=host, **options)
+
+
+def _runtime_adopt(controller: Any, size: int, timeout: float, joined: dict) -> None:
+    try:
+        controller.adopt(size, timeout=timeout, progress=size > 1)
+    except BootstrapError as exc:
+        missing = [r for r in range(size) if r not in controller.workers]
+        where = ", ".join(f"{r} on {joined[r][0]} (pid {joined[r][1]})" for r in missing if r in joined)
+        raise BootstrapError(
+            f"ranks {_fmt_ranks(missing)} of the MPI world of {size} joined over MPI but did not "
+            f"connect to the controller at {controller.address} within {timeout:.3g} s "
+            f"({where}); set MESHARRAY_MPI_HOST to an address every host can reach"
+        ) from exc
 
 
 def _runtime_proc_mesh(controller: Any, shape: Any) -> Any:
-    raise NotImplementedError
+    from ..proc import ProcMesh
+
+    return ProcMesh._from_controller(controller, shape, bootstrap="mpi")
 
 
-def _runtime_run_worker(address: Any, secret: bytes, rank: int, options: dict) -> None:
-    raise NotImplementedError
+def _runtime_run_worker(address: str, secret: bytes, rank: int, in_thread: bool,
+                        ready: threading.Event | None = None) -> None:
+    from ..runtime.worker import run_worker
+
+    if address.startswith("unix:"):
+        listen, listen_host = "unix", "127.0.0.1"
+    else:
+        controller_host = address[4:].rpartition(":")[0].strip("[]")
+        listen, listen_host = "tcp", _route_ip(controller_host)
+    # exit_process=False on every rank: ranks 1..N-1 must finalize MPI before
+    # they exit, which run_worker's own os._exit would skip; mpirun forwards
+    # their stdout/stderr itself
+    run_worker(address, secret, rank, listen=listen, listen_host=listen_host,
+               exit_process=False, forward_logs=False, ready=ready)
 
 
 def _runtime_stop(mesh: Any) -> None:
-    raise NotImplementedError
+    stop = getattr(mesh, "stop", None)
+    if stop is not None:
+        result = stop()
+        get = getattr(result, "get", None)
+        if callable(get):
+            get()
+    else:
+        mesh._controller.stop()
