@@ -419,7 +419,8 @@ def mpirun_command(n: int, argv: Sequence[str], *, oversubscribe: bool = True,
     """The argv to launch ``argv`` on ``n`` ranks with this machine's ``mpirun``.
 
     Adds what Open MPI needs in containers and on small machines: as root
-    ``--allow-run-as-root``, and ``--oversubscribe`` (more ranks than cores).
+    ``--allow-run-as-root``, and ``--oversubscribe --bind-to none`` (more
+    ranks than cores).
     MPICH's ``mpiexec`` needs neither.
 
     Parameters
@@ -456,7 +457,9 @@ def mpirun_command(n: int, argv: Sequence[str], *, oversubscribe: bool = True,
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             cmd.append("--allow-run-as-root")
         if oversubscribe:
-            cmd.append("--oversubscribe")
+            # more ranks than cores: binding each rank to a core would stack
+            # several on one core while others idle
+            cmd += ["--oversubscribe", "--bind-to", "none"]
     return [*cmd, *extra, "-n", str(n), *argv]
 
 
