@@ -1,9 +1,14 @@
-"""Bootstraps: how the processes of a ProcMesh are started or found.
+"""Bootstraps: how the processes of a mesh are started or found.
 
-``local`` spawns worker processes on this host (the default); ``mpi`` adopts the
-world of an ``mpirun``/``mpiexec``/``srun`` launch through mpi4py. Which one
-``proc_mesh(bootstrap="auto")`` uses is decided by
-:func:`mesharray.bootstrap._detect.resolve_bootstrap` from the environment alone.
+- :mod:`.local` — worker processes on this host, forked from a zygote (the default).
+- :mod:`.mpi`   — the world of an ``mpirun``-launched script, through mpi4py
+  (``proc_mesh(bootstrap="auto")`` picks it when
+  :func:`~mesharray.bootstrap._detect.detect_launcher` sees a launcher).
+
+A bootstrap starts (or finds) the workers, each running
+:func:`mesharray.runtime.worker.run_worker`, and lets a
+:class:`mesharray.runtime.controller.Controller` adopt them; it may give the
+controller ``exit_status`` and ``kill`` hooks.
 """
 
-__all__: list[str] = []
+__all__ = ["local", "mpi"]

@@ -1,0 +1,1132 @@
+"""``MeshArray``: a NumPy-like array whose leading axes are the dims of a mesh.
+
+A ``MeshArray`` of ``mesh_ndim`` named mesh dims and a local shape has NumPy
+shape ``mesh sizes + local shape``: one position per rank along the mesh axes,
+and each rank's own element (a scalar or a block) along the trailing *local*
+axes. It is what ``endpoint.call()`` returns (the gathered results of every
+actor) and what distributed data looks like.
+
+>>> import numpy as np
+>>> import mesharray as ma
+>>> a = ma.MeshArray(np.arange(8).reshape(2, 4), ["hosts", "procs"])
+>>> a
+MeshArray(hosts=2, procs=4, dtype=int64)
+[[0 1 2 3]
+ [4 5 6 7]]
+>>> (a * 10 + 1).sum(axis="procs").tolist()
+[64, 224]
+>>> a.slice(procs=-1).tolist()
+[3, 7]
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+from numpy.lib.mixins import NDArrayOperatorsMixin
+
+from ._core import Shape, broadcast_shapes
+from .errors import DimensionError, MeshIndexError, MeshShapeError
+from .mesh import MeshTrait, _mesh_size
+
+__all__ = ["MeshArray"]
+
+
+# -----------------------------------------------------------------------------------
+# storage
+# -----------------------------------------------------------------------------------
+
+
+class _Gathered:
+    """Values held at the controller: one ndarray, mesh axes first, local axes last.
+
+    This is the storage protocol a MeshArray talks to; a distributed storage
+    (``mesharray/_distributed.py``) implements the same methods with the blocks
+    living in the workers. Every method receives the *layout* already decided by
+    :class:`MeshArray` (which Shape, which axes) and only moves or computes values.
+    """
+
+    __slots__ = ("array",)
+    kind = "gathered"
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+
+    # -- description
+    @property
+    def dtype(self) -> np.dtype:
+        return self.array.dtype
+
+    def local_shape(self, mesh_ndim: int) -> tuple[int, ...]:
+        return self.array.shape[mesh_ndim:]
+
+    # -- whole values
+    def to_numpy(self) -> np.ndarray:
+        return self.array
+
+    # -- layout changes
+    def take(self, mesh_key: tuple, local_key: tuple, new_mesh_ndim: int) -> _Gathered:
+        """NumPy indexing: ``mesh_key`` on the mesh axes, then ``local_key`` on each element."""
+        v = self.array[mesh_key + (Ellipsis,)] if mesh_key else self.array
+        if local_key:
+            if any(_is_advanced(k) for k in local_key):
+                # NumPy would move non-adjacent advanced-index dims in front of *all*
+                # axes; put the mesh axes last so they land in front of the local ones.
+                m = new_mesh_ndim
+                v = np.moveaxis(v, tuple(range(m)), tuple(range(-m, 0)))
+                v = v[local_key + (Ellipsis,)]
+                v = np.moveaxis(v, tuple(range(-m, 0)), tuple(range(m)))
+            else:
+                v = v[(slice(None),) * new_mesh_ndim + local_key]
+        return _Gathered(np.asarray(v) if not isinstance(v, np.ndarray) else v)
+
+    def relayout(self, mesh_ndim: int, perm: tuple[int, ...] | None, mesh_sizes: tuple[int, ...]) -> _Gathered:
+        """Permute the mesh axes by ``perm`` and reshape them to ``mesh_sizes`` (row-major)."""
+        v = self.array
+        local = v.shape[mesh_ndim:]
+        if perm is not None:
+            v = v.transpose(perm + tuple(range(mesh_ndim, v.ndim)))
+        return _Gathered(v.reshape(tuple(mesh_sizes) + local))
+
+    def reshape_local(self, mesh_ndim: int, local_shape: tuple[int, ...]) -> _Gathered:
+        v = self.array
+        return _Gathered(v.reshape(v.shape[:mesh_ndim] + tuple(local_shape)))
+
+    def astype(self, dtype: Any, copy: bool) -> _Gathered:
+        return _Gathered(self.array.astype(dtype, copy=copy))
+
+    def copy(self) -> _Gathered:
+        return _Gathered(self.array.copy())
+
+    # -- compute
+    def reduce(self, op: str, func: Any, axes: tuple[int, ...] | None, keepdims: bool, kwargs: dict) -> np.ndarray:
+        """Reduction ``op`` (``"sum"``, ..., ``"argmax"``, or ``"<ufunc>.reduce"``) over ``axes``.
+
+        ``axes`` are axes of the full shape (None: all); ``func`` is the NumPy
+        function computing it on one ndarray, ``func(values, axis=, keepdims=, **kwargs)``.
+        """
+        if op in ("argmin", "argmax") and axes is not None:
+            return func(self.array, axis=axes[0], keepdims=keepdims, **kwargs)
+        return func(self.array, axis=axes, keepdims=keepdims, **kwargs)
+
+    @staticmethod
+    def elementwise(ufunc: np.ufunc, plan: _Plan, inputs: list, kwargs: dict) -> tuple[np.ndarray, ...]:
+        """Run ``ufunc`` over operands aligned to ``plan``; returns the result arrays."""
+        if ufunc.signature is not None:
+            return _gufunc_per_element(ufunc, plan, inputs, kwargs)
+        args = [plan.align(x) if isinstance(x, MeshArray) else x for x in inputs]
+        if isinstance(kwargs.get("where"), MeshArray):
+            kwargs = dict(kwargs, where=plan.align(kwargs["where"]))
+        out = ufunc(*args, **kwargs)
+        return out if isinstance(out, tuple) else (out,)
+
+
+def _storage_class(operands: Sequence[Any]) -> Any:
+    """The storage that runs an operation on these operands.
+
+    This is the single place where a distributed storage takes over: an operation
+    with any distributed operand is run by that operand's storage class (which
+    decides how to treat gathered operands next to it).
+    """
+    for x in operands:
+        if isinstance(x, MeshArray) and type(x._storage) is not _Gathered:
+            return type(x._storage)
+    return _Gathered
+
+
+# -----------------------------------------------------------------------------------
+# the array
+# -----------------------------------------------------------------------------------
+
+
+class MeshArray(NDArrayOperatorsMixin, MeshTrait):
+    """A NumPy-like array whose leading ``mesh_ndim`` axes are named mesh dims.
+
+    ``MeshArray(values, names)`` wraps ``values`` (anything ``numpy.asarray``
+    takes): its leading ``len(names)`` axes are the mesh dims and its trailing
+    axes are each element's own (*local*) shape. ``shape``, ``size``, ``ndim``,
+    ``len()`` and iteration have NumPy's meaning over ``mesh sizes + local
+    shape``; ``mesh_shape`` is the :class:`~mesharray.Shape` over global ranks
+    that the mesh axes came from (dense over the sizes when you build one
+    yourself; the actor mesh's ranks when it is the result of a call).
+
+    Parameters
+    ----------
+    values : array_like
+        The values; not copied when already an ndarray.
+    names : str or sequence of str, optional
+        Names of the leading mesh dims. Optional when ``mesh_shape`` is given.
+    mesh_shape : Shape, optional
+        The Shape of the mesh axes (its sizes must match the leading axes).
+
+    Notes
+    -----
+    **Indexing.** ``a[key]`` follows NumPy over the whole shape: the leading
+    entries index the mesh axes (resolved by ``Shape``, so the result keeps the
+    global ranks it came from and advanced indices name new dims by Shape's
+    rule), the rest index every element's local axes. ``None`` placed after all
+    mesh axes adds a *local* axis. Advanced (array) indices may select mesh axes
+    or local axes but not both in one key (index in two steps). By name:
+    ``a.slice(procs=1)`` or ``a[{"procs": 1}]``. A result with no mesh dims and
+    a scalar element is that element (a NumPy scalar, or the Python object of
+    an object array), as NumPy returns a scalar; with local axes left it stays
+    a 0-d-mesh MeshArray.
+
+    **Arithmetic** (every ufunc, and every operator through it). Between
+    MeshArrays, mesh dims align **by name** — a missing name broadcasts, equal
+    names need equal sizes (or 1) — and local axes align by NumPy's positional
+    rules. The result's names are the first operand's, then the new names of
+    the others in order. A plain ndarray (or list) operand broadcasts NumPy-style
+    against the result's full shape ``mesh sizes + local shape``, so it meets the
+    local axes when its ndim is at most the local ndim — exactly what
+    ``np.asarray(a) + x`` does; it may not have more dims than that shape.
+    Generalized ufuncs (``@``/``np.matmul``) apply per element: plain operands are
+    local operands. The result keeps the mesh Shape of the first MeshArray
+    operand that has all its dims at full size, else a dense Shape.
+    Mismatches raise :class:`~mesharray.MeshShapeError` naming both shapes.
+
+    **Reductions** (``sum mean min max prod any all argmin argmax std var``, also
+    as ``np.sum(a, axis="procs")``) take ``axis`` as an int (over the whole
+    shape), a mesh dim name, a tuple of either, or None. Reducing a mesh axis
+    removes its name (``keepdims`` keeps it with size 1); the result's Shape holds
+    the first rank of each reduced group (the root of ``reduction_plan``).
+
+    **Storage.** Values live in ``self._storage``, behind a small protocol
+    (``to_numpy``, ``take``, ``relayout``, ``reshape_local``, ``astype``,
+    ``copy``, ``reduce``, ``elementwise``). This module implements the
+    *gathered* storage (one ndarray at the controller, ``_Gathered``); a
+    distributed storage (blocks in the workers, ``mesharray/_distributed.py``)
+    implements the same protocol. MeshArray itself only decides layouts (names,
+    Shapes, axes, broadcasting plans) and never touches values except through
+    the storage; ``_storage_class(operands)`` is the one place that picks the
+    storage running an operation.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import mesharray as ma
+    >>> a = ma.MeshArray(np.ones((2, 3), dtype="float32"), ["procs"])
+    >>> a
+    MeshArray(procs=2, local=(3,), dtype=float32)
+    [[1. 1. 1.]
+     [1. 1. 1.]]
+    >>> a.shape, a.mesh_sizes, a.local_shape
+    ((2, 3), {'procs': 2}, (3,))
+    >>> b = ma.MeshArray([10, 20], "procs")
+    >>> (a + b).tolist()
+    [[11.0, 11.0, 11.0], [21.0, 21.0, 21.0]]
+    >>> a.sum(axis="procs").tolist()
+    [2.0, 2.0, 2.0]
+    """
+
+    __slots__ = ("_shape", "_storage", "__weakref__")
+    # ndarray operands defer to us (ndarray + MeshArray -> MeshArray.__radd__)
+    __array_priority__ = 20
+
+    def __init__(self, values: Any, names: str | Sequence[str] | None = None, *, mesh_shape: Shape | None = None) -> None:
+        if isinstance(values, MeshArray):
+            values = values._values()
+        array = np.asarray(values)
+        if mesh_shape is not None:
+            if not isinstance(mesh_shape, Shape):
+                raise TypeError(f"mesh_shape must be a Shape, got {type(mesh_shape).__name__}")
+            if names is not None and tuple(_as_names(names)) != tuple(mesh_shape.names):
+                raise ValueError(f"names {tuple(_as_names(names))} differ from the names of mesh_shape {tuple(mesh_shape.names)}")
+            shape = mesh_shape
+            k = shape.ndim
+            if array.ndim < k or tuple(array.shape[:k]) != tuple(shape.sizes):
+                raise MeshShapeError(
+                    f"values of shape {array.shape} do not fit mesh {dict(zip(shape.names, shape.sizes))}: "
+                    f"the leading axes must have sizes {tuple(shape.sizes)}"
+                )
+        else:
+            if names is None:
+                raise TypeError("MeshArray() needs names (or a mesh_shape) for the leading mesh axes")
+            names = _as_names(names)
+            if len(names) > array.ndim:
+                raise ValueError(
+                    f"{len(names)} mesh dim names {tuple(names)} for values of only {array.ndim} dims (shape {array.shape})"
+                )
+            shape = Shape(dict(_unique_names(names, array.shape)))
+        self._shape = shape
+        self._storage = _Gathered(array)
+
+    # -- construction ---------------------------------------------------------------
+
+    @classmethod
+    def _from_parts(cls, shape: Shape, storage: Any) -> MeshArray:
+        self = object.__new__(cls)
+        self._shape = shape
+        self._storage = storage
+        return self
+
+    @classmethod
+    def from_results(cls, mesh_shape: Shape, values: Sequence[Any]) -> MeshArray:
+        """Gathered results of a call, one per rank in row-major order of ``mesh_shape``.
+
+        Numbers and bools become a numeric array of the mesh's shape; NumPy arrays
+        of one shape and dtype are stacked (their axes become local axes); any
+        other mix becomes an object array holding the values as they are.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import mesharray as ma
+        >>> s = ma.Shape({"hosts": 1, "procs": 2})
+        >>> ma.MeshArray.from_results(s, [1, 2]).dtype
+        dtype('int64')
+        >>> ma.MeshArray.from_results(s, [np.zeros(3), np.ones(3)]).shape
+        (1, 2, 3)
+        >>> ma.MeshArray.from_results(s, ["a", {"b": 1}]).tolist()
+        [['a', {'b': 1}]]
+        """
+        if not isinstance(mesh_shape, Shape):
+            raise TypeError(f"mesh_shape must be a Shape, got {type(mesh_shape).__name__}")
+        values = list(values)
+        n = mesh_shape.size
+        if len(values) != n:
+            raise ValueError(f"{len(values)} values for a mesh of {n} ranks {mesh_shape!r}")
+        sizes = tuple(mesh_shape.sizes)
+        array: np.ndarray | None = None
+        if values and all(type(v) in _NUMBER_TYPES or isinstance(v, (np.number, np.bool_)) for v in values):
+            array = np.array(values)
+            if array.ndim != 1:  # pragma: no cover - numbers always give a 1-d array
+                array = None
+        elif values and all(type(v) is np.ndarray for v in values):
+            first = values[0]
+            if all(v.shape == first.shape and v.dtype == first.dtype for v in values):
+                array = np.stack(values)
+        if array is None:
+            array = np.empty(n, dtype=object)
+            for i, v in enumerate(values):
+                array[i] = v
+        return cls._from_parts(mesh_shape, _Gathered(array.reshape(sizes + array.shape[1:])))
+
+    # -- MeshTrait hooks --------------------------------------------------------------
+
+    @property
+    def _mesh_shape(self) -> Shape:
+        return self._shape
+
+    def _with_mesh_shape(self, shape: Shape) -> MeshArray:
+        # rename / flatten / split: the same elements in the same row-major order
+        if shape.size != self._shape.size:
+            raise MeshShapeError(
+                f"a mesh of {shape.size} ranks {shape!r} cannot hold the {self._shape.size} "
+                f"elements of {self._shape!r}"
+            )
+        storage = self._storage.relayout(self._shape.ndim, None, tuple(shape.sizes))
+        return MeshArray._from_parts(shape, storage)
+
+    # -- description ------------------------------------------------------------------
+
+    def _values(self) -> np.ndarray:
+        return self._storage.to_numpy()
+
+    @property
+    def mesh_ndim(self) -> int:
+        """Number of mesh dims (the leading axes)."""
+        return self._shape.ndim
+
+    @property
+    def mesh_sizes(self) -> dict[str, int]:
+        """``{name: size}`` of the mesh dims."""
+        return dict(zip(self._shape.names, self._shape.sizes))
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """Shape of each element (the trailing axes)."""
+        return tuple(self._storage.local_shape(self._shape.ndim))
+
+    @property
+    def local_ndim(self) -> int:
+        """Number of local axes."""
+        return len(self.local_shape)
+
+    @property
+    def shape(self) -> tuple[int, ...]:  # type: ignore[override]
+        """NumPy shape: mesh sizes then local shape."""
+        return tuple(self._shape.sizes) + self.local_shape
+
+    @property
+    def ndim(self) -> int:  # type: ignore[override]
+        """NumPy ndim: ``mesh_ndim + local_ndim``."""
+        return self._shape.ndim + self.local_ndim
+
+    @property
+    def size(self) -> int:  # type: ignore[override]
+        """NumPy size: the number of scalar elements (``mesh_size() * prod(local_shape)``)."""
+        return math.prod(self.shape)
+
+    def mesh_size(self, dims: str | tuple[str, ...] | None = None) -> int:
+        """Number of mesh positions: in total, along one dim, or over several dims.
+
+        (``MeshTrait.size`` under another name, since ``size`` has NumPy's meaning here.)
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import mesharray as ma
+        >>> a = ma.MeshArray(np.zeros((2, 4, 3)), ["hosts", "procs"])
+        >>> a.mesh_size(), a.mesh_size("procs"), a.size
+        (8, 4, 24)
+        """
+        return _mesh_size(self._shape, dims)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The dtype of the values (``object`` for arbitrary Python values)."""
+        return self._storage.dtype
+
+    def __len__(self) -> int:
+        """Size of the first axis (NumPy's meaning)."""
+        shape = self.shape
+        if not shape:
+            raise TypeError("len() of unsized object")
+        return shape[0]
+
+    def __iter__(self) -> Iterator[Any]:
+        """Sub-arrays (or elements) along the first axis (NumPy's meaning)."""
+        for i in range(len(self)):
+            yield self[i]
+
+    def __bool__(self) -> bool:
+        return bool(self._values())
+
+    # -- conversion ------------------------------------------------------------------
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        v = self._values()
+        if dtype is not None and np.dtype(dtype) != v.dtype:
+            if copy is False:
+                raise ValueError(f"cannot convert a MeshArray of dtype {v.dtype} to {np.dtype(dtype)} without a copy")
+            return v.astype(dtype)
+        return v.copy() if copy else v
+
+    def to_numpy(self, copy: bool = False) -> np.ndarray:
+        """The values as an ndarray of shape ``self.shape`` (shared unless ``copy``).
+
+        Examples
+        --------
+        >>> import mesharray as ma
+        >>> ma.MeshArray([[1, 2], [3, 4]], ["procs"]).to_numpy().shape
+        (2, 2)
+        """
+        v = self._values()
+        return v.copy() if copy else v
+
+    def tolist(self) -> Any:
+        """Nested Python lists (Python scalars as leaves), like ``ndarray.tolist``."""
+        return self._values().tolist()
+
+    def astype(self, dtype: Any, copy: bool = True) -> MeshArray:
+        """A MeshArray of another dtype (same mesh Shape)."""
+        return MeshArray._from_parts(self._shape, self._storage.astype(dtype, copy))
+
+    def copy(self) -> MeshArray:
+        """A MeshArray with its own copy of the values (the Shape is immutable)."""
+        return MeshArray._from_parts(self._shape, self._storage.copy())
+
+    def __copy__(self) -> MeshArray:
+        return self.copy()
+
+    def __deepcopy__(self, memo: dict) -> MeshArray:
+        import copy as _copy
+
+        return MeshArray._from_parts(self._shape, _Gathered(_copy.deepcopy(self._values(), memo)))
+
+    def __reduce__(self) -> tuple:
+        return (_rebuild, (self._shape, self._values()))
+
+    def reshape_local(self, *shape: Any) -> MeshArray:
+        """Reshape each element's local axes (``-1`` infers one size); the mesh is unchanged.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import mesharray as ma
+        >>> ma.MeshArray(np.zeros((2, 6)), ["procs"]).reshape_local(2, 3).shape
+        (2, 2, 3)
+        """
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        local = self.local_shape
+        try:
+            new_local = np.empty(local, dtype=np.bool_).reshape(shape).shape if local else np.empty((), np.bool_).reshape(shape).shape
+        except ValueError as e:
+            raise MeshShapeError(f"cannot reshape local shape {local} into {tuple(shape)}") from e
+        return MeshArray._from_parts(self._shape, self._storage.reshape_local(self._shape.ndim, new_local))
+
+    # -- Monarch ValueMesh-style access ------------------------------------------------
+
+    def item(self, *args: Any, **coords: Any) -> Any:
+        """One element: by mesh coordinates (``a.item(hosts=0, procs=3)``) or NumPy-style.
+
+        With keywords, every mesh dim must be given; the result is the element
+        (a Python scalar, the stored object, or the local block as an ndarray).
+        Without keywords it is ``ndarray.item(*args)``: a Python scalar.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import mesharray as ma
+        >>> a = ma.MeshArray(np.arange(8).reshape(2, 4), ["hosts", "procs"])
+        >>> a.item(hosts=1, procs=2)
+        6
+        >>> a[0, 1:2].item()
+        1
+        """
+        if coords:
+            if args:
+                raise TypeError("item() takes either mesh coordinates by name or positions, not both")
+            names = tuple(self._shape.names)
+            for n in coords:
+                if n not in names:
+                    raise DimensionError(n, names)
+            missing = tuple(n for n in names if n not in coords)
+            if missing:
+                raise ValueError(
+                    f"item() needs a coordinate for every mesh dimension; missing {missing}; dimensions are {names}"
+                )
+            key = tuple(coords[n] for n in names)
+            for n, k in zip(names, key):
+                if not isinstance(k, (numbers.Integral, np.integer)) or isinstance(k, (bool, np.bool_)):
+                    raise TypeError(f"coordinate {n}={k!r} must be an int")
+            return _to_item(self[key])
+        return self._values().item(*args)
+
+    def items(self) -> Iterator[tuple[dict[str, int], Any]]:
+        """``(coordinates, element)`` pairs in row-major order of the mesh.
+
+        Examples
+        --------
+        >>> import mesharray as ma
+        >>> list(ma.MeshArray([5, 6], ["procs"]).items())
+        [({'procs': 0}, 5), ({'procs': 1}, 6)]
+        """
+        names = tuple(self._shape.names)
+        v = self._values()
+        for coords in np.ndindex(*self._shape.sizes):
+            yield dict(zip(names, coords)), _to_item(v[coords])
+
+    def values(self) -> list[Any]:
+        """The elements in row-major order of the mesh (as :meth:`item` gives them)."""
+        return [value for _, value in self.items()]
+
+    # -- indexing ------------------------------------------------------------------------
+
+    def __getitem__(self, key: Any) -> Any:
+        """NumPy indexing over mesh axes then local axes; a dict selects mesh dims by name."""
+        if isinstance(key, dict):
+            return self.slice(**key)
+        mesh_key, local_key = _split_key(key, self._shape.ndim, self.local_ndim, self)
+        return self._take(mesh_key, local_key)
+
+    def slice(self, **dims: Any) -> Any:
+        """Select mesh dims by name: ``a.slice(procs=1, hosts=slice(0, 2))``.
+
+        Each selector indexes its dim as a positional index would (an int removes
+        the dim, a slice keeps it, arrays select like NumPy).
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import mesharray as ma
+        >>> a = ma.MeshArray(np.arange(8).reshape(2, 4), ["hosts", "procs"])
+        >>> a.slice(procs=slice(None, None, -1), hosts=1).tolist()
+        [7, 6, 5, 4]
+        """
+        names = tuple(self._shape.names)
+        key: list[Any] = [slice(None)] * len(names)
+        for name, sel in dims.items():
+            if name not in names:
+                raise DimensionError(name, names)
+            key[names.index(name)] = sel
+        mesh_key, local_key = _split_key(tuple(key), self._shape.ndim, self.local_ndim, self)
+        return self._take(mesh_key, local_key)
+
+    def _take(self, mesh_key: tuple, local_key: tuple) -> Any:
+        if mesh_key and not all(_is_full_slice(k) for k in mesh_key):
+            shape = self._shape[mesh_key]
+        else:
+            shape, mesh_key = self._shape, ()
+        if all(_is_full_slice(k) for k in local_key):
+            local_key = ()
+        storage = self._storage.take(mesh_key, local_key, shape.ndim)
+        return _wrap(shape, storage)
+
+    def transpose(self, *dims: str | int) -> MeshArray:
+        """The mesh dims reordered (names or mesh axis numbers; none reverses them).
+
+        Local axes stay where they are.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import mesharray as ma
+        >>> a = ma.MeshArray(np.arange(6).reshape(2, 3), ["hosts", "procs"])
+        >>> a.transpose("procs", "hosts").shape
+        (3, 2)
+        """
+        names = tuple(self._shape.names)
+        new = self._shape.transpose(*dims)
+        perm = tuple(names.index(n) for n in new.names)
+        return MeshArray._from_parts(new, self._storage.relayout(len(names), perm, tuple(new.sizes)))
+
+    # -- ufuncs ----------------------------------------------------------------------------
+
+    def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        for x in inputs + tuple(kwargs.get("out", ())):
+            if not isinstance(x, MeshArray) and _defers(x):
+                return NotImplemented
+        if method == "reduce":
+            if len(inputs) != 1 or not isinstance(inputs[0], MeshArray):
+                return NotImplemented
+            a = inputs[0]
+            axis = kwargs.pop("axis", 0)
+            keepdims = kwargs.pop("keepdims", False)
+            _no_out(kwargs.pop("out", None), f"{ufunc.__name__}.reduce")
+            return a._reduce(f"{ufunc.__name__}.reduce", ufunc.reduce, axis, keepdims, kwargs)
+        if method != "__call__":
+            return NotImplemented
+        return _elementwise(ufunc, list(inputs), kwargs)
+
+    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        method = _FUNCTIONS.get(func)
+        if method is not None and args and isinstance(args[0], MeshArray):
+            return getattr(args[0], method)(*args[1:], **kwargs)
+        if func in _SAME_SHAPE_FUNCTIONS and args and isinstance(args[0], MeshArray):
+            a = args[0]
+            result = func(a._values(), *_plain(args[1:]), **_plain(kwargs))
+            if isinstance(result, np.ndarray) and result.shape == a.shape:
+                return MeshArray._from_parts(a._shape, _Gathered(result))
+            return result
+        # Anything else sees the plain values and returns plain NumPy results.
+        return func(*_plain(args), **_plain(kwargs))
+
+    # -- reductions ------------------------------------------------------------------------
+
+    def _reduce(self, op: str, func: Any, axis: Any, keepdims: bool, kwargs: dict) -> Any:
+        axes = _normalize_axes(axis, self)
+        m = self._shape.ndim
+        reduced_mesh = range(m) if axes is None else [i for i in axes if i < m]
+        values = self._storage.reduce(op, func, axes, bool(keepdims), kwargs)
+        shape = self._reduced_shape(set(reduced_mesh), bool(keepdims))
+        return _wrap(shape, _Gathered(np.asarray(values)) if not isinstance(values, _Gathered) else values)
+
+    def _reduced_shape(self, mesh_axes: set[int], keepdims: bool) -> Shape:
+        if not mesh_axes:
+            return self._shape
+        sizes = tuple(self._shape.sizes)
+        if any(sizes[i] == 0 for i in mesh_axes):
+            # an empty group has no first rank to stand for it
+            names = tuple(self._shape.names)
+            kept = [(n, 1 if i in mesh_axes else s) for i, (n, s) in enumerate(zip(names, sizes)) if keepdims or i not in mesh_axes]
+            return Shape(dict(kept))
+        key = tuple((slice(0, 1) if keepdims else 0) if i in mesh_axes else slice(None) for i in range(len(sizes)))
+        return self._shape[key]
+
+    def sum(self, axis: Any = None, dtype: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> Any:
+        """Sum over ``axis`` (int, mesh dim name, tuple of either, or None for all).
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import mesharray as ma
+        >>> a = ma.MeshArray(np.arange(8).reshape(2, 4), ["hosts", "procs"])
+        >>> a.sum(axis="procs").tolist(), a.sum()
+        ([6, 22], np.int64(28))
+        """
+        _no_out(out, "sum")
+        return self._reduce("sum", np.sum, axis, keepdims, _kw(kwargs, dtype=dtype))
+
+    def prod(self, axis: Any = None, dtype: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> Any:
+        """Product over ``axis`` (see :meth:`sum`)."""
+        _no_out(out, "prod")
+        return self._reduce("prod", np.prod, axis, keepdims, _kw(kwargs, dtype=dtype))
+
+    def mean(self, axis: Any = None, dtype: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> Any:
+        """Arithmetic mean over ``axis`` (see :meth:`sum`)."""
+        _no_out(out, "mean")
+        return self._reduce("mean", np.mean, axis, keepdims, _kw(kwargs, dtype=dtype))
+
+    def std(self, axis: Any = None, dtype: Any = None, out: Any = None, ddof: float = 0, keepdims: bool = False, **kwargs: Any) -> Any:
+        """Standard deviation over ``axis`` (``ddof`` as NumPy; see :meth:`sum`)."""
+        _no_out(out, "std")
+        return self._reduce("std", np.std, axis, keepdims, _kw(kwargs, dtype=dtype, ddof=ddof or None))
+
+    def var(self, axis: Any = None, dtype: Any = None, out: Any = None, ddof: float = 0, keepdims: bool = False, **kwargs: Any) -> Any:
+        """Variance over ``axis`` (``ddof`` as NumPy; see :meth:`sum`)."""
+        _no_out(out, "var")
+        return self._reduce("var", np.var, axis, keepdims, _kw(kwargs, dtype=dtype, ddof=ddof or None))
+
+    def min(self, axis: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> Any:
+        """Minimum over ``axis`` (see :meth:`sum`)."""
+        _no_out(out, "min")
+        return self._reduce("min", np.min, axis, keepdims, kwargs)
+
+    def max(self, axis: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> Any:
+        """Maximum over ``axis`` (see :meth:`sum`)."""
+        _no_out(out, "max")
+        return self._reduce("max", np.max, axis, keepdims, kwargs)
+
+    def any(self, axis: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> Any:
+        """Whether any element is true, over ``axis`` (see :meth:`sum`)."""
+        _no_out(out, "any")
+        return self._reduce("any", np.any, axis, keepdims, kwargs)
+
+    def all(self, axis: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> Any:
+        """Whether all elements are true, over ``axis`` (see :meth:`sum`)."""
+        _no_out(out, "all")
+        return self._reduce("all", np.all, axis, keepdims, kwargs)
+
+    def argmin(self, axis: Any = None, out: Any = None, *, keepdims: bool = False) -> Any:
+        """Index of the minimum along one ``axis`` (int or name), or of the flattened array.
+
+        Examples
+        --------
+        >>> import mesharray as ma
+        >>> ma.MeshArray([[3, 1], [0, 2]], ["hosts", "procs"]).argmin(axis="procs").tolist()
+        [1, 0]
+        """
+        _no_out(out, "argmin")
+        return self._reduce("argmin", np.argmin, _single_axis(axis, "argmin"), keepdims, {})
+
+    def argmax(self, axis: Any = None, out: Any = None, *, keepdims: bool = False) -> Any:
+        """Index of the maximum along one ``axis`` (int or name), or of the flattened array."""
+        _no_out(out, "argmax")
+        return self._reduce("argmax", np.argmax, _single_axis(axis, "argmax"), keepdims, {})
+
+    # -- display ----------------------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        parts = [f"{n}={s}" for n, s in zip(self._shape.names, self._shape.sizes)]
+        if self.local_shape:
+            parts.append(f"local={self.local_shape}")
+        parts.append(f"dtype={self.dtype}")
+        head = f"MeshArray({', '.join(parts)})"
+        if self._storage.kind != "gathered":
+            return head + f" [{self._storage.kind}]"
+        return head + "\n" + np.array2string(self._values(), separator=" ")
+
+    def __str__(self) -> str:
+        return str(self._values())
+
+
+# -----------------------------------------------------------------------------------
+# helpers
+# -----------------------------------------------------------------------------------
+
+_NUMBER_TYPES = (bool, int, float, complex)
+
+
+class _InvalidIndexError(MeshIndexError, TypeError):
+    """An index of a type nothing can be indexed with: NumPy says IndexError, Python TypeError."""
+
+
+def _rebuild(shape: Shape, values: np.ndarray) -> MeshArray:
+    return MeshArray._from_parts(shape, _Gathered(values))
+
+
+def _as_names(names: Any) -> list[str]:
+    if isinstance(names, str):
+        return [names]
+    try:
+        names = list(names)
+    except TypeError:
+        raise TypeError(f"names must be a str or a sequence of str, got {type(names).__name__}") from None
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(f"mesh dim names must be str, got {type(n).__name__}: {n!r}")
+    return names
+
+
+def _unique_names(names: list[str], shape: tuple[int, ...]) -> list[tuple[str, int]]:
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate mesh dim names in {tuple(names)}")
+    return list(zip(names, shape))
+
+
+def _wrap(shape: Shape, storage: Any) -> Any:
+    """A MeshArray, or the bare element when there is no axis left (as NumPy gives a scalar)."""
+    if shape.ndim == 0 and type(storage) is _Gathered and storage.array.ndim == 0:
+        return storage.array[()]
+    return MeshArray._from_parts(shape, storage)
+
+
+def _to_item(x: Any) -> Any:
+    """An element as Monarch's ValueMesh gives it: a Python scalar, the object, or a block."""
+    if isinstance(x, MeshArray):
+        return x.to_numpy()
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
+
+
+def _defers(x: Any) -> bool:
+    """Whether ``x`` wants to handle the ufunc itself (an array type NumPy does not own)."""
+    if isinstance(x, (np.ndarray, np.generic)):
+        return False
+    return hasattr(type(x), "__array_ufunc__")
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, MeshArray):
+        return x._values()
+    if isinstance(x, tuple):
+        return tuple(_plain(v) for v in x)
+    if isinstance(x, list):
+        return [_plain(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    return x
+
+
+def _kw(kwargs: dict, **extra: Any) -> dict:
+    out = dict(kwargs)
+    for k, v in extra.items():
+        if v is not None:
+            out[k] = v
+    return out
+
+
+def _no_out(out: Any, what: str) -> None:
+    if out is not None:
+        raise TypeError(f"{what}() of a MeshArray does not take out=; assign the result instead")
+
+
+def _single_axis(axis: Any, what: str) -> Any:
+    if isinstance(axis, (tuple, list)):
+        raise TypeError(f"{what}() takes one axis (an int or a mesh dim name) or None, got {axis!r}")
+    return axis
+
+
+def _axis_labels(a: MeshArray) -> tuple:
+    return tuple(a._shape.names) + tuple(f"local:{i}" for i in range(a.local_ndim))
+
+
+def _normalize_axes(axis: Any, a: MeshArray) -> tuple[int, ...] | None:
+    """``axis`` (int, name, tuple/list of either, or None) as sorted axes of the full shape."""
+    if axis is None:
+        return None
+    single = not isinstance(axis, (tuple, list))
+    items = (axis,) if single else tuple(axis)
+    names = tuple(a._shape.names)
+    ndim = a.ndim
+    out = []
+    for ax in items:
+        if isinstance(ax, str):
+            if ax not in names:
+                raise DimensionError(ax, names)
+            i = names.index(ax)
+        elif isinstance(ax, (numbers.Integral, np.integer)) and not isinstance(ax, (bool, np.bool_)):
+            i = int(ax)
+            if not -ndim <= i < ndim:
+                raise DimensionError(i, _axis_labels(a), what="array")
+            i %= ndim
+        else:
+            raise TypeError(f"axis must be an int, a mesh dim name or a tuple of them, got {type(ax).__name__}: {ax!r}")
+        out.append(i)
+    if len(set(out)) != len(out):
+        raise ValueError(f"duplicate value in 'axis': {axis!r}")
+    if single:
+        return (out[0],)
+    return tuple(sorted(out))
+
+
+# -- indexing --------------------------------------------------------------------------
+
+
+def _is_full_slice(k: Any) -> bool:
+    return isinstance(k, slice) and k.start is None and k.stop is None and k.step is None
+
+
+def _is_advanced(k: Any) -> bool:
+    return isinstance(k, np.ndarray)
+
+
+def _split_key(key: Any, mesh_ndim: int, local_ndim: int, a: MeshArray) -> tuple[tuple, tuple]:
+    """Split a NumPy index over ``mesh + local`` axes into the mesh part and the local part.
+
+    Array-likes become ndarrays (integer or boolean); ``...`` is expanded, so each
+    part is explicit. ``None`` (and scalar booleans) after the last mesh axis go
+    to the local part.
+    """
+    if not isinstance(key, tuple):
+        key = (key,)
+    items: list[Any] = []
+    consumed = 0
+    ellipsis_at = -1
+    for k in key:
+        if k is Ellipsis:
+            if ellipsis_at >= 0:
+                raise IndexError("an index can only have a single ellipsis ('...')")
+            ellipsis_at = len(items)
+            items.append(k)
+            continue
+        if k is None or isinstance(k, (bool, np.bool_)):
+            items.append(k)
+            continue
+        if isinstance(k, slice):
+            items.append(k)
+            consumed += 1
+            continue
+        if isinstance(k, (numbers.Integral, np.integer)):
+            items.append(int(k))
+            consumed += 1
+            continue
+        if isinstance(k, MeshArray):
+            k = _mask_values(k, a)
+        if isinstance(k, (list, tuple, np.ndarray)) or hasattr(k, "__array__"):
+            arr = np.asarray(k)
+            if arr.dtype == np.bool_:
+                consumed += arr.ndim
+            elif np.issubdtype(arr.dtype, np.integer) or (arr.size == 0 and arr.dtype == np.float64 and isinstance(k, list)):
+                arr = arr.astype(np.intp, copy=False)
+                consumed += 1
+            else:
+                raise IndexError(
+                    "arrays used as indices must be of integer (or boolean) type"
+                )
+            items.append(arr)
+            continue
+        raise _InvalidIndexError(
+            "only integers, slices (`:`), ellipsis (`...`), numpy.newaxis (`None`) and "
+            f"integer or boolean arrays are valid indices, got {type(k).__name__}: {k!r}"
+        )
+    ndim = mesh_ndim + local_ndim
+    if consumed > ndim:
+        raise IndexError(
+            f"too many indices for array: array is {ndim}-dimensional, but {consumed} were indexed"
+        )
+    fill = [slice(None)] * (ndim - consumed)
+    if ellipsis_at >= 0:
+        items[ellipsis_at : ellipsis_at + 1] = fill
+    else:
+        items.extend(fill)
+    mesh_key: list[Any] = []
+    local_key: list[Any] = []
+    axis = 0
+    for k in items:
+        width = k.ndim if isinstance(k, np.ndarray) and k.dtype == np.bool_ else (
+            0 if k is None or isinstance(k, (bool, np.bool_)) else 1
+        )
+        if width == 0:
+            (mesh_key if axis < mesh_ndim else local_key).append(k)
+        elif axis + width <= mesh_ndim:
+            mesh_key.append(k)
+        elif axis >= mesh_ndim:
+            local_key.append(k)
+        else:
+            raise IndexError(
+                f"a boolean index of {width} dims at axis {axis} spans both mesh axes "
+                f"(the first {mesh_ndim}) and local axes; index them separately"
+            )
+        axis += width
+    if any(_is_advanced(k) for k in mesh_key) and any(_is_advanced(k) for k in local_key):
+        raise IndexError(
+            "advanced (array) indices on both mesh axes and local axes cannot be combined "
+            "in one index; index the mesh axes and the local axes in two steps"
+        )
+    return tuple(mesh_key), tuple(local_key)
+
+
+def _mask_values(k: MeshArray, a: MeshArray) -> np.ndarray:
+    """A MeshArray used as an index: its values, with its mesh dims put in ``a``'s order."""
+    if set(k._shape.names) == set(a._shape.names) and k._shape.names != a._shape.names:
+        k = k.transpose(*a._shape.names)
+    return k._values()
+
+
+# -- broadcasting ------------------------------------------------------------------------
+
+
+class _Plan:
+    """Layout of an elementwise result, decided from shapes alone.
+
+    Attributes
+    ----------
+    names : tuple of str
+        Result mesh dims, in order.
+    sizes : tuple of int
+        Their sizes.
+    shape : Shape
+        The result's mesh Shape.
+    local_shape : tuple of int
+        The result's local shape (the broadcast of the operands' local shapes).
+    """
+
+    __slots__ = ("names", "sizes", "shape", "local_shape")
+
+    def __init__(self, names: tuple[str, ...], sizes: tuple[int, ...], shape: Shape, local_shape: tuple[int, ...]) -> None:
+        self.names = names
+        self.sizes = sizes
+        self.shape = shape
+        self.local_shape = local_shape
+
+    def align(self, a: MeshArray, pad_local: bool = True) -> np.ndarray:
+        """``a``'s values as a view broadcastable (positionally) to the result's full shape."""
+        v = a._values()
+        src = tuple(a._shape.names)
+        m = len(src)
+        present = [n for n in self.names if n in src]
+        perm = tuple(src.index(n) for n in present)
+        if perm != tuple(range(m)):
+            v = v.transpose(perm + tuple(range(m, v.ndim)))
+        sizes = dict(zip(src, a._shape.sizes))
+        local = v.shape[m:]
+        pad = (len(self.local_shape) - len(local)) if pad_local else 0
+        target = tuple(sizes.get(n, 1) for n in self.names) + (1,) * pad + local
+        return v.reshape(target) if target != v.shape else v
+
+
+def _fmt_mesh(a: MeshArray) -> str:
+    return str(a.mesh_sizes)
+
+
+def _plan(inputs: list, out: tuple, per_element: bool = False) -> _Plan:
+    """The result layout of an elementwise op; ``per_element`` for a generalized ufunc.
+
+    A generalized ufunc (``matmul``) maps local blocks to blocks of its own
+    shape, so only the mesh dims are broadcast; its local shape is left empty.
+    """
+    arrays = [x for x in inputs if isinstance(x, MeshArray)]
+    outs = [x for x in out if isinstance(x, MeshArray)]
+    names: list[str] = []
+    for a in outs + arrays:
+        for n in a._shape.names:
+            if n not in names:
+                names.append(n)
+    every = outs + arrays
+    try:
+        sizes_by_name = broadcast_shapes(*[a._shape for a in arrays]) if arrays else {}
+    except MeshShapeError as e:
+        shapes = " and ".join(_fmt_mesh(a) for a in arrays)
+        raise MeshShapeError(f"mesh dims {shapes} do not broadcast") from e
+    sizes_by_name = dict(sizes_by_name)
+    if per_element:
+        sizes = tuple(sizes_by_name[n] for n in names)
+        return _Plan(tuple(names), sizes, _result_shape(every, names, sizes), ())
+    try:
+        local = tuple(np.broadcast_shapes(*[a.local_shape for a in arrays]))
+    except ValueError:
+        shapes = " and ".join(str(a.local_shape) for a in arrays)
+        raise MeshShapeError(
+            f"local shapes {shapes} do not broadcast (mesh dims {' and '.join(_fmt_mesh(a) for a in arrays)})"
+        ) from None
+    full = tuple(sizes_by_name.get(n, 1) for n in names) + local
+    for x in inputs:
+        if isinstance(x, MeshArray) or isinstance(x, (numbers.Number, np.generic)) or x is None:
+            continue
+        try:
+            xshape = np.shape(x)
+        except ValueError:  # a ragged sequence: NumPy treats it as an object scalar
+            continue
+        if len(xshape) > len(full):
+            raise MeshShapeError(
+                f"operand of shape {xshape} has more dims than the mesh array's shape {full} "
+                f"(mesh dims {dict(zip(names, full))} and local shape {local})"
+            )
+        try:
+            full = tuple(np.broadcast_shapes(full, xshape))
+        except ValueError:
+            raise MeshShapeError(
+                f"operand of shape {xshape} does not broadcast against the mesh array's shape {full} "
+                f"(mesh dims {dict(zip(names, full))} and local shape {local})"
+            ) from None
+    m = len(names)
+    sizes = full[:m]
+    local = full[m:]
+    for o in outs:
+        if tuple(o._shape.names) != tuple(names[: o._shape.ndim]) or o._shape.ndim != m or o.shape != full:
+            raise MeshShapeError(
+                f"output with mesh dims {_fmt_mesh(o)} and local shape {o.local_shape} cannot hold a result "
+                f"with mesh dims {dict(zip(names, sizes))} and local shape {local}"
+            )
+    return _Plan(tuple(names), tuple(sizes), _result_shape(every, names, sizes), tuple(local))
+
+
+def _result_shape(operands: list, names: list[str], sizes: tuple[int, ...]) -> Shape:
+    """The Shape of the first operand having every result dim at full size, else a dense one."""
+    want = dict(zip(names, sizes))
+    for a in operands:
+        if a._shape.ndim == len(names) and dict(zip(a._shape.names, a._shape.sizes)) == want:
+            return a._shape if tuple(a._shape.names) == tuple(names) else a._shape.transpose(*names)
+    return Shape(want)
+
+
+def _elementwise(ufunc: np.ufunc, inputs: list, kwargs: dict) -> Any:
+    out = kwargs.pop("out", ())
+    if out is None:
+        out = ()
+    where = kwargs.get("where")
+    plan = _plan(inputs + ([where] if isinstance(where, MeshArray) else []), tuple(out), ufunc.signature is not None)
+    storage_cls = _storage_class(inputs + list(out))
+    if out:
+        kwargs["out"] = tuple(o._storage.to_numpy() if isinstance(o, MeshArray) else o for o in out)
+    results = storage_cls.elementwise(ufunc, plan, inputs, kwargs)
+    wrapped = []
+    for i, r in enumerate(results):
+        if out and isinstance(out[i], MeshArray):
+            wrapped.append(out[i])
+        elif out and out[i] is not None:
+            wrapped.append(r)
+        elif isinstance(r, (np.ndarray, np.generic)) or storage_cls is _Gathered:
+            wrapped.append(_wrap(plan.shape, _Gathered(np.asarray(r))))
+        else:
+            wrapped.append(_wrap(plan.shape, r))
+    return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
+
+
+def _gufunc_per_element(ufunc: np.ufunc, plan: _Plan, inputs: list, kwargs: dict) -> tuple[np.ndarray, ...]:
+    """A generalized ufunc (``matmul``...) applied to each element's local block."""
+    if kwargs.get("out") is not None:
+        raise TypeError(f"{ufunc.__name__} of MeshArrays does not take out=; assign the result instead")
+    aligned = [plan.align(x, pad_local=False) if isinstance(x, MeshArray) else x for x in inputs]
+    m = len(plan.names)
+    results: list[list[Any]] = []
+    for pos in np.ndindex(*plan.sizes):
+        args = []
+        for x, orig in zip(aligned, inputs):
+            if isinstance(orig, MeshArray):
+                args.append(x[tuple(p if s > 1 else 0 for p, s in zip(pos, x.shape[:m]))])
+            else:
+                args.append(x)
+        r = ufunc(*args, **kwargs)
+        r = r if isinstance(r, tuple) else (r,)
+        if not results:
+            results = [[] for _ in r]
+        for acc, ri in zip(results, r):
+            acc.append(np.asarray(ri))
+    if not results:  # an empty mesh: run once on empty blocks to learn the result dtype
+        raise MeshShapeError(f"{ufunc.__name__} over an empty mesh {dict(zip(plan.names, plan.sizes))}")
+    out = []
+    for acc in results:
+        stacked = np.stack(acc)
+        out.append(stacked.reshape(plan.sizes + stacked.shape[1:]))
+    return tuple(out)
+
+
+# NumPy functions that dispatch to our reductions (``np.sum(a, axis="procs")``)
+_FUNCTIONS: dict[Any, str] = {
+    np.sum: "sum",
+    np.prod: "prod",
+    np.mean: "mean",
+    np.std: "std",
+    np.var: "var",
+    np.min: "min",
+    np.max: "max",
+    np.amin: "min",
+    np.amax: "max",
+    np.any: "any",
+    np.all: "all",
+    np.argmin: "argmin",
+    np.argmax: "argmax",
+}
+
+# NumPy functions whose same-shape result keeps the mesh (values computed elementwise)
+_SAME_SHAPE_FUNCTIONS = {np.round, np.around, np.clip, np.copy, np.nan_to_num, np.real, np.imag}

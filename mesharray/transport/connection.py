@@ -1,0 +1,328 @@
+"""Connections and listeners: one authenticated socket per peer pair and direction.
+
+Addresses are strings: ``"unix:/path/to/socket"`` (same host, the default:
+unix sockets have ~60% of TCP's loopback latency) or ``"tcp:host:port"``
+(other hosts; listeners bind 127.0.0.1 unless told otherwise).
+
+Design, for latency:
+
+- **Sending happens in the caller's thread**, under one lock per connection:
+  no hop to an I/O thread or event loop. Small frames are joined and written
+  with one ``sendall``; large ones with ``sendmsg`` (scatter/gather, no copy).
+- **One reader thread per connection** does blocking ``recv_into`` into a
+  reused buffer, parses every complete frame in it and calls the handler
+  inline for each. A frame longer than the buffer gets a buffer of exactly its
+  length, allocated only after the length passed the limit check.
+- A malformed header or an oversized length is a :class:`FrameError`: it is
+  logged and the connection is dropped; the listener keeps serving others.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+
+from .._core import pack_header, unpack_header
+from ..errors import AuthenticationError, BrokenTransportError, ClosedTransportError, FrameError
+from . import auth, framing
+
+__all__ = ["Connection", "Listener", "connect", "parse_address"]
+
+log = logging.getLogger("mesharray.transport")
+
+_RECV_BUF = 1 << 18
+_SMALL = 1 << 14
+
+
+def parse_address(address: str):
+    """Split an address string into ``(family, sockaddr)``."""
+    if not isinstance(address, str):
+        raise TypeError(f"address must be a str, got {type(address).__name__}")
+    if address.startswith("unix:"):
+        return socket.AF_UNIX, address[5:]
+    if address.startswith("tcp:"):
+        host, _, port = address[4:].rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"bad tcp address {address!r}; expected 'tcp:host:port'")
+        return socket.AF_INET, (host.strip("[]"), int(port))
+    raise ValueError(f"bad address {address!r}; expected 'unix:PATH' or 'tcp:HOST:PORT'")
+
+
+class Connection:
+    """One authenticated socket: thread-safe ``send``; frames go to ``handler``.
+
+    ``handler(conn, kind, flags, msg_id, target, view, payload)`` runs in the
+    reader thread; ``on_close(conn, exc)`` runs once when the connection ends
+    (``exc`` is ``None`` for a clean EOF or a local close).
+    """
+
+    def __init__(self, sock: socket.socket, handler=None, on_close=None, name: str = "",
+                 limit: int | None = None) -> None:
+        self.sock = sock
+        self.handler = handler
+        self.on_close = on_close
+        self.name = name
+        self.limit = framing.max_frame_size if limit is None else limit
+        self.same_host = sock.family == socket.AF_UNIX
+        self._send_lock = threading.Lock()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.closed_error: BaseException | None = None
+        self.died: BaseException | None = None  # set by the runtime when the peer is known dead
+        # per-connection state used by the runtime (pending calls, view ids)
+        self.pending: dict = {}
+        self.views_out: dict = {}
+        self.views_in: dict = {}
+        self.peer: dict = {}
+        self.bytes_out = 0
+        self.frames_out = 0
+        if sock.family != socket.AF_UNIX:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    # -- sending ---------------------------------------------------------
+    def send(self, kind: int, flags: int = 0, msg_id: int = 0, target: int = 0, view: int = 0,
+             parts=()) -> None:
+        """Send one frame; ``parts`` is a list of bytes-like objects (the payload)."""
+        n = 0
+        for p in parts:
+            n += p.nbytes if isinstance(p, memoryview) else len(p)
+        hdr = pack_header(kind, flags, n, msg_id, target, view)
+        if self._closed:
+            raise ClosedTransportError(f"connection {self.name} is closed")
+        try:
+            if n <= _SMALL:
+                data = hdr + b"".join(parts) if parts else hdr
+                with self._send_lock:
+                    self.sock.sendall(data)
+            else:
+                with self._send_lock:
+                    self._sendmsg([hdr, *parts])
+        except OSError as exc:
+            raise BrokenTransportError(f"connection {self.name} broke while sending: {exc}") from exc
+        self.bytes_out += n + 24
+        self.frames_out += 1
+
+    def send_raw(self, data: bytes) -> None:
+        """Send pre-packed frames (used to batch many small frames in one write)."""
+        try:
+            with self._send_lock:
+                self.sock.sendall(data)
+        except OSError as exc:
+            raise BrokenTransportError(f"connection {self.name} broke while sending: {exc}") from exc
+
+    def _sendmsg(self, parts) -> None:
+        views = [memoryview(p).cast("B") if not isinstance(p, bytes) else memoryview(p) for p in parts]
+        while views:
+            sent = self.sock.sendmsg(views[:512])
+            while sent:
+                v = views[0]
+                if sent >= v.nbytes:
+                    sent -= v.nbytes
+                    views.pop(0)
+                else:
+                    views[0] = v[sent:]
+                    sent = 0
+
+    # -- receiving -------------------------------------------------------
+    def start(self) -> None:
+        """Start the reader thread."""
+        self._thread = threading.Thread(target=self._read_loop, name=f"mesharray-recv-{self.name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _read_loop(self) -> None:
+        sock, limit, handler = self.sock, self.limit, self.handler
+        buf = bytearray(_RECV_BUF)
+        view = memoryview(buf)
+        start = end = 0
+        exc: BaseException | None = None
+        try:
+            while True:
+                while end - start >= 24:
+                    try:
+                        kind, flags, length, msg_id, target, vw = unpack_header(view, limit, start)
+                    except ValueError as e:
+                        raise FrameError(f"bad frame from {self.name}: {e}") from None
+                    total = 24 + length
+                    if end - start >= total:
+                        payload = bytearray(view[start + 24:start + total]) if length else b""
+                        start += total
+                        handler(self, kind, flags, msg_id, target, vw, payload)
+                    elif total > len(buf):
+                        payload = bytearray(length)
+                        have = end - start - 24
+                        payload[:have] = view[start + 24:end]
+                        pv = memoryview(payload)
+                        while have < length:
+                            n = sock.recv_into(pv[have:])
+                            if n == 0:
+                                raise EOFError
+                            have += n
+                        pv.release()
+                        start = end = 0
+                        handler(self, kind, flags, msg_id, target, vw, payload)
+                    else:
+                        break
+                if start == end:
+                    start = end = 0
+                elif start and len(buf) - end < 65536:
+                    view[0:end - start] = view[start:end]
+                    end -= start
+                    start = 0
+                n = sock.recv_into(view[end:])
+                if n == 0:
+                    break
+                end += n
+        except EOFError:
+            pass
+        except FrameError as e:
+            log.warning("%s; dropping the connection", e)
+            exc = e
+        except OSError as e:
+            if not self._closed:
+                exc = BrokenTransportError(f"connection {self.name} broke: {e}")
+        except BaseException as e:  # a bug in a handler must not kill silently
+            log.exception("reader of connection %s failed", self.name)
+            exc = e
+        finally:
+            view.release()
+            self._finish(exc)
+
+    def _finish(self, exc) -> None:
+        first = not self._closed
+        self._closed = True
+        if self.closed_error is None:
+            self.closed_error = exc
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        if first or exc is not None or True:
+            cb, self.on_close = self.on_close, None
+            if cb is not None:
+                try:
+                    cb(self, exc)
+                except Exception:
+                    log.exception("close handler of %s failed", self.name)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self, join: bool = True) -> None:
+        """Close the socket; the reader thread sees EOF and ends."""
+        if not self._closed:
+            self._closed = True
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        t = self._thread
+        if t is None:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+            cb, self.on_close = self.on_close, None
+            if cb is not None:
+                cb(self, None)
+        elif join and t is not threading.current_thread():
+            t.join(5.0)
+
+
+def connect(address: str, secret: bytes, timeout: float = 10.0) -> socket.socket:
+    """Open and authenticate a socket to ``address`` (raises :class:`AuthenticationError`)."""
+    family, sockaddr = parse_address(address)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(sockaddr)
+        auth.client_handshake(sock, secret)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class Listener:
+    """Accepts connections on a unix or TCP address; authenticates each one.
+
+    ``on_connection(sock)`` receives every authenticated socket (in a short
+    handshake thread). A peer that fails the challenge, or stays silent, is
+    logged and dropped; the listener goes on serving others.
+    """
+
+    def __init__(self, secret: bytes, on_connection, kind: str = "unix", host: str = "127.0.0.1",
+                 path: str | None = None, port: int = 0) -> None:
+        self.secret = secret
+        self.on_connection = on_connection
+        self.refused = 0
+        if kind == "unix":
+            if path is None:
+                import tempfile
+
+                d = tempfile.mkdtemp(prefix="mesharray-")
+                path = os.path.join(d, "sock")
+            self._dir = os.path.dirname(path)
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.bind(path)
+            self.address = "unix:" + path
+            self._path = path
+        elif kind == "tcp":
+            self._path = None
+            self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.sock.bind((host, port))
+            h, p = self.sock.getsockname()[:2]
+            self.address = f"tcp:{h}:{p}"
+        else:
+            raise ValueError(f"listener kind must be 'unix' or 'tcp', got {kind!r}")
+        self.sock.listen(512)
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept_loop, name="mesharray-accept", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                s, _ = self.sock.accept()
+            except OSError:
+                if self._closed:
+                    return
+                continue
+            threading.Thread(target=self._handshake, args=(s,), daemon=True,
+                             name="mesharray-handshake").start()
+
+    def _handshake(self, s: socket.socket) -> None:
+        try:
+            auth.server_handshake(s, self.secret)
+        except (AuthenticationError, OSError, BrokenTransportError) as exc:
+            self.refused += 1
+            log.warning("refused a connection on %s: %s", self.address, exc)
+            s.close()
+            return
+        try:
+            self.on_connection(s)
+        except Exception:
+            log.exception("connection handler failed on %s", self.address)
+            s.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        if self._thread is not threading.current_thread():
+            self._thread.join(2.0)
+        if self._path is not None:
+            try:
+                os.unlink(self._path)
+                os.rmdir(self._dir)
+            except OSError:
+                pass
