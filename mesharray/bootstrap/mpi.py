@@ -139,16 +139,13 @@ class _State:
         self.worker_thread: threading.Thread | None = None
 
     def free(self) -> None:
-        """Free mesharray's communicators (before ``MPI_Finalize``)."""
+        """Drop mesharray's communicators (MPI_Finalize releases them).
+
+        Not ``MPI_Comm_free``: it is collective by the standard, and a member
+        that died (under ``mpirun --enable-recovery``) would make it hang.
+        """
         with self.lock:
-            comms = list(self.comms.values())
             self.comms.clear()
-        for comm in comms:
-            if comm != self.MPI.COMM_NULL:
-                comm.Free()
-        for comm in (self.local, self.world):
-            if comm is not None and comm != self.MPI.COMM_NULL:
-                comm.Free()
         self.local = self.world = None
 
 
@@ -405,6 +402,7 @@ def mesh_comm(ranks: Any = None) -> Any:
         finally:
             group.Free()
         assert comm != MPI.COMM_NULL  # we checked membership above
+        _prepare(MPI, comm)
         with state.lock:
             state.comms[key] = comm
             state.creating.pop(key, None)
@@ -532,17 +530,34 @@ def _poll(request: Any, deadline: float | None = None) -> bool:
     return True
 
 
+def _prepare(MPI: Any, comm: Any) -> Any:
+    """Make mpi4py's hidden per-communicator context now, while every member is here.
+
+    mpi4py's object reductions (``comm.allreduce(obj)``, ``reduce``, ``scan``)
+    duplicate the communicator on first use, and do so *holding the GIL*. On
+    rank 0 actors run in a thread of the controller's process: a first
+    ``allreduce`` there would freeze the controller until the other ranks
+    arrive — which may need the controller to send them their call. Creating
+    that context together with the communicator, while all members are in the
+    creation collective anyway, makes later calls release the GIL as usual.
+    """
+    make = getattr(MPI, "_commctx_intra", None)
+    if make is not None:
+        make(comm)
+    return comm
+
+
 def _make_comms(MPI: Any) -> _State:
     """Collective over the world: mesharray's own communicators and the topology."""
-    world = MPI.COMM_WORLD.Dup()
-    local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    world = _prepare(MPI, MPI.COMM_WORLD.Dup())
+    local = _prepare(MPI, world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank()))
     leader = local.allreduce(world.Get_rank(), op=MPI.MIN)
     node_of = tuple(world.allgather(leader))
     return _State(MPI, world, local, node_of)
 
 
 def bootstrap(*, hosts: int | None = None, procs: int | None = None,
-              timeout: float | None = None, **options: Any) -> Any:
+              timeout: float | None = None, owner: Any = None, **options: Any) -> Any:
     """Join the MPI world; return it as a ProcMesh on rank 0, serve on the others.
 
     This is what ``ma.proc_mesh(bootstrap="mpi")`` (or ``"auto"`` under a
@@ -559,8 +574,11 @@ def bootstrap(*, hosts: int | None = None, procs: int | None = None,
     timeout : float, optional
         Seconds to wait for every rank to join (default 30, or
         ``$MESHARRAY_BOOTSTRAP_TIMEOUT``).
+    owner : object, optional
+        Its ``__supervise__(failure)`` sees each :class:`~mesharray.MeshFailure`.
     **options
-        Passed on to the runtime's controller and workers.
+        Passed on to the runtime's controller (``heartbeat_timeout``,
+        ``heartbeat_interval``, ``name``).
 
     Returns
     -------
@@ -582,8 +600,12 @@ def bootstrap(*, hosts: int | None = None, procs: int | None = None,
     global _state
     timeout = _timeout_from_env(timeout)
     for name, value in (("hosts", hosts), ("procs", procs)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1; got {value}")
     MPI = import_mpi()
     with _state_lock:
         state = _state
@@ -592,11 +614,9 @@ def bootstrap(*, hosts: int | None = None, procs: int | None = None,
             return state.mesh
         if state is not None:
             raise BootstrapError("the mpi bootstrap already ran in this process and failed")
-        rank = MPI.COMM_WORLD.Get_rank()
-        if rank != 0:
+        if MPI.COMM_WORLD.Get_rank() != 0:
             _serve(MPI)  # never returns
-        mesh = _bootstrap_controller(MPI, hosts, procs, timeout, options)
-        return mesh
+        return _bootstrap_controller(MPI, hosts, procs, timeout, owner, options)
 
 
 def _check_sizes(sizes: dict, hosts: int | None, procs: int | None) -> None:
@@ -620,7 +640,7 @@ def _check_sizes(sizes: dict, hosts: int | None, procs: int | None) -> None:
 
 
 def _bootstrap_controller(MPI: Any, hosts: int | None, procs: int | None,
-                          timeout: float, options: dict) -> Any:
+                          timeout: float, owner: Any, options: dict) -> Any:
     global _state
     comm = MPI.COMM_WORLD
     size = comm.Get_size()
@@ -674,7 +694,7 @@ def _bootstrap_controller(MPI: Any, hosts: int | None, procs: int | None,
 
     names, sizes, ranks = mesh_layout(state.node_of)
     shape = _make_shape(names, sizes, ranks)
-    mesh = _runtime_proc_mesh(controller, shape)
+    mesh = _runtime_proc_mesh(controller, shape, owner)
     state.mesh = mesh
     _check_sizes(dict(zip(names, sizes)), hosts, procs)
     # LIFO: runs before mpi4py finalizes MPI, so workers are told to stop first
@@ -691,16 +711,14 @@ def _thread_worker(address: str, secret: bytes) -> None:
 
 
 def _shutdown_controller() -> None:
+    """Stop the world mesh (its workers serve until then); idempotent."""
     state = _state
     if state is None or state.mesh is None:
         return
-    mesh, state.mesh = state.mesh, None
+    mesh = state.mesh
     try:
         _runtime_stop(mesh)
     finally:
-        thread = state.worker_thread
-        if thread is not None:
-            thread.join(timeout=10.0)
         state.free()
 
 
@@ -819,10 +837,22 @@ def _runtime_adopt(controller: Any, size: int, timeout: float, joined: dict) -> 
         ) from exc
 
 
-def _runtime_proc_mesh(controller: Any, shape: Any) -> Any:
+class _Handle:
+    """Given to the ProcMesh as its bootstrap: closed after the workers stopped."""
+
+    def __init__(self, state: _State) -> None:
+        self.state = state
+
+    def close(self) -> None:
+        thread = self.state.worker_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=10.0)
+
+
+def _runtime_proc_mesh(controller: Any, shape: Any, owner: Any) -> Any:
     from ..proc import ProcMesh
 
-    return ProcMesh._from_controller(controller, shape, bootstrap="mpi")
+    return ProcMesh._from_controller(controller, shape, _Handle(_state), owner)
 
 
 def _runtime_run_worker(address: str, secret: bytes, rank: int, in_thread: bool,
@@ -842,11 +872,4 @@ def _runtime_run_worker(address: str, secret: bytes, rank: int, in_thread: bool,
 
 
 def _runtime_stop(mesh: Any) -> None:
-    stop = getattr(mesh, "stop", None)
-    if stop is not None:
-        result = stop()
-        get = getattr(result, "get", None)
-        if callable(get):
-            get()
-    else:
-        mesh._controller.stop()
+    mesh.stop()
