@@ -65,10 +65,10 @@ def test_rank_that_never_joins_gives_bootstrap_error_and_nonzero_exit(tmp_path):
     path = script(tmp_path, """
         import time
         from mpi4py import MPI
-        from mesharray.bootstrap.mpi import bootstrap
+        import mesharray as ma
         if MPI.COMM_WORLD.Get_rank() == 1:
             time.sleep(60)
-        bootstrap(timeout=2.0)
+        ma.proc_mesh(timeout=2.0)
         print("unreachable")
     """)
     run = mpirun(3, [path], timeout=60)
@@ -84,10 +84,10 @@ def test_bootstrap_timeout_comes_from_the_environment(tmp_path):
     path = script(tmp_path, """
         import time
         from mpi4py import MPI
-        from mesharray.bootstrap.mpi import bootstrap
+        import mesharray as ma
         if MPI.COMM_WORLD.Get_rank() == 1:
             time.sleep(60)
-        bootstrap()
+        ma.proc_mesh()
     """)
     run = mpirun(2, [path], timeout=60, env=clean_env(MESHARRAY_BOOTSTRAP_TIMEOUT="1.5"))
     assert run.returncode != 0
@@ -98,10 +98,10 @@ def test_rank_that_dies_before_the_handshake_ends_the_job_nonzero(tmp_path):
     path = script(tmp_path, """
         import os
         from mpi4py import MPI
-        from mesharray.bootstrap.mpi import bootstrap
+        import mesharray as ma
         if MPI.COMM_WORLD.Get_rank() == 1:
             os._exit(3)
-        bootstrap(timeout=20.0)
+        ma.proc_mesh(timeout=20.0)
     """)
     run = mpirun(2, [path], timeout=60)
     assert run.returncode != 0
@@ -115,8 +115,8 @@ def test_missing_mpi4py_under_mpirun_names_the_extra(tmp_path):
     hide.mkdir()
     (hide / "sitecustomize.py").write_text("import sys\nsys.modules['mpi4py'] = None\n")
     path = script(tmp_path, """
-        from mesharray.bootstrap.mpi import bootstrap
-        bootstrap()
+        import mesharray as ma
+        ma.proc_mesh()
     """)
     env = clean_env()
     env["PYTHONPATH"] = f"{hide}:{env['PYTHONPATH']}"
@@ -125,3 +125,98 @@ def test_missing_mpi4py_under_mpirun_names_the_extra(tmp_path):
     assert "BootstrapError: the mpi bootstrap needs mpi4py, which cannot be imported " \
            "(launched by " in run.stderr
     assert "pip install 'mesharray[mpi]'" in run.stderr
+
+
+# --------------------------------------------------------------------------- whole scripts
+
+
+_TRAIN = """
+    import os, sys
+    import numpy as np
+    import mesharray as ma
+
+    class Counter(ma.Actor):
+        def __init__(self, start):
+            self.value = start
+
+        @ma.endpoint
+        def incr(self, by=1):
+            self.value += by
+
+        @ma.endpoint
+        def get(self):
+            return self.value
+
+    print(f"before {os.environ.get('OMPI_COMM_WORLD_RANK', 'local')}", flush=True)
+    procs = ma.proc_mesh()
+    print(f"after {os.environ.get('OMPI_COMM_WORLD_RANK', 'local')} {procs.sizes}", flush=True)
+    counters = procs.spawn("counters", Counter, 10)
+    counters.incr.broadcast(2)
+    print("values", np.asarray(counters.get.call().get()).ravel().tolist(), flush=True)
+
+    def never():
+        print("atexit ran", flush=True)
+
+    import atexit
+    atexit.register(never)
+    try:
+        pass
+    finally:
+        print("finally", flush=True)
+"""
+
+
+def test_the_same_script_runs_unchanged_under_mpirun(tmp_path):
+    path = script(tmp_path, _TRAIN, "train.py")
+    run = mpirun(3, [path], timeout=60)
+    assert run.returncode == 0, run.output
+    lines = run.stdout.splitlines()
+    # every rank runs the script up to proc_mesh(); only rank 0 goes past it
+    assert sorted(line for line in lines if line.startswith("before")) == [
+        "before 0", "before 1", "before 2"]
+    assert [line for line in lines if line.startswith("after")] == [
+        "after 0 {'hosts': 1, 'procs': 3}"]
+    assert "values [12, 12, 12]" in lines
+    assert lines.count("finally") == 1 and lines.count("atexit ran") == 1
+
+
+def test_a_worker_rank_dying_later_is_an_actor_died_error(tmp_path):
+    # --enable-recovery keeps the other ranks alive after a death (Open MPI 5);
+    # without it mpirun ends the whole job, as the bootstrap's docstring says
+    path = script(tmp_path, """
+        import os, time
+        import numpy as np
+        import mesharray as ma
+
+        class Victim(ma.Actor):
+            @ma.endpoint
+            def pid(self):
+                return os.getpid()
+
+            @ma.endpoint
+            def die(self):
+                os._exit(9)
+
+        procs = ma.proc_mesh()
+        victims = procs.spawn("victims", Victim)
+        last = victims.slice(procs=-1)
+        t = time.monotonic()
+        try:
+            last.die.call_one().get(timeout=20)
+        except ma.ActorDiedError as exc:
+            print(f"died: {exc} after {time.monotonic() - t:.2f} s", flush=True)
+        # the ranks that are left keep working
+        alive = np.asarray(victims.slice(procs=slice(0, -1)).pid.call().get()).size
+        print("alive", alive, flush=True)
+    """)
+    from mesharray.bootstrap.mpi import _launcher_flavor, mpirun_command
+
+    if _launcher_flavor(mpirun_command(1, ["x"])[0]) != "openmpi":
+        pytest.skip("--enable-recovery is an Open MPI 5 option")
+    run = mpirun(3, [path], timeout=60, extra=["--enable-recovery"])
+    assert "died: process of rank 2" in run.stdout, run.output
+    assert "alive 2" in run.stdout
+    died = next(line for line in run.stdout.splitlines() if line.startswith("died"))
+    assert float(died.split(" after ")[1].split()[0]) < 5.0
+    # the job as a whole still reports the death
+    assert run.returncode != 0
