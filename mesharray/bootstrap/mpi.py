@@ -54,11 +54,16 @@ What users see when things fail
   itself. With Open MPI's defaults ``mpirun`` then terminates *every* rank and
   exits non-zero within a second or two ("prterun detected that one or more
   processes exited with non-zero status"), so the controller may be killed
-  before it sees anything. Under ``mpirun --enable-recovery`` (Open MPI 5) the
-  other ranks keep running and the controller sees the death exactly as on a
-  local mesh: pending and later calls to actors on that rank fail with
-  :class:`~mesharray.ActorDiedError`; ``mpirun`` still exits non-zero at the
-  end. MPICH's ``mpiexec`` behaves like Open MPI's default unless given
+  before it sees anything (it does see it: the controller notices the closed
+  connection within milliseconds, mpirun's kill comes a second or two later).
+  Under ``mpirun --enable-recovery`` (Open MPI 5) the other ranks keep running
+  and the controller sees the death exactly as on a local mesh: pending and
+  later calls to actors on that rank fail with
+  :class:`~mesharray.ActorDiedError` ("process of rank 2 (pid ...) died
+  (connection lost)": the exit status belongs to the launcher, not to us),
+  views without that rank keep working, and ``mpirun`` still exits non-zero
+  at the end. (With Open MPI 5.0.11 we saw ``--enable-recovery`` keep the
+  survivors of 3 or more ranks alive, but still end a 2-rank job.) MPICH's ``mpiexec`` behaves like Open MPI's default unless given
   ``-disable-auto-cleanup``.
 * **An unhandled exception on rank 0** after the bootstrap aborts the job
   (like ``python -m mpi4py``); ``python -m mesharray script.py`` gives the same
