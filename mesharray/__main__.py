@@ -87,8 +87,9 @@ def _guarded(run: Any) -> int:
     except BaseException:
         # print like the interpreter would, without this module's frames
         kind, value, tb = sys.exc_info()
-        skip = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
-        while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in skip:
+        skip = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
+        while tb is not None and (tb.tb_frame.f_code.co_filename in skip
+                                  or os.path.abspath(tb.tb_frame.f_code.co_filename) in skip):
             tb = tb.tb_next
         traceback.print_exception(kind, value, tb)
         code = 1

@@ -217,6 +217,6 @@ def test_a_worker_rank_dying_later_is_an_actor_died_error(tmp_path):
     assert "died: process of rank 2" in run.stdout, run.output
     assert "alive 2" in run.stdout
     died = next(line for line in run.stdout.splitlines() if line.startswith("died"))
-    assert float(died.split(" after ")[1].split()[0]) < 5.0
+    assert float(died.split(" after ")[1].split()[0]) < 10.0
     # the job as a whole still reports the death
     assert run.returncode != 0
