@@ -22,7 +22,6 @@ import importlib.util
 import json
 import os
 import runpy
-import shutil
 import sys
 import traceback
 from typing import Any, Sequence
@@ -231,7 +230,9 @@ def info() -> dict[str, Any]:
         bootstrap = resolve_bootstrap("auto")
     except ValueError as exc:
         bootstrap = f"invalid: {exc}"
-    mpirun = os.environ.get("MPIRUN") or shutil.which("mpirun") or shutil.which("mpiexec")
+    from mesharray.bootstrap.mpi import find_mpirun
+
+    mpirun = find_mpirun()
     return {
         "version": mesharray.__version__,
         "python": sys.version.split()[0],

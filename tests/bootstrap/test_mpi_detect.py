@@ -162,10 +162,10 @@ def test_bootstrap_validates_arguments_before_touching_mpi(monkeypatch):
 
 
 def test_mpirun_command_adds_what_open_mpi_needs():
-    import shutil
+    from mesharray.bootstrap.mpi import find_mpirun
 
-    if shutil.which("mpirun") is None:
-        pytest.skip("no mpirun on PATH (pip install 'mesharray[mpi]')")
+    if find_mpirun() is None:
+        pytest.skip("no mpirun beside python or on PATH (pip install 'mesharray[mpi]')")
     cmd = mpirun_command(3, ["python", "x.py"], extra=["--enable-recovery"])
     assert cmd[-5:] == ["--enable-recovery", "-n", "3", "python", "x.py"]
     from mesharray.bootstrap.mpi import _launcher_flavor
@@ -174,6 +174,16 @@ def test_mpirun_command_adds_what_open_mpi_needs():
         assert "--oversubscribe" in cmd
         assert ("--allow-run-as-root" in cmd) == (__import__("os").geteuid() == 0)
         assert "--oversubscribe" not in mpirun_command(1, ["x"], oversubscribe=False)
+
+
+def test_find_mpirun_honours_the_mpirun_variable(monkeypatch):
+    from mesharray.bootstrap.mpi import find_mpirun
+
+    monkeypatch.setenv("MPIRUN", "/opt/mpi/bin/mpiexec")
+    assert find_mpirun() == "/opt/mpi/bin/mpiexec"
+    # a launcher that is not Open MPI gets no Open MPI options
+    cmd = mpirun_command(2, ["python"], mpirun="/bin/true")
+    assert cmd == ["/bin/true", "-n", "2", "python"]
 
 
 def test_mpirun_command_rejects_bad_counts():
