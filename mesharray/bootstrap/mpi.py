@@ -711,7 +711,9 @@ def _bootstrap_controller(MPI: Any, hosts: int | None, procs: int | None,
         target=_thread_worker, args=(address, secret), name="mesharray-mpi-worker-0", daemon=True,
     )
     state.worker_thread.start()
-    remaining = max(0.0, deadline - time.monotonic())
+    # every rank is known alive and on its way: a join near the deadline
+    # still gets a few seconds to connect
+    remaining = max(deadline - time.monotonic(), min(timeout, 5.0))
     try:
         _runtime_adopt(controller, size, remaining, joined)
     except BaseException:
@@ -767,6 +769,9 @@ def _serve(MPI: Any) -> None:
         state = _make_comms(MPI)
         _state = state
         _runtime_run_worker(payload["address"], payload["secret"], rank, in_thread=False)
+    except KeyboardInterrupt:
+        # Ctrl-C reaches every rank through mpirun; rank 0 reports it
+        code = 130
     except BaseException:
         sys.stderr.write(f"mesharray: rank {rank}'s worker failed:\n" + traceback.format_exc())
         code = 1
