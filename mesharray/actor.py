@@ -412,7 +412,10 @@ class Endpoint:
         self._send(ranks, shape, args, kwargs, [_one_cb(f) for f in futs])
 
         def gen(n=len(ranks)):
+            from .runtime.router import flush_all
+
             for _ in range(n):
+                flush_all()
                 yield done.get()
         return gen()
 

@@ -98,6 +98,7 @@ class Future:
     def _wait(self, timeout) -> None:
         if self._value is not _PENDING:
             return
+        _flush_all()
         if timeout is None:
             ok = self._lock.acquire()
         else:
@@ -141,6 +142,7 @@ class Future:
 
     def __await__(self):
         if self._value is _PENDING:
+            _flush_all()
             loop = asyncio.get_running_loop()
             waiter = loop.create_future()
 
@@ -161,6 +163,12 @@ class Future:
         else:
             state = "done"
         return f"<mesharray.Future {state}>"
+
+
+def _flush_all() -> None:
+    from .router import flush_all
+
+    flush_all()
 
 
 def _wake(waiter) -> None:

@@ -19,13 +19,14 @@ import itertools
 import os
 import pickle
 import threading
+import time
 
 from ..errors import ActorDiedError, BrokenTransportError, ClosedTransportError
 from ..transport import framing
 from ..transport.connection import Connection, connect
 from . import protocol as P
 
-__all__ = ["Router", "get_router", "set_secret", "next_id"]
+__all__ = ["Router", "get_router", "set_secret", "next_id", "flush_all"]
 
 next_id = itertools.count(1).__next__
 
@@ -124,14 +125,24 @@ class Router:
         return vid
 
     def send(self, conn: Connection, kind: int, target: int, view: int, parts, cb) -> None:
-        """Send one frame; ``cb(status, payload_or_error)`` gets the reply (``None``: no reply)."""
+        """Send one frame; ``cb(status, payload_or_error)`` gets the reply (``None``: no reply).
+
+        Frames are corked (written later, many per write) when nobody can be
+        waiting on them yet: broadcasts, and calls while earlier calls on the
+        connection are still in flight (pipelining). A lone call goes out at
+        once. Corked frames are flushed before any wait (:func:`flush_all`) and
+        by a flusher thread within ~0.2 ms.
+        """
+        if conn.on_cork is None:
+            conn.on_cork = _mark_dirty
         if cb is None:
-            conn.send(kind, 0, 0, target, view, parts)
+            conn.send(kind, 0, 0, target, view, parts, cork=True)
             return
         mid = next_id()
+        cork = bool(conn.pending) or bool(conn._out)
         conn.pending[mid] = cb
         try:
-            conn.send(kind, P.F_REPLY, mid, target, view, parts)
+            conn.send(kind, P.F_REPLY, mid, target, view, parts, cork=cork)
         except (BrokenTransportError, ClosedTransportError):
             pass  # the close handler fails the pending call with the death error
         err = conn.died
@@ -139,6 +150,41 @@ class Router:
             c = conn.pending.pop(mid, None)
             if c is not None:
                 c(P.DIED, err)
+
+_dirty: set = set()
+_dirty_lock = threading.Lock()
+_flush_wake = threading.Event()
+_flusher: threading.Thread | None = None
+
+
+def _mark_dirty(conn: Connection) -> None:
+    global _flusher
+    with _dirty_lock:
+        _dirty.add(conn)
+        if _flusher is None or _flusher.ident is not None and not _flusher.is_alive():
+            _flusher = threading.Thread(target=_flush_loop, name="mesharray-flusher", daemon=True)
+            _flusher.start()
+    _flush_wake.set()
+
+
+def flush_all() -> None:
+    """Write every corked frame of this process now (called before blocking on a reply)."""
+    if not _dirty:
+        return
+    with _dirty_lock:
+        conns = list(_dirty)
+        _dirty.clear()
+    for c in conns:
+        c.flush()
+
+
+def _flush_loop() -> None:
+    while True:
+        _flush_wake.wait()
+        _flush_wake.clear()
+        time.sleep(0.0002)  # let a burst of sends accumulate
+        flush_all()
+
 
 _router: Router | None = None
 _router_lock = threading.Lock()

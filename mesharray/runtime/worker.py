@@ -273,14 +273,15 @@ class Worker:
             finally:
                 current.reset(token)
         if reply:
-            self._reply(conn, msg_id, slot, method, result)
+            self._reply(conn, msg_id, slot, method, result, cork=True)
 
     def _endpoint(self, slot, method):
         if method not in slot.endpoints:
             raise AttributeError(f"actor {slot.name!r} ({type(slot.obj).__name__}) has no endpoint {method!r}")
         return getattr(slot.obj, method)
 
-    def _reply(self, conn, msg_id, slot, method, result) -> None:
+    def _reply(self, conn, msg_id, slot, method, result, cork=False) -> None:
+        # cork=True in a reader thread: the reader flushes before it blocks again
         if result is None:
             parts = _EMPTY_OK
         else:
@@ -292,7 +293,7 @@ class Worker:
                 self._fail(conn, msg_id, True, slot, err)
                 return
         try:
-            conn.send(P.REPLY, 0, msg_id, P.OK, 0, parts)
+            conn.send(P.REPLY, 0, msg_id, P.OK, 0, parts, cork=cork)
         except ConnectionError:
             pass  # the caller is gone
 

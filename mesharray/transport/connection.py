@@ -23,6 +23,7 @@ import logging
 import os
 import socket
 import threading
+import time
 
 from .._core import pack_header, unpack_header
 from ..errors import AuthenticationError, BrokenTransportError, ClosedTransportError, FrameError
@@ -34,6 +35,8 @@ log = logging.getLogger("mesharray.transport")
 
 _RECV_BUF = 1 << 18
 _SMALL = 1 << 14
+_CORK_MAX = 1 << 16  # flush corked frames once this many bytes are queued
+_CORK_AGE = 0.0005  # ... or once the oldest has waited this long while handling a batch
 
 
 def parse_address(address: str):
@@ -78,39 +81,78 @@ class Connection:
         self.peer: dict = {}
         self.bytes_out = 0
         self.frames_out = 0
+        self._out: list = []  # corked frames
+        self._out_n = 0
+        self._out_t0 = 0.0
+        self.on_cork = None  # called when the queue of corked frames becomes non-empty
         if sock.family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     # -- sending ---------------------------------------------------------
     def send(self, kind: int, flags: int = 0, msg_id: int = 0, target: int = 0, view: int = 0,
-             parts=()) -> None:
-        """Send one frame; ``parts`` is a list of bytes-like objects (the payload)."""
+             parts=(), cork: bool = False) -> None:
+        """Send one frame; ``parts`` is a list of bytes-like objects (the payload).
+
+        ``cork=True`` queues a small frame instead of writing it: queued frames
+        go out in order, in one write, at the next :meth:`flush` or uncorked
+        send (the runtime flushes before anyone blocks waiting for a reply).
+        """
         n = 0
         for p in parts:
             n += p.nbytes if isinstance(p, memoryview) else len(p)
         hdr = pack_header(kind, flags, n, msg_id, target, view)
         if self._closed:
             raise ClosedTransportError(f"connection {self.name} is closed")
+        self.bytes_out += n + 24
+        self.frames_out += 1
         try:
             if n <= _SMALL:
                 data = hdr + b"".join(parts) if parts else hdr
                 with self._send_lock:
-                    self.sock.sendall(data)
+                    out = self._out
+                    if cork:
+                        out.append(data)
+                        self._out_n += len(data)
+                        if len(out) == 1:
+                            self._out_t0 = time.perf_counter()
+                            first = True
+                        else:
+                            first = False
+                            if self._out_n >= _CORK_MAX:
+                                self._flush_locked()
+                    elif out:
+                        out.append(data)
+                        self._flush_locked()
+                        return
+                    else:
+                        self.sock.sendall(data)
+                        return
+                if first and self.on_cork is not None:
+                    self.on_cork(self)
             else:
                 with self._send_lock:
+                    if self._out:
+                        self._flush_locked()
                     self._sendmsg([hdr, *parts])
         except OSError as exc:
             raise BrokenTransportError(f"connection {self.name} broke while sending: {exc}") from exc
-        self.bytes_out += n + 24
-        self.frames_out += 1
 
-    def send_raw(self, data: bytes) -> None:
-        """Send pre-packed frames (used to batch many small frames in one write)."""
-        try:
-            with self._send_lock:
-                self.sock.sendall(data)
-        except OSError as exc:
-            raise BrokenTransportError(f"connection {self.name} broke while sending: {exc}") from exc
+    def _flush_locked(self) -> None:
+        data = b"".join(self._out)
+        self._out.clear()
+        self._out_n = 0
+        self.sock.sendall(data)
+
+    def flush(self) -> None:
+        """Write the queued (corked) frames now; errors are left to the reader to report."""
+        if not self._out:
+            return
+        with self._send_lock:
+            if self._out:
+                try:
+                    self._flush_locked()
+                except OSError:
+                    self._out.clear()
 
     def _sendmsg(self, parts) -> None:
         views = [memoryview(p).cast("B") if not isinstance(p, bytes) else memoryview(p) for p in parts]
@@ -150,6 +192,8 @@ class Connection:
                         payload = bytearray(view[start + 24:start + total]) if length else b""
                         start += total
                         handler(self, kind, flags, msg_id, target, vw, payload)
+                        if self._out and time.perf_counter() - self._out_t0 > _CORK_AGE:
+                            self.flush()
                     elif total > len(buf):
                         payload = bytearray(length)
                         have = end - start - 24
@@ -165,6 +209,8 @@ class Connection:
                         handler(self, kind, flags, msg_id, target, vw, payload)
                     else:
                         break
+                if self._out:
+                    self.flush()  # replies queued while handling this batch
                 if start == end:
                     start = end = 0
                 elif start and len(buf) - end < 65536:
