@@ -25,6 +25,7 @@ from ..errors import ActorDiedError, BrokenTransportError, ClosedTransportError
 from ..transport import framing
 from ..transport.connection import Connection, connect
 from . import protocol as P
+from .context import current
 
 __all__ = ["Router", "get_router", "set_secret", "next_id", "flush_all"]
 
@@ -37,6 +38,8 @@ class Router:
     def __init__(self, secret: bytes) -> None:
         self.secret = secret
         self.conns: dict[str, Connection] = {}
+        # connections opened for code running inside an actor (see connection())
+        self.peer_conns: dict[str, Connection] = {}
         self.dead: dict[str, BaseException] = {}
         self._lock = threading.Lock()
         self._view_lock = threading.Lock()
@@ -50,14 +53,20 @@ class Router:
             self.dead.pop(address, None)
 
     def connection(self, address: str) -> Connection:
-        conn = self.conns.get(address)
+        # Code running inside an actor never uses the connections the
+        # controller registered: where a controller and a worker share a
+        # process (rank 0 under MPI), an actor's nested call sent on the
+        # controller's connection would queue behind the very call it is
+        # serving (same reader thread on the far side) and deadlock.
+        conns = self.peer_conns if current.get() is not None else self.conns
+        conn = conns.get(address)
         if conn is not None:
             return conn
         err = self.dead.get(address)
         if err is not None:
             raise err
         with self._lock:
-            conn = self.conns.get(address)
+            conn = conns.get(address)
             if conn is not None:
                 return conn
             try:
@@ -68,7 +77,7 @@ class Router:
             conn.peer["address"] = address
             conn.send(P.HELLO, parts=[pickle.dumps(self.identity)])
             conn.start()
-            self.conns[address] = conn
+            conns[address] = conn
             return conn
 
     def _on_frame(self, conn, kind, flags, msg_id, target, view, payload) -> None:
@@ -83,15 +92,19 @@ class Router:
 
     def mark_dead(self, address: str, conn: Connection | None, err: BaseException) -> None:
         """Fail every pending call on ``address`` and every later send with ``err``."""
+        victims = []
         with self._lock:
             self.dead[address] = err
-            if conn is None:
-                conn = self.conns.get(address)
-            if conn is not None and self.conns.get(address) is conn:
-                del self.conns[address]
-        if conn is not None:
-            conn.died = err
-            pending = conn.pending
+            for table in (self.conns, self.peer_conns):
+                known = table.get(address)
+                if known is not None and (conn is None or known is conn or table is self.peer_conns):
+                    del table[address]
+                    victims.append(known)
+        if conn is not None and conn not in victims:
+            victims.append(conn)
+        for c in victims:
+            c.died = err
+            pending = c.pending
             while pending:
                 try:
                     _, cb = pending.popitem()
@@ -102,9 +115,10 @@ class Router:
     def forget(self, address: str) -> None:
         with self._lock:
             self.dead.pop(address, None)
-            conn = self.conns.pop(address, None)
-        if conn is not None:
-            conn.close(join=False)
+            conns = [t.pop(address, None) for t in (self.conns, self.peer_conns)]
+        for conn in conns:
+            if conn is not None:
+                conn.close(join=False)
 
     # -- calls ------------------------------------------------------------
     def on_reply(self, conn, msg_id, status, payload) -> None:

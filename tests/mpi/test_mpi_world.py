@@ -187,3 +187,19 @@ def test_bad_rank_lists_are_rejected_on_the_worker(world, mpi_size):
 def test_local_communicator_spans_this_host(world, mpi_size):
     probes = spawn(world, Probe)
     assert _values(probes.local_size.call().get()) == [mpi_size] * mpi_size
+
+
+class Relay(ma.Actor):
+    """Calls another actor mesh from inside a worker (peer-to-peer, not via rank 0)."""
+
+    @ma.endpoint
+    def ask(self, probes):
+        got = probes.where.call().get()
+        return [g["world_rank"] for g in np.asarray(got, dtype=object).ravel()]
+
+
+def test_actors_call_each_other_across_mpi_ranks(world, mpi_size):
+    probes = spawn(world, Probe)
+    relays = spawn(world, Relay)
+    got = _values(relays.ask.call(probes).get())
+    assert got == [list(range(mpi_size))] * mpi_size
