@@ -50,7 +50,7 @@ test-mpi: $(VENV)/.installed-test
 	@for n in $(MPI_SIZES); do \
 	  echo "== tests/mpi under mpirun -n $$n"; \
 	  PATH="$(CURDIR)/$(VENV)/bin:$$PATH" timeout -k 10 300 $(MPIRUN) $(MPIRUN_FLAGS) -n $$n \
-	    $(PY) -m pytest tests/mpi -q -p no:cacheprovider --timeout=60 || exit 1; \
+	    $(PY) -m pytest tests/mpi -q -p no:cacheprovider --timeout=60 --color=no || exit 1; \
 	done
 
 bench: $(VENV)/.installed-test
