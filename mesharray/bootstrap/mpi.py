@@ -63,8 +63,12 @@ What users see when things fail
   (connection lost)": the exit status belongs to the launcher, not to us),
   views without that rank keep working, and ``mpirun`` still exits non-zero
   at the end. (With Open MPI 5.0.11 we saw ``--enable-recovery`` keep the
-  survivors of 3 or more ranks alive, but still end a 2-rank job.) MPICH's ``mpiexec`` behaves like Open MPI's default unless given
+  survivors of 3 or more ranks alive, but still end a 2-rank job.) MPICH's
+  ``mpiexec`` behaves like Open MPI's default unless given
   ``-disable-auto-cleanup``.
+* **Output**: what ranks 1..N-1 print reaches the terminal through mpirun
+  itself (``mpirun --tag-output`` prefixes each line with its rank), not
+  through the runtime's log forwarding.
 * **An unhandled exception on rank 0** after the bootstrap aborts the job
   (like ``python -m mpi4py``); ``python -m mesharray script.py`` gives the same
   guarantee on every rank, also before the bootstrap.

@@ -39,9 +39,7 @@ def pytest_unconfigure(config):
     global _world
     if _world is not None:
         # stop the workers while pytest is still here to report a hang
-        from mesharray.bootstrap.mpi import _shutdown_controller
-
-        _shutdown_controller()
+        _world.stop()
         _world = None
 
 
