@@ -147,6 +147,7 @@ class _State:
         self.creating: dict[tuple[int, ...], threading.Lock] = {}
         self.mesh: Any = None
         self.worker_thread: threading.Thread | None = None
+        self.controller: Any = None
 
     def free(self) -> None:
         """Drop mesharray's communicators (MPI_Finalize releases them).
@@ -730,6 +731,7 @@ def _bootstrap_controller(MPI: Any, hosts: int | None, procs: int | None,
     shape = _make_shape(names, sizes, ranks)
     mesh = _runtime_proc_mesh(controller, shape, owner)
     state.mesh = mesh
+    state.controller = controller
     _check_sizes(dict(zip(names, sizes)), hosts, procs)
     # LIFO: runs before mpi4py finalizes MPI, so workers are told to stop first
     atexit.register(_shutdown_controller)
@@ -745,15 +747,35 @@ def _thread_worker(address: str, secret: bytes) -> None:
 
 
 def _shutdown_controller() -> None:
-    """Stop the world mesh (its workers serve until then); idempotent."""
+    """Stop the world mesh (its workers serve until then); idempotent.
+
+    If a worker rank died during the job (possible under ``mpirun
+    --enable-recovery``), the job is aborted instead: ``MPI_Finalize`` waits on
+    every rank of the world and was seen to hang on the dead one. The job's
+    status is non-zero either way, since a rank died.
+    """
     state = _state
     if state is None or state.mesh is None:
         return
     mesh = state.mesh
+    dead = _dead_ranks(state.controller)
     try:
         _runtime_stop(mesh)
     finally:
         state.free()
+    if dead:
+        sys.stderr.write(
+            f"mesharray: ranks {_fmt_ranks(dead)} died during the job; aborting the MPI job "
+            f"rather than risk MPI_Finalize waiting for them\n"
+        )
+        abort_world(1)
+
+
+def _dead_ranks(controller: Any) -> list[int]:
+    from ..errors import ActorDiedError
+
+    workers = getattr(controller, "workers", {}) if controller is not None else {}
+    return sorted(r for r, info in workers.items() if isinstance(info.error, ActorDiedError))
 
 
 def _serve(MPI: Any) -> None:

@@ -218,5 +218,7 @@ def test_a_worker_rank_dying_later_is_an_actor_died_error(tmp_path):
     assert "alive 2" in run.stdout
     died = next(line for line in run.stdout.splitlines() if line.startswith("died"))
     assert float(died.split(" after ")[1].split()[0]) < 10.0
-    # the job as a whole still reports the death
+    # the job as a whole still reports the death, and ends (no MPI_Finalize
+    # waiting on the dead rank)
     assert run.returncode != 0
+    assert "ranks [2] died during the job; aborting the MPI job" in run.stderr
