@@ -208,8 +208,9 @@ class ProcMesh(*_BASES):
         return f"<ProcMesh {{{sizes}}}{state}>"
 
 
-def proc_mesh(hosts: int = 1, procs: int = 1, *, forward_logs: bool = True, heartbeat_timeout: float = 5.0,
-              heartbeat_interval: float = 0.5, timeout: float = 60.0, owner=None,
+def proc_mesh(hosts: int | None = None, procs: int | None = None, *, bootstrap: str = "auto",
+              forward_logs: bool = True, heartbeat_timeout: float = 5.0,
+              heartbeat_interval: float = 0.5, timeout: float | None = None, owner=None,
               name: str = "procs") -> ProcMesh:
     """Start ``hosts * procs`` worker processes on this host; a mesh with dims ``(hosts, procs)``.
 
@@ -218,18 +219,27 @@ def proc_mesh(hosts: int = 1, procs: int = 1, *, forward_logs: bool = True, hear
     hundred milliseconds. ``hosts > 1`` lays several groups out as if they were
     hosts (all on this machine).
 
+    Under a launcher (``mpirun -n N python script.py``; ``bootstrap="auto"``
+    detects it, ``bootstrap="mpi"`` asks for it) the same call returns the MPI
+    world instead — see :mod:`mesharray.bootstrap.mpi`: rank 0 gets the mesh,
+    ranks 1..N-1 serve inside this call and never return from it.
+
     Parameters
     ----------
-    hosts, procs : int
-        Mesh sizes.
+    hosts, procs : int, optional
+        Mesh sizes (default 1 each; under MPI the topology decides and given
+        sizes must match it).
+    bootstrap : {"auto", "local", "mpi"}
+        How the processes are found: ``auto`` is ``mpi`` under a launcher
+        (or ``$MESHARRAY_BOOTSTRAP``), else ``local``.
     forward_logs : bool
         Print workers' stdout/stderr/logging here, prefixed with their rank.
     heartbeat_timeout : float
         A worker silent this long (seconds) is declared hung and killed.
     heartbeat_interval : float
         Seconds between a worker's heartbeats.
-    timeout : float
-        How long to wait for the workers to join.
+    timeout : float, optional
+        How long to wait for the workers to join (default 60 s; 30 s under MPI).
     owner : object, optional
         Its ``__supervise__(failure)`` method, if any, sees each :class:`~mesharray.MeshFailure`.
     name : str
@@ -243,6 +253,16 @@ def proc_mesh(hosts: int = 1, procs: int = 1, *, forward_logs: bool = True, hear
     {'hosts': 1, 'procs': 2}
     >>> procs.stop()                              # doctest: +SKIP
     """
+    from .bootstrap._detect import resolve_bootstrap
+
+    if resolve_bootstrap(bootstrap) == "mpi":
+        from .bootstrap import mpi
+
+        return mpi.bootstrap(hosts=hosts, procs=procs, timeout=timeout, owner=owner, name=name,
+                             heartbeat_timeout=heartbeat_timeout, heartbeat_interval=heartbeat_interval)
+    hosts = 1 if hosts is None else hosts
+    procs = 1 if procs is None else procs
+    timeout = 60.0 if timeout is None else timeout
     for label, v in (("hosts", hosts), ("procs", procs)):
         if not isinstance(v, int) or isinstance(v, bool):
             raise TypeError(f"{label} must be an int, got {type(v).__name__}")

@@ -1,7 +1,9 @@
 """Bootstraps: how the processes of a mesh are started or found.
 
 - :mod:`.local` — worker processes on this host, forked from a zygote (the default).
-- ``mpi``       — the world of an ``mpirun``-launched script (written separately).
+- :mod:`.mpi`   — the world of an ``mpirun``-launched script, through mpi4py
+  (``proc_mesh(bootstrap="auto")`` picks it when
+  :func:`~mesharray.bootstrap._detect.detect_launcher` sees a launcher).
 
 A bootstrap starts (or finds) the workers, each running
 :func:`mesharray.runtime.worker.run_worker`, and lets a
@@ -9,4 +11,4 @@ A bootstrap starts (or finds) the workers, each running
 controller ``exit_status`` and ``kill`` hooks.
 """
 
-__all__ = ["local"]
+__all__ = ["local", "mpi"]
