@@ -26,6 +26,7 @@ Supervision
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import sys
 import threading
@@ -239,7 +240,7 @@ class Controller:
                         check()
                     finally:
                         self._cond.acquire()
-        cfg_base = {"heartbeat_interval": self.heartbeat_interval}
+        cfg_base = {"heartbeat_interval": self.heartbeat_interval, "pid": os.getpid()}
         infos = [self.workers[r] for r in range(n)]
         for info in infos:
             info.last_seen = time.monotonic()

@@ -188,6 +188,7 @@ class Worker:
             conn.peer.update(pickle.loads(payload))
         elif kind == P.CONFIG:
             cfg = pickle.loads(payload)
+            conn.peer["pid"] = cfg.get("pid")
             self.heartbeat_interval = cfg.get("heartbeat_interval", self.heartbeat_interval)
             from .. import telemetry
 
@@ -295,7 +296,7 @@ class Worker:
             parts = _EMPTY_OK
         else:
             try:
-                parts = framing.encode_one(framing.dumps(result), conn.same_host)
+                parts = framing.encode_one(framing.dumps(result), conn.same_host, conn.peer.get("pid"))
             except Exception as exc:
                 err = TypeError(f"endpoint {method!r} returned a value of type {type(result).__name__} "
                                 f"that cannot be pickled: {exc}")

@@ -221,6 +221,23 @@ def test_large_numpy_round_trip_through_shared_memory(probes):
     assert outs.shape == (1, 4, 1000)
 
 
+def test_returned_views_are_not_overwritten_by_later_sends(probes):
+    one = probes.slice(procs=2)
+    a = np.full(1 << 20, 1.0)
+    back = one.echo.call_one(a).get(timeout=20)  # comes back without a copy
+    for v in (2.0, 3.0):
+        np.testing.assert_array_equal(one.echo.call_one(np.full(1 << 20, v)).get(timeout=20), v)
+    assert float(back.min()) == float(back.max()) == 1.0
+    back[:] = 7.0  # ours to write
+    again = one.echo.call_one(a).get(timeout=20)
+    assert float(again.max()) == 1.0 and float(back.max()) == 7.0
+    del back, again
+    import gc
+
+    gc.collect()
+    np.testing.assert_array_equal(one.echo.call_one(a).get(timeout=20), a)
+
+
 def test_large_array_to_many_actors(probes):
     a = np.ones(1 << 20, dtype=np.float64)
     out = probes.echo.call(a).get(timeout=20)
