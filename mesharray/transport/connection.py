@@ -1,19 +1,27 @@
 """Connections and listeners: one authenticated socket per peer pair and direction.
 
-Addresses are strings: ``"unix:@name"`` (Linux abstract namespace) or
-``"unix:/path/to/socket"`` (same host, the default:
-unix sockets have ~60% of TCP's loopback latency) or ``"tcp:host:port"``
-(other hosts; listeners bind 127.0.0.1 unless told otherwise).
+Addresses are strings: ``"unix:@name"`` (same host, the default on Linux: an
+abstract socket, so a killed process leaves no file behind), ``"unix:/path"``
+(same host elsewhere; unix sockets have ~60% of TCP's loopback latency) or
+``"tcp:host:port"`` (other hosts; listeners bind 127.0.0.1 unless told
+otherwise).
 
 Design, for latency:
 
 - **Sending happens in the caller's thread**, under one lock per connection:
   no hop to an I/O thread or event loop. Small frames are joined and written
   with one ``sendall``; large ones with ``sendmsg`` (scatter/gather, no copy).
-- **One reader thread per connection** does blocking ``recv_into`` into a
-  reused buffer, parses every complete frame in it and calls the handler
-  inline for each. A frame longer than the buffer gets a buffer of exactly its
-  length, allocated only after the length passed the limit check.
+  Small frames may be *corked* (queued and written together later, see
+  :meth:`Connection.send`).
+- Reading, two modes. **Thread mode** (:meth:`Connection.start`; workers'
+  inbound connections, whose handlers run actor code): one reader thread per
+  connection does blocking ``recv_into`` into a reused buffer, parses every
+  complete frame in it and calls the handler inline for each. **Poll mode**
+  (:meth:`Connection.start_polled`; callers' connections, whose handlers only
+  resolve futures): one :class:`Poller` thread per process reads them all, and
+  a caller blocked on one reply reads its connection itself.
+- A frame longer than the receive buffer gets a buffer of exactly its length,
+  allocated only after the length passed the limit check.
 - A malformed header or an oversized length is a :class:`FrameError`: it is
   logged and the connection is dropped; the listener keeps serving others.
 """
