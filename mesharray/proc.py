@@ -56,6 +56,7 @@ class _Root:
         self.addresses = tuple(controller.workers[r].address for r in range(shape.size))
         self.actor_meshes: list[ActorMesh] = []
         self.stopped = False
+        self.stopping = False
         self._lock = threading.Lock()
         for r in range(shape.size):
             coords = shape.coordinates(r)
@@ -74,17 +75,19 @@ class _Root:
             sup(MeshFailure(m.name, failure.crashed_ranks, failure.error, m))
 
     def stop(self) -> None:
+        # the lock is held for the whole stop: a second caller returns once it is done
         with self._lock:
             if self.stopped:
                 return
-            self.stopped = True
-        try:
-            self.controller.stop()
-        finally:
-            if self.bootstrap is not None:
-                self.bootstrap.close()
-            for a in self.addresses:
-                self.controller.router.forget(a)
+            self.stopping = True
+            try:
+                self.controller.stop()
+            finally:
+                if self.bootstrap is not None:
+                    self.bootstrap.close()
+                for a in self.addresses:
+                    self.controller.router.forget(a)
+                self.stopped = True
 
 
 class ProcMesh(*_BASES):
@@ -148,7 +151,7 @@ class ProcMesh(*_BASES):
         if not (isinstance(actor_class, type) and issubclass(actor_class, Actor)):
             raise TypeError(f"spawn needs a subclass of mesharray.Actor, got {actor_class!r}")
         root = self._root
-        if root.stopped:
+        if root.stopped or root.stopping:
             raise RuntimeError("ProcMesh has already been stopped; cannot spawn actors on it")
         actor_id = _actor_ids()
         p = framing.dumps((name, actor_class, args, kwargs, self._shape))

@@ -181,13 +181,19 @@ class Controller:
             self._cond.notify_all()
         self.counters.deaths += 1
         self.router.mark_dead(info.address, conn or info.conn, err)
-        if not self.stopping:
+        if not self.stopping and self.on_failure:
+            # hooks run in a thread of their own: one may stop the mesh, which waits
+            # for connections that the thread reporting this failure would close
             failure = MeshFailure(self.name, (info.rank,), err)
-            for hook in list(self.on_failure):
-                try:
-                    hook(failure)
-                except Exception:
-                    log.exception("failure hook raised")
+            threading.Thread(target=self._run_hooks, args=(failure,), name="mesharray-supervise",
+                             daemon=True).start()
+
+    def _run_hooks(self, failure: MeshFailure) -> None:
+        for hook in list(self.on_failure):
+            try:
+                hook(failure)
+            except Exception:
+                log.exception("failure hook raised")
 
     def _monitor_loop(self) -> None:
         period = min(self.heartbeat_interval, self.heartbeat_timeout / 4)

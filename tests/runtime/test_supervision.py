@@ -47,10 +47,40 @@ def test_worker_death_fails_pending_and_later_calls(how, code, sig):
         with pytest.raises(ma.ActorDiedError):
             p.echo.call(1).get(timeout=5)
         assert p[0, ::2].echo.call(5).get(timeout=10).tolist() == [5, 5]
+        deadline = time.monotonic() + 5
+        while len(owner.failures) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert {f.mesh_name for f in owner.failures} == {"p", "a"}
         assert all(f.crashed_ranks == (1,) for f in owner.failures)
         assert procs.stats()["alive"] == 2
     # stop() still worked: context exit returned, nothing left behind (conftest checks)
+
+
+class Stopper:
+    """An owner whose ``__supervise__`` stops the mesh, as a user might."""
+
+    def __init__(self) -> None:
+        self.procs = None
+        self.stopped_at = None
+
+    def __supervise__(self, failure) -> None:
+        self.procs.stop()
+        self.stopped_at = time.monotonic()
+
+
+def test_supervise_hook_may_stop_the_mesh():
+    owner = Stopper()
+    procs = ma.proc_mesh(hosts=1, procs=2, owner=owner, forward_logs=False)
+    owner.procs = procs
+    p = procs.spawn("p", Probe)
+    t0 = time.monotonic()
+    p.slice(procs=0).die.broadcast("kill")
+    deadline = t0 + 10
+    while owner.stopped_at is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert owner.stopped_at is not None and owner.stopped_at - t0 < 3.0
+    assert procs.stopped
+    procs.stop()
 
 
 def test_hung_worker_is_found_by_heartbeats():
