@@ -184,9 +184,17 @@ class ProcMesh(*_BASES):
         self._root.stop()
 
     def stats(self) -> dict:
-        """Runtime counters of the mesh (spawns, deaths, forwarded log bytes, ...)."""
+        """Runtime counters.
+
+        Of this mesh: ``replies`` (and ``errors`` among them), ``spawns``,
+        ``deaths``, ``log_bytes`` forwarded, ``workers`` and how many are
+        ``alive``. Of this process, all meshes together: ``calls`` sent
+        expecting a reply and ``broadcasts``.
+        """
         c = self._root.controller
         d = c.counters.as_dict()
+        d["calls"] = c.router.sent_calls
+        d["broadcasts"] = c.router.sent_oneway
         d["workers"] = len(c.workers)
         d["alive"] = sum(1 for w in c.workers.values() if w.alive)
         return d

@@ -12,8 +12,9 @@ leaves the workers' output on the terminal they inherited, unprefixed.
 
 Counters
 --------
-:class:`Counters` counts calls, replies, frames and bytes per process mesh;
-``ProcMesh.stats()`` returns them as a dict.
+:class:`Counters` counts replies, errors, spawns, deaths and forwarded log
+bytes per process mesh; the process's router counts the calls and broadcasts
+it sent. ``ProcMesh.stats()`` returns both as a dict.
 """
 
 from __future__ import annotations
@@ -121,11 +122,9 @@ class LogSink:
 class Counters:
     """Runtime counters of one process mesh (read with ``ProcMesh.stats()``)."""
 
-    __slots__ = ("calls", "broadcasts", "replies", "errors", "deaths", "log_bytes", "spawns")
+    __slots__ = ("replies", "errors", "deaths", "log_bytes", "spawns")
 
     def __init__(self) -> None:
-        self.calls = 0
-        self.broadcasts = 0
         self.replies = 0
         self.errors = 0
         self.deaths = 0

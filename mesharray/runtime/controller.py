@@ -117,6 +117,9 @@ class Controller:
 
     def _on_frame(self, conn, kind, flags, msg_id, target, view, payload) -> None:
         if kind == P.REPLY:
+            self.counters.replies += 1
+            if target != P.OK:
+                self.counters.errors += 1
             cb = conn.pending.pop(msg_id, None)
             if cb is not None:
                 cb(target, payload)

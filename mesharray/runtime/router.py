@@ -40,6 +40,8 @@ class Router:
         self.conns: dict[str, Connection] = {}
         self.peer_conns: dict[str, Connection] = {}  # used by code running inside actors
         self.dead: dict[str, BaseException] = {}
+        self.sent_calls = 0  # frames that expect a reply (calls, spawns), this process
+        self.sent_oneway = 0  # broadcasts, this process
         self._lock = threading.Lock()
         self._view_lock = threading.Lock()
         self.identity: dict = {"role": "peer", "pid": os.getpid()}
@@ -148,7 +150,9 @@ class Router:
             conn.on_cork = _mark_dirty
         if cb is None:
             conn.send(kind, 0, 0, target, view, parts, cork=True)
+            self.sent_oneway += 1
             return
+        self.sent_calls += 1
         mid = next_id()
         cork = bool(conn.pending) or bool(conn._out)
         conn.pending[mid] = cb

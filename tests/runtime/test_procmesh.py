@@ -84,6 +84,13 @@ def test_forwarding_can_be_switched_off(capsys):
     assert "[procs=0]" not in capsys.readouterr().out
 
 
-def test_stats(procs):
+def test_stats(procs, probes):
+    before = procs.stats()
+    probes.echo.call(1).get(timeout=10)
+    probes.echo.broadcast(1)
+    with pytest.raises(ma.ActorError):
+        probes.slice(procs=0).fail.call_one().get(timeout=10)
     s = procs.stats()
     assert s["workers"] == 4 and s["alive"] == 4 and s["spawns"] >= 1
+    assert s["calls"] - before["calls"] == 5 and s["broadcasts"] - before["broadcasts"] == 4
+    assert s["replies"] - before["replies"] == 5 and s["errors"] - before["errors"] == 1
