@@ -302,6 +302,9 @@ class ActorMesh(MeshTrait):
                 pass
 
 
+_NO_ARGS = framing.dumps(((), {}))
+
+
 class Endpoint:
     """An endpoint of an actor mesh: the adverbs that send a message to its actors."""
 
@@ -314,7 +317,7 @@ class Endpoint:
 
     def _send(self, ranks, shape, args, kwargs, cbs) -> None:
         """Pickle once, then send one CALL per rank (``cbs[i]`` gets rank i's reply)."""
-        p = framing.dumps((args, kwargs))
+        p = framing.dumps((args, kwargs)) if (args or kwargs) else _NO_ARGS
         mesh = self._mesh
         router = get_router()
         addrs = mesh._addresses
@@ -367,6 +370,21 @@ class Endpoint:
         self._send(ranks, shape, args, kwargs, cbs)
         return fut
 
+    def _send_one(self, rank, shape, args, kwargs, cb) -> None:
+        """The latency path of ``call_one``/``choose``: one rank, small arguments."""
+        p = framing.dumps((args, kwargs)) if (args or kwargs) else _NO_ARGS
+        if p.big:
+            return self._send((rank,), shape, args, kwargs, (cb,))
+        router = get_router()
+        try:
+            conn = router.connection(self._mesh._addresses[rank])
+        except Exception as exc:
+            cb(P.DIED, exc)
+            return
+        parts = [self._method, *framing.encode(p)]
+        router.send(conn, P.CALL, self._mesh._actor_id, router.view_id(conn, shape), parts, cb)
+        return conn
+
     def call_one(self, *args, **kwargs) -> Future:
         """Call the only actor of the mesh; ``ValueError`` (nothing sent) if it has more than one.
 
@@ -380,7 +398,9 @@ class Endpoint:
         if n != 1:
             raise ValueError(f"call_one requires exactly 1 actor, but mesh has {n}")
         fut = Future._new()
-        self._send((shape.rank(0),), shape, args, kwargs, (_one_cb(fut),))
+        conn = self._send_one(shape.rank(0), shape, args, kwargs, _one_cb(fut))
+        if conn is not None and getattr(conn, "_rlock", None) is not None:
+            fut._conn = conn
         return fut
 
     def choose(self, *args, **kwargs) -> Future:
@@ -390,7 +410,7 @@ class Endpoint:
             raise ValueError("choose needs at least 1 actor, but mesh has 0")
         r = shape.rank(random.randrange(shape.size))
         fut = Future._new()
-        self._send((r,), shape, args, kwargs, (_one_cb(fut),))
+        self._send_one(r, shape, args, kwargs, _one_cb(fut))
         return fut
 
     def stream(self, *args, **kwargs):

@@ -259,7 +259,7 @@ def _zygote_main() -> None:
     except SystemExit:
         pass
     # the controller is gone or done: no worker may outlive it
-    deadline = time.monotonic() + 2.0
+    deadline = time.monotonic() + 0.5  # the controller already waited for them to stop
     while children and time.monotonic() < deadline:
         reap()
         time.sleep(0.01)

@@ -26,6 +26,7 @@ Supervision
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import sys
 import threading
@@ -112,7 +113,7 @@ class Controller:
         conn = Connection(sock, handler=self._on_frame, on_close=self._on_close, name="worker")
         with self._cond:
             self._conns.add(conn)
-        conn.start()
+        conn.start_polled()
 
     def _on_frame(self, conn, kind, flags, msg_id, target, view, payload) -> None:
         if kind == P.REPLY:
@@ -216,6 +217,7 @@ class Controller:
         """
         t0 = time.monotonic()
         shown = False
+        next_note = t0 + 1.0
         with self._cond:
             while True:
                 have = sum(1 for r in range(n) if r in self.workers)
@@ -226,10 +228,11 @@ class Controller:
                     missing = [r for r in range(n) if r not in self.workers]
                     raise BootstrapError(f"only {have} of {n} workers joined within {timeout} s; "
                                          f"missing ranks {missing[:16]}")
-                if progress and now - t0 > 1.0 and (not shown or int(now - t0) != int(now - t0 - 0.1)):
+                if progress and now >= next_note:
                     print(f"mesharray: {have}/{n} processes started ({now - t0:.1f} s)",
                           file=sys.stderr, flush=True)
                     shown = True
+                    next_note = now + 1.0
                 self._cond.wait(0.1)
                 if check is not None:
                     self._cond.release()
@@ -237,7 +240,7 @@ class Controller:
                         check()
                     finally:
                         self._cond.acquire()
-        cfg_base = {"heartbeat_interval": self.heartbeat_interval}
+        cfg_base = {"heartbeat_interval": self.heartbeat_interval, "pid": os.getpid()}
         infos = [self.workers[r] for r in range(n)]
         for info in infos:
             info.last_seen = time.monotonic()
@@ -250,7 +253,7 @@ class Controller:
         return infos
 
     # -- stop -------------------------------------------------------------------
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 3.0) -> None:
         """Ask every live worker to exit and wait for their connections to end."""
         if self.stopped:
             return

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import _thread
 import asyncio
+from time import monotonic as _monotonic
 
 __all__ = ["Future"]
 
@@ -33,7 +34,7 @@ class Future:
     3
     """
 
-    __slots__ = ("_lock", "_value", "_exc", "_callbacks", "__weakref__")
+    __slots__ = ("_lock", "_value", "_exc", "_callbacks", "_conn", "__weakref__")
 
     def __init__(self) -> None:
         raise TypeError("Future has no public constructor; futures come from endpoint adverbs")
@@ -46,6 +47,7 @@ class Future:
         f._value = _PENDING
         f._exc = None
         f._callbacks = None
+        f._conn = None  # the polled connection its reply comes on, when only one
         return f
 
     @classmethod
@@ -99,6 +101,14 @@ class Future:
         if self._value is not _PENDING:
             return
         _flush_all()
+        conn = self._conn
+        if conn is not None:
+            # read the reply ourselves rather than be woken by the poller thread
+            if timeout is not None and timeout < 0:
+                raise ValueError(f"timeout must be >= 0, got {timeout}")
+            deadline = None if timeout is None else _monotonic() + timeout
+            if conn.read_until(self, deadline) and self._value is _PENDING and deadline is not None:
+                timeout = max(0.0, deadline - _monotonic())
         if timeout is None:
             ok = self._lock.acquire()
         else:

@@ -38,8 +38,7 @@ class Router:
     def __init__(self, secret: bytes) -> None:
         self.secret = secret
         self.conns: dict[str, Connection] = {}
-        # connections opened for code running inside an actor (see connection())
-        self.peer_conns: dict[str, Connection] = {}
+        self.peer_conns: dict[str, Connection] = {}  # used by code running inside actors
         self.dead: dict[str, BaseException] = {}
         self._lock = threading.Lock()
         self._view_lock = threading.Lock()
@@ -53,20 +52,22 @@ class Router:
             self.dead.pop(address, None)
 
     def connection(self, address: str) -> Connection:
-        # Code running inside an actor never uses the connections the
-        # controller registered: where a controller and a worker share a
-        # process (rank 0 under MPI), an actor's nested call sent on the
-        # controller's connection would queue behind the very call it is
-        # serving (same reader thread on the far side) and deadlock.
-        conns = self.peer_conns if current.get() is not None else self.conns
-        conn = conns.get(address)
+        """The connection to send on to ``address``, opened on first use.
+
+        Code running inside an actor gets connections of its own (to the
+        worker's listener), never the ones the controller registered: when a
+        worker runs in the controller's process (rank 0 under MPI), a call from
+        an actor must not queue behind the very endpoint that makes it.
+        """
+        table = self.conns if current.get() is None else self.peer_conns
+        conn = table.get(address)
         if conn is not None:
             return conn
         err = self.dead.get(address)
         if err is not None:
             raise err
         with self._lock:
-            conn = conns.get(address)
+            conn = table.get(address)
             if conn is not None:
                 return conn
             try:
@@ -76,8 +77,8 @@ class Router:
             conn = Connection(sock, handler=self._on_frame, on_close=self._on_close, name=address)
             conn.peer["address"] = address
             conn.send(P.HELLO, parts=[pickle.dumps(self.identity)])
-            conn.start()
-            conns[address] = conn
+            conn.start_polled()
+            table[address] = conn
             return conn
 
     def _on_frame(self, conn, kind, flags, msg_id, target, view, payload) -> None:
@@ -92,17 +93,11 @@ class Router:
 
     def mark_dead(self, address: str, conn: Connection | None, err: BaseException) -> None:
         """Fail every pending call on ``address`` and every later send with ``err``."""
-        victims = []
         with self._lock:
             self.dead[address] = err
-            for table in (self.conns, self.peer_conns):
-                known = table.get(address)
-                if known is not None and (conn is None or known is conn or table is self.peer_conns):
-                    del table[address]
-                    victims.append(known)
-        if conn is not None and conn not in victims:
-            victims.append(conn)
-        for c in victims:
+            conns = {c for c in (conn, self.conns.pop(address, None), self.peer_conns.pop(address, None))
+                     if c is not None}
+        for c in conns:
             c.died = err
             pending = c.pending
             while pending:
@@ -111,11 +106,13 @@ class Router:
                 except KeyError:
                     break
                 cb(P.DIED, err)
+            if c is not conn:
+                c.close(join=False)
 
     def forget(self, address: str) -> None:
         with self._lock:
             self.dead.pop(address, None)
-            conns = [t.pop(address, None) for t in (self.conns, self.peer_conns)]
+            conns = [self.conns.pop(address, None), self.peer_conns.pop(address, None)]
         for conn in conns:
             if conn is not None:
                 conn.close(join=False)

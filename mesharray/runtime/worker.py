@@ -51,6 +51,7 @@ __all__ = ["run_worker", "Worker", "error_record"]
 log = logging.getLogger("mesharray.worker")
 
 _EMPTY_OK = framing.encode(framing.dumps(None))
+_names: dict[bytes, str] = {}  # u8 n + method name -> name
 
 
 def _set_pdeathsig() -> None:
@@ -114,7 +115,7 @@ class _Slot:
     """One actor hosted by this worker."""
 
     __slots__ = ("actor_id", "name", "obj", "shape", "lock", "is_async", "failure", "queue",
-                 "concurrent", "endpoints")
+                 "concurrent", "endpoints", "ctx", "bound")
 
     def __init__(self, actor_id, name, shape) -> None:
         self.actor_id = actor_id
@@ -127,6 +128,8 @@ class _Slot:
         self.queue = None
         self.concurrent: set[str] = set()
         self.endpoints: set[str] = set()
+        self.ctx: Context | None = None
+        self.bound: dict = {}
 
 
 class Worker:
@@ -185,6 +188,7 @@ class Worker:
             conn.peer.update(pickle.loads(payload))
         elif kind == P.CONFIG:
             cfg = pickle.loads(payload)
+            conn.peer["pid"] = cfg.get("pid")
             self.heartbeat_interval = cfg.get("heartbeat_interval", self.heartbeat_interval)
             from .. import telemetry
 
@@ -219,6 +223,7 @@ class Worker:
             obj = cls(*args, **kwargs)
             ctx.actor = obj
             slot.obj = obj
+            slot.ctx = ctx
         except BaseException as exc:
             slot.failure = error_record(exc, name, _coords(shape, self.rank), self.host, self.pid)
         finally:
@@ -254,18 +259,22 @@ class Worker:
                 conn.send(P.REPLY, 0, msg_id, P.ERR, 0, _error_parts(rec))
             return
         n = payload[0]
-        method = bytes(payload[1:1 + n]).decode()
+        key = bytes(payload[:1 + n])
+        method = _names.get(key)
+        if method is None:
+            method = _names[key] = key[1:].decode()
         vshape = conn.views_in.get(view) if view else None
         if slot.is_async:
             self.loop().call_soon_threadsafe(slot.queue.put_nowait,
                                              (conn, msg_id, reply, method, payload, n, vshape))
             return
         with slot.lock:
-            ctx = Context(slot.name, slot.obj, slot.shape, vshape, self.rank, self.host, self.pid)
+            ctx = slot.ctx  # one per actor: sync endpoints of an actor never overlap
+            ctx._view = vshape
             token = current.set(ctx)
             try:
                 args, kwargs = framing.decode(memoryview(payload)[1 + n:])
-                fn = self._endpoint(slot, method)
+                fn = slot.bound.get(method) or self._endpoint(slot, method)
                 result = fn(*args, **kwargs)
             except BaseException as exc:
                 self._fail(conn, msg_id, reply, slot, exc)
@@ -278,7 +287,8 @@ class Worker:
     def _endpoint(self, slot, method):
         if method not in slot.endpoints:
             raise AttributeError(f"actor {slot.name!r} ({type(slot.obj).__name__}) has no endpoint {method!r}")
-        return getattr(slot.obj, method)
+        fn = slot.bound[method] = getattr(slot.obj, method)
+        return fn
 
     def _reply(self, conn, msg_id, slot, method, result, cork=False) -> None:
         # cork=True in a reader thread: the reader flushes before it blocks again
@@ -286,7 +296,7 @@ class Worker:
             parts = _EMPTY_OK
         else:
             try:
-                parts = framing.encode_one(framing.dumps(result), conn.same_host)
+                parts = framing.encode_one(framing.dumps(result), conn.same_host, conn.peer.get("pid"))
             except Exception as exc:
                 err = TypeError(f"endpoint {method!r} returned a value of type {type(result).__name__} "
                                 f"that cannot be pickled: {exc}")

@@ -112,12 +112,29 @@ def encode(p: Payload, use_shm: bool = False, seg=None, placed=None, slot: int =
     return [_PREFIX.pack(len(p.pickled), len(descs), 0), *descs, p.pickled, *inline]
 
 
-def encode_one(p: Payload, same_host: bool) -> list:
-    """Payload bytes for one receiver: large buffers via shared memory when it is on this host."""
-    if p.big and same_host and shm.available():
-        seg, placed = shm.pool().write(p.buffers, 1)
-        return encode(p, seg=seg, placed=placed, slot=0)
-    return encode(p)
+def encode_one(p: Payload, same_host: bool, dest_pid: int | None = None) -> list:
+    """Payload bytes for one receiver: large buffers via shared memory when it is on this host.
+
+    A buffer that lives in a segment ``dest_pid`` sent us goes back as a
+    reference to it (no copy); the others are copied into our own segment.
+    """
+    if not (p.big and same_host and shm.available()):
+        return encode(p)
+    descs: list = [None] * len(p.buffers)
+    copy = []
+    for i, b in enumerate(p.buffers):
+        ref = shm.back_reference(b, dest_pid) if dest_pid is not None else None
+        if ref is None:
+            copy.append(i)
+        else:
+            fd, serial, slot, off, n = ref
+            descs[i] = _DESC.pack(_SHM, slot, dest_pid, fd, serial, off, n)
+    if copy:
+        pool = shm.pool()
+        seg, placed = pool.write([p.buffers[i] for i in copy], 1)
+        for i, (off, n) in zip(copy, placed):
+            descs[i] = _DESC.pack(_SHM, 0, pool.pid, seg.fd, seg.serial, off, n)
+    return [_PREFIX.pack(len(p.pickled), len(descs), 0), *descs, p.pickled]
 
 
 def write_shm(p: Payload, nreceivers: int):

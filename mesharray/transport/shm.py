@@ -23,7 +23,15 @@ Layout of a segment::
     0      8 bytes  serial (u64, checked by the receiver)
     8      4 bytes  number of slots of the current message
     64     1 byte per slot: busy flags (at most 4032 slots)
+    64+2016  1 byte per slot: "sent back" flags (see below)
     4096   data: the message's buffers, each 64-byte aligned
+
+Sending a view back: an actor that returns (part of) an array it received
+does not copy it again. The reply names the owner's own segment, and the
+receiver-side "back" flag of that slot, set by the actor before replying,
+keeps the segment busy until the owner's objects that view the returned data
+are collected. Only one such return per message and receiver is in flight at a
+time; a second one is copied.
 """
 
 from __future__ import annotations
@@ -36,11 +44,12 @@ import weakref
 
 import numpy as np
 
-__all__ = ["SegmentPool", "pool", "attach", "available", "DATA_OFFSET", "MAX_SLOTS"]
+__all__ = ["SegmentPool", "pool", "attach", "back_reference", "available", "DATA_OFFSET", "MAX_SLOTS"]
 
 DATA_OFFSET = 4096
 FLAGS_OFFSET = 64
-MAX_SLOTS = DATA_OFFSET - FLAGS_OFFSET
+MAX_SLOTS = (DATA_OFFSET - FLAGS_OFFSET) // 2  # receivers of one message
+BACK = MAX_SLOTS  # flag BACK + k: receiver k sent a view of the message back to the owner
 MIN_SEGMENT = 1 << 20
 
 
@@ -63,11 +72,12 @@ class _Segment:
         self.mm = mmap.mmap(self.fd, size)
         self.serial = serial
         struct.pack_into("<Q", self.mm, 0, serial)
-        self.flags = np.frombuffer(self.mm, np.uint8, MAX_SLOTS, FLAGS_OFFSET)
+        self.flags = np.frombuffer(self.mm, np.uint8, 2 * MAX_SLOTS, FLAGS_OFFSET)
         self.nslots = 0
 
     def free(self) -> bool:
-        return self.nslots == 0 or not self.flags[: self.nslots].any()
+        n = self.nslots
+        return n == 0 or not (self.flags[:n].any() or self.flags[BACK:BACK + n].any())
 
 
 class SegmentPool:
@@ -117,6 +127,12 @@ class SegmentPool:
             mv.release()
         return seg, placed
 
+    def find(self, fd: int, serial: int):
+        for s in self._segments:
+            if s.fd == fd and s.serial == serial:
+                return s
+        return None
+
     def close(self) -> None:
         with self._lock:
             for s in self._segments:
@@ -146,6 +162,12 @@ def pool() -> SegmentPool:
 
 _maps: dict[tuple[int, int, int], mmap.mmap] = {}
 _maps_lock = threading.Lock()
+# (pid, fd, serial) -> [base address, size, slot of the latest message attached]
+_attached: dict[tuple[int, int, int], list] = {}
+
+
+def _addr(buf) -> int:
+    return np.frombuffer(buf, np.uint8).ctypes.data
 
 
 def _mapping(pid: int, fd: int, serial: int) -> mmap.mmap:
@@ -153,6 +175,12 @@ def _mapping(pid: int, fd: int, serial: int) -> mmap.mmap:
     mm = _maps.get(key)
     if mm is not None:
         return mm
+    if pid == os.getpid():  # our own segment coming back: use our own mapping
+        seg = pool().find(fd, serial)
+        if seg is None:
+            raise OSError(f"no shared-memory segment {fd}/{serial} in this process")
+        _maps[key] = seg.mm
+        return seg.mm
     with _maps_lock:
         mm = _maps.get(key)
         if mm is None:
@@ -185,5 +213,35 @@ def attach(pid: int, fd: int, serial: int, slot: int, spans):
     mm = _mapping(pid, fd, serial)
     owner = np.frombuffer(mm, np.uint8)  # per-message exporter: its death frees the slot
     weakref.finalize(owner, _release, mm, slot)
+    if pid != os.getpid():
+        rec = _attached.get((pid, fd, serial))
+        if rec is None:
+            _attached[(pid, fd, serial)] = [owner.ctypes.data, len(mm), slot, mm]
+        else:
+            rec[2] = slot
     mv = memoryview(owner)
     return [mv[o:o + n] for o, n in spans]
+
+
+def back_reference(buf, dest_pid: int):
+    """If ``buf`` lies in a segment of ``dest_pid`` that we received, reserve a back slot.
+
+    Returns ``(fd, serial, back_slot, offset, length)``, or ``None`` when the
+    buffer must be copied (not in such a segment, or its back slot still busy
+    from an earlier return). The owner clears the back slot when its own views
+    of the returned data die, so the segment is not reused under them.
+    """
+    if not _attached:
+        return None
+    mv = memoryview(buf)
+    n = mv.nbytes
+    addr = _addr(mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv)
+    for (pid, fd, serial), (base, size, slot, mm) in list(_attached.items()):
+        if pid != dest_pid or not (base + DATA_OFFSET <= addr and addr + n <= base + size):
+            continue
+        back = BACK + slot
+        if slot >= MAX_SLOTS or mm[FLAGS_OFFSET + slot] == 0 or mm[FLAGS_OFFSET + back] != 0:
+            return None  # not (or no longer) held by us, or a previous return still alive
+        mm[FLAGS_OFFSET + back] = 1
+        return fd, serial, back, addr - base, n
+    return None

@@ -137,6 +137,10 @@ class AsyncActor(ma.Actor):
         return {"rank": ma.current_rank(), "message_rank": ma.context().message_rank}
 
     @ma.endpoint
+    async def ask(self, mesh, method: str):
+        return (await getattr(mesh, method).call()).tolist()
+
+    @ma.endpoint
     async def fail(self):
         await asyncio.sleep(0)
         raise KeyError("async boom")

@@ -87,6 +87,14 @@ def test_spawn_on_a_slice_spawns_on_those_ranks_only(procs):
     assert [o["pid"] for o in out] == procs.pids[2:]
 
 
+def test_actor_mesh_stop_drops_the_actors(procs):
+    c = procs.spawn("c_stop", Counter, 0)
+    c[0, :2].stop()
+    with pytest.raises(ma.ActorError, match="no actor with id"):
+        c.slice(procs=0).get.call_one().get(timeout=10)
+    assert c[0, 2:].get.call().get(timeout=10).tolist() == [0, 0]
+
+
 def test_context_outside_an_actor_raises():
     with pytest.raises(RuntimeError, match="only available inside an actor"):
         ma.current_rank()
@@ -213,6 +221,23 @@ def test_large_numpy_round_trip_through_shared_memory(probes):
     assert outs.shape == (1, 4, 1000)
 
 
+def test_returned_views_are_not_overwritten_by_later_sends(probes):
+    one = probes.slice(procs=2)
+    a = np.full(1 << 20, 1.0)
+    back = one.echo.call_one(a).get(timeout=20)  # comes back without a copy
+    for v in (2.0, 3.0):
+        np.testing.assert_array_equal(one.echo.call_one(np.full(1 << 20, v)).get(timeout=20), v)
+    assert float(back.min()) == float(back.max()) == 1.0
+    back[:] = 7.0  # ours to write
+    again = one.echo.call_one(a).get(timeout=20)
+    assert float(again.max()) == 1.0 and float(back.max()) == 7.0
+    del back, again
+    import gc
+
+    gc.collect()
+    np.testing.assert_array_equal(one.echo.call_one(a).get(timeout=20), a)
+
+
 def test_large_array_to_many_actors(probes):
     a = np.ones(1 << 20, dtype=np.float64)
     out = probes.echo.call(a).get(timeout=20)
@@ -225,6 +250,12 @@ def test_actor_mesh_is_picklable_and_callable_from_an_actor(procs, probes):
     assert again.get.call().get(timeout=10).tolist() == [[3, 3, 3, 3]]
     got = probes.slice(procs=0).call_peer.call_one(c[0, 1:], "get").get(timeout=10)
     assert got == [3, 3, 3]
+
+
+def test_async_endpoint_awaits_a_call_to_another_mesh(procs):
+    c = procs.spawn("c_await", Counter, 4)
+    a = procs.spawn("a_await", AsyncActor).slice(procs=3)
+    assert a.ask.call_one(c[0, :2], "get").get(timeout=10) == [4, 4]
 
 
 def test_main_defined_values_use_cloudpickle(probes):
