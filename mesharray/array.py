@@ -169,8 +169,12 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
     entries index the mesh axes (resolved by ``Shape``, so the result keeps the
     global ranks it came from and advanced indices name new dims by Shape's
     rule), the rest index every element's local axes. ``None`` placed after all
-    mesh axes adds a *local* axis. Advanced (array) indices may select mesh axes
-    or local axes but not both in one key (index in two steps). By name:
+    mesh axes adds a *local* axis. The mesh part is applied first, then the
+    local part to each element, so NumPy's rule that moves advanced-index dims
+    in front (ints and arrays separated by a slice) applies within each part,
+    never across: ``a[:, [0, 2], :, 1]`` keeps the mesh dims first. Advanced
+    (array) indices may select mesh axes or local axes but not both in one key
+    (index in two steps). By name:
     ``a.slice(procs=1)`` or ``a[{"procs": 1}]``. A result with no mesh dims and
     a scalar element is that element (a NumPy scalar, or the Python object of
     an object array), as NumPy returns a scalar; with local axes left it stays

@@ -272,6 +272,19 @@ def test_advanced_indexing_local_axes_is_per_element():
     assert np.array_equal(a[:, :, [1, 0]], values[:, :, [1, 0]])
 
 
+def test_mesh_part_and_local_part_are_indexed_separately():
+    # NumPy would gather the int on a local axis with the mesh array index and put
+    # both in front; a MeshArray indexes the mesh, then each element.
+    values = np.arange(2 * 3 * 4 * 5).reshape(2, 3, 4, 5)
+    a = MeshArray(values, ["hosts", "procs"])
+    r = a[:, [0, 2], :, 1]
+    assert r.names == ("hosts", "procs") and r.shape == (2, 2, 4)
+    assert np.array_equal(r, values[:, [0, 2]][..., 1])
+    s = a[0, :, [1, 3]]
+    assert s.names == ("procs",) and s.shape == (3, 2, 5)
+    assert np.array_equal(s, np.stack([values[0, i][[1, 3]] for i in range(3)]))
+
+
 def test_none_after_the_mesh_axes_is_local(grid):
     assert grid[..., None].local_shape == (1,)
     assert grid[:, :, None].names == ("hosts", "procs")
