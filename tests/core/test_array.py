@@ -5,9 +5,13 @@ Property tests against NumPy as the oracle are in test_array_props.py.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fractions
+import io
+import pathlib
 import pickle
+import runpy
 
 import numpy as np
 import pytest
@@ -539,3 +543,14 @@ def test_object_arrays():
     assert dicts.transpose().item(hosts=0, procs=1) == {"r": 1}
     with pytest.raises(TypeError):
         dicts + 1
+
+
+def test_shapes_example_runs():
+    """examples/shapes.py (what `make demo` shows before the runtime exists) runs and prints."""
+    path = pathlib.Path(__file__).parents[2] / "examples" / "shapes.py"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        runpy.run_path(str(path), run_name="__main__")
+    text = out.getvalue()
+    assert "s[0, 1:3].ranks()" in text and "[1, 2]" in text
+    assert "MeshArray(hosts=2, dtype=int64)" in text
