@@ -44,10 +44,36 @@ __all__ = ["MeshArray"]
 class _Gathered:
     """Values held at the controller: one ndarray, mesh axes first, local axes last.
 
-    This is the storage protocol a MeshArray talks to; a distributed storage
-    (``mesharray/_distributed.py``) implements the same methods with the blocks
-    living in the workers. Every method receives the *layout* already decided by
-    :class:`MeshArray` (which Shape, which axes) and only moves or computes values.
+    This class *is* the storage protocol a MeshArray talks to; a distributed
+    storage (``mesharray/_distributed.py``, blocks living in the workers)
+    implements the same members. MeshArray decides every layout (which Shape,
+    which axes, how operands broadcast) and hands it over; a storage only moves
+    or computes values. Every method returns a new storage (never a MeshArray).
+
+    Members
+    -------
+    kind : str
+        ``"gathered"`` here (a distributed storage says ``"distributed"``).
+    dtype : numpy.dtype
+    local_shape(mesh_ndim) -> tuple
+        Shape of each element.
+    to_numpy() -> ndarray
+        The values, shape ``mesh sizes + local shape`` (a distributed storage gathers).
+    take(mesh_key, local_key, new_shape) -> storage
+        NumPy indexing: ``mesh_key`` (explicit, no ``...``) on the mesh axes, whose
+        result is the Shape ``new_shape``, then ``local_key`` on each element.
+    relayout(old_shape, perm, new_shape) -> storage
+        The same elements over ``new_shape``: the mesh axes permuted by ``perm``
+        (None: unchanged), then reshaped row-major (rename, flatten, split,
+        transpose). Blocks that live at ranks need not move.
+    reshape_local(mesh_ndim, local_shape) / astype(dtype, copy) / copy() -> storage
+    reduce(op, func, axes, keepdims, kwargs) -> storage
+        Reduction ``op`` over ``axes`` of the full shape (None: all); ``func`` is
+        the NumPy function for one ndarray.
+    elementwise(ufunc, plan, inputs, kwargs) -> tuple of storage  (static)
+        ``ufunc`` over ``inputs`` (MeshArrays and plain operands) broadcast as
+        ``plan`` (a :class:`_Plan`) says; ``kwargs["out"]``, when present, holds
+        the outputs to write into (MeshArrays with the result's layout, or ndarrays).
     """
 
     __slots__ = ("array",)
@@ -69,28 +95,29 @@ class _Gathered:
         return self.array
 
     # -- layout changes
-    def take(self, mesh_key: tuple, local_key: tuple, new_mesh_ndim: int) -> _Gathered:
-        """NumPy indexing: ``mesh_key`` on the mesh axes, then ``local_key`` on each element."""
+    def take(self, mesh_key: tuple, local_key: tuple, new_shape: Shape) -> _Gathered:
+        # a trailing ``...`` keeps every result an ndarray (an object element that
+        # is itself a list must stay an element, not become axes)
         v = self.array[mesh_key + (Ellipsis,)] if mesh_key else self.array
         if local_key:
+            m = new_shape.ndim
             if any(_is_advanced(k) for k in local_key):
                 # NumPy would move non-adjacent advanced-index dims in front of *all*
                 # axes; put the mesh axes last so they land in front of the local ones.
-                m = new_mesh_ndim
                 v = np.moveaxis(v, tuple(range(m)), tuple(range(-m, 0)))
                 v = v[local_key + (Ellipsis,)]
                 v = np.moveaxis(v, tuple(range(-m, 0)), tuple(range(m)))
             else:
-                v = v[(slice(None),) * new_mesh_ndim + local_key]
-        return _Gathered(np.asarray(v) if not isinstance(v, np.ndarray) else v)
+                v = v[(slice(None),) * m + local_key + (Ellipsis,)]
+        return _Gathered(v)
 
-    def relayout(self, mesh_ndim: int, perm: tuple[int, ...] | None, mesh_sizes: tuple[int, ...]) -> _Gathered:
-        """Permute the mesh axes by ``perm`` and reshape them to ``mesh_sizes`` (row-major)."""
+    def relayout(self, old_shape: Shape, perm: tuple[int, ...] | None, new_shape: Shape) -> _Gathered:
         v = self.array
-        local = v.shape[mesh_ndim:]
+        m = old_shape.ndim
+        local = v.shape[m:]
         if perm is not None:
-            v = v.transpose(perm + tuple(range(mesh_ndim, v.ndim)))
-        return _Gathered(v.reshape(tuple(mesh_sizes) + local))
+            v = v.transpose(perm + tuple(range(m, v.ndim)))
+        return _Gathered(v.reshape(tuple(new_shape.sizes) + local))
 
     def reshape_local(self, mesh_ndim: int, local_shape: tuple[int, ...]) -> _Gathered:
         v = self.array
@@ -103,26 +130,24 @@ class _Gathered:
         return _Gathered(self.array.copy())
 
     # -- compute
-    def reduce(self, op: str, func: Any, axes: tuple[int, ...] | None, keepdims: bool, kwargs: dict) -> np.ndarray:
-        """Reduction ``op`` (``"sum"``, ..., ``"argmax"``, or ``"<ufunc>.reduce"``) over ``axes``.
-
-        ``axes`` are axes of the full shape (None: all); ``func`` is the NumPy
-        function computing it on one ndarray, ``func(values, axis=, keepdims=, **kwargs)``.
-        """
+    def reduce(self, op: str, func: Any, axes: tuple[int, ...] | None, keepdims: bool, kwargs: dict) -> _Gathered:
         if op in ("argmin", "argmax") and axes is not None:
-            return func(self.array, axis=axes[0], keepdims=keepdims, **kwargs)
-        return func(self.array, axis=axes, keepdims=keepdims, **kwargs)
+            r = func(self.array, axis=axes[0], keepdims=keepdims, **kwargs)
+        else:
+            r = func(self.array, axis=axes, keepdims=keepdims, **kwargs)
+        return _Gathered(np.asarray(r))
 
     @staticmethod
-    def elementwise(ufunc: np.ufunc, plan: _Plan, inputs: list, kwargs: dict) -> tuple[np.ndarray, ...]:
-        """Run ``ufunc`` over operands aligned to ``plan``; returns the result arrays."""
+    def elementwise(ufunc: np.ufunc, plan: _Plan, inputs: list, kwargs: dict) -> tuple[_Gathered, ...]:
         if ufunc.signature is not None:
-            return _gufunc_per_element(ufunc, plan, inputs, kwargs)
+            return tuple(_Gathered(r) for r in _gufunc_per_element(ufunc, plan, inputs, kwargs))
         args = [plan.align(x) if isinstance(x, MeshArray) else x for x in inputs]
         if isinstance(kwargs.get("where"), MeshArray):
             kwargs = dict(kwargs, where=plan.align(kwargs["where"]))
+        if "out" in kwargs:  # the plan checked that MeshArray outputs have the result's layout
+            kwargs = dict(kwargs, out=tuple(o._values() if isinstance(o, MeshArray) else o for o in kwargs["out"]))
         out = ufunc(*args, **kwargs)
-        return out if isinstance(out, tuple) else (out,)
+        return tuple(_Gathered(np.asarray(r)) for r in (out if isinstance(out, tuple) else (out,)))
 
 
 def _storage_class(operands: Sequence[Any]) -> Any:
@@ -323,7 +348,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
                 f"a mesh of {shape.size} ranks {shape!r} cannot hold the {self._shape.size} "
                 f"elements of {self._shape!r}"
             )
-        storage = self._storage.relayout(self._shape.ndim, None, tuple(shape.sizes))
+        storage = self._storage.relayout(self._shape, None, shape)
         return MeshArray._from_parts(shape, storage)
 
     # -- description ------------------------------------------------------------------
@@ -560,7 +585,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
             shape, mesh_key = self._shape, ()
         if all(_is_full_slice(k) for k in local_key):
             local_key = ()
-        storage = self._storage.take(mesh_key, local_key, shape.ndim)
+        storage = self._storage.take(mesh_key, local_key, shape)
         return _wrap(shape, storage)
 
     def transpose(self, *dims: str | int) -> MeshArray:
@@ -579,7 +604,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         names = tuple(self._shape.names)
         new = self._shape.transpose(*dims)
         perm = tuple(names.index(n) for n in new.names)
-        return MeshArray._from_parts(new, self._storage.relayout(len(names), perm, tuple(new.sizes)))
+        return MeshArray._from_parts(new, self._storage.relayout(self._shape, perm, new))
 
     # -- ufuncs ----------------------------------------------------------------------------
 
@@ -618,9 +643,8 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         axes = _normalize_axes(axis, self)
         m = self._shape.ndim
         reduced_mesh = range(m) if axes is None else [i for i in axes if i < m]
-        values = self._storage.reduce(op, func, axes, bool(keepdims), kwargs)
-        shape = self._reduced_shape(set(reduced_mesh), bool(keepdims))
-        return _wrap(shape, _Gathered(np.asarray(values)) if not isinstance(values, _Gathered) else values)
+        storage = self._storage.reduce(op, func, axes, bool(keepdims), kwargs)
+        return _wrap(self._reduced_shape(set(reduced_mesh), bool(keepdims)), storage)
 
     def _reduced_shape(self, mesh_axes: set[int], keepdims: bool) -> Shape:
         if not mesh_axes:
@@ -1071,16 +1095,13 @@ def _elementwise(ufunc: np.ufunc, inputs: list, kwargs: dict) -> Any:
     plan = _plan(inputs + ([where] if isinstance(where, MeshArray) else []), tuple(out), ufunc.signature is not None)
     storage_cls = _storage_class(inputs + list(out))
     if out:
-        kwargs["out"] = tuple(o._storage.to_numpy() if isinstance(o, MeshArray) else o for o in out)
+        kwargs["out"] = tuple(out)
     results = storage_cls.elementwise(ufunc, plan, inputs, kwargs)
     wrapped = []
     for i, r in enumerate(results):
-        if out and isinstance(out[i], MeshArray):
+        if out and out[i] is not None:
+            # written in place: give back what the caller passed (NumPy returns `out`)
             wrapped.append(out[i])
-        elif out and out[i] is not None:
-            wrapped.append(r)
-        elif isinstance(r, (np.ndarray, np.generic)) or storage_cls is _Gathered:
-            wrapped.append(_wrap(plan.shape, _Gathered(np.asarray(r))))
         else:
             wrapped.append(_wrap(plan.shape, r))
     return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)

@@ -112,6 +112,16 @@ def test_from_results_mixed_become_objects():
     # lists are values, not nested axes
     d = MeshArray.from_results(s, [[1, 2], [3, 4], [5, 6]])
     assert d.shape == (3,) and d.item(procs=0) == [1, 2]
+    assert d[0] == [1, 2] and d[-1] == [5, 6]
+    assert d[1:].tolist() == [[3, 4], [5, 6]]
+    # an object array with local axes: elements stay elements
+    o = np.empty((2, 2), dtype=object)
+    for i in range(2):
+        for j in range(2):
+            o[i, j] = [i, j]
+    m = MeshArray(o, ["procs"])
+    assert m.local_shape == (2,) and m[1, 0] == [1, 0]
+    assert m[:, 1].tolist() == [[0, 1], [1, 1]]
     # numbers NumPy cannot hold become objects too, exact
     e = MeshArray.from_results(s, [fractions.Fraction(1, 3)] * 3)
     assert e.dtype == object and e.sum() == 1
