@@ -66,6 +66,10 @@ class _Gathered:
         The same elements over ``new_shape``: the mesh axes permuted by ``perm``
         (None: unchanged), then reshaped row-major (rename, flatten, split,
         transpose). Blocks that live at ranks need not move.
+    setitem(key, value) -> None
+        ``values[key] = value`` in place: ``key`` is a NumPy key over the full
+        shape whose NumPy meaning equals the MeshArray's, ``value`` an ndarray or
+        scalar already aligned to the selection's layout.
     reshape_local(mesh_ndim, local_shape) / astype(dtype, copy) / copy() -> storage
     reduce(op, func, axes, keepdims, kwargs) -> storage
         Reduction ``op`` over ``axes`` of the full shape (None: all); ``func`` is
@@ -118,6 +122,9 @@ class _Gathered:
         if perm is not None:
             v = v.transpose(perm + tuple(range(m, v.ndim)))
         return _Gathered(v.reshape(tuple(new_shape.sizes) + local))
+
+    def setitem(self, key: tuple, value: Any) -> None:
+        self.array[key] = value
 
     def reshape_local(self, mesh_ndim: int, local_shape: tuple[int, ...]) -> _Gathered:
         v = self.array
@@ -577,6 +584,57 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
             key[names.index(name)] = sel
         mesh_key, local_key = _split_key(tuple(key), self._shape.ndim, self.local_ndim, self)
         return self._take(mesh_key, local_key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        """``a[key] = value`` in place, with the selection :meth:`__getitem__` makes.
+
+        A MeshArray value aligns by name with the selection's mesh dims (and its
+        local axes by position); other values broadcast NumPy-style. Keys mixing
+        array indices in one part (mesh or local) with ints or arrays in the other,
+        or several array indices on the local axes, are refused: NumPy would lay
+        those out differently from the selection.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import mesharray as ma
+        >>> a = ma.MeshArray(np.zeros((2, 3), dtype=int), ["hosts", "procs"])
+        >>> a[{"procs": 1}] = 7
+        >>> a[1, ::2] = ma.MeshArray([5, 6], ["procs"])
+        >>> a.tolist()
+        [[0, 7, 0], [5, 7, 6]]
+        """
+        if isinstance(key, dict):
+            names = tuple(self._shape.names)
+            items: list[Any] = [slice(None)] * len(names)
+            for name, sel in key.items():
+                if name not in names:
+                    raise DimensionError(name, names)
+                items[names.index(name)] = sel
+            key = tuple(items)
+        mesh_key, local_key = _split_key(key, self._shape.ndim, self.local_ndim, self)
+        mesh_adv = any(_is_advanced(k) for k in mesh_key)
+        local_adv = [k for k in local_key if _is_advanced(k)]
+        local_int = any(isinstance(k, int) for k in local_key)
+        if (mesh_adv and (local_int or local_adv)) or (
+            local_adv and (len(local_adv) > 1 or local_int or any(isinstance(k, int) for k in mesh_key))
+        ):
+            raise IndexError(
+                "this key mixes array indices with ints or arrays in a way NumPy lays out differently "
+                "from a MeshArray selection; assign through a selection made in two steps"
+            )
+        if isinstance(value, MeshArray):
+            target = self._shape[mesh_key] if mesh_key else self._shape
+            extra = [n for n in value.names if n not in target.names]
+            if extra:
+                raise MeshShapeError(
+                    f"value with mesh dims {value.mesh_sizes} does not fit a selection with mesh dims "
+                    f"{dict(zip(target.names, target.sizes))}"
+                )
+            local = np.empty(self.local_shape, dtype=np.bool_)[local_key + (Ellipsis,)].shape if local_key else self.local_shape
+            plan = _Plan(tuple(target.names), tuple(target.sizes), target, tuple(local))
+            value = plan.align(value, pad_local=len(value.local_shape) <= len(local))
+        self._storage.setitem(mesh_key + local_key, value)
 
     def _take(self, mesh_key: tuple, local_key: tuple) -> Any:
         if mesh_key and not all(_is_full_slice(k) for k in mesh_key):

@@ -338,6 +338,28 @@ def test_indexing_errors(blocks):
         MeshArray(np.zeros((2, 2)), ["procs"])[np.ones((2, 2), bool)]
 
 
+def test_setitem(grid, blocks):
+    g = grid.copy()
+    g[0] = 9
+    g[{"procs": -1}] = -1
+    assert g.tolist() == [[9, 9, 9, -1], [4, 5, 6, -1]]
+    g[:, [0, 2]] = MeshArray([100, 200], ["hosts"])  # aligned by name, broadcast over procs
+    assert g.tolist() == [[100, 9, 100, -1], [200, 5, 200, -1]]
+    g[grid > 5] = 0
+    assert g.tolist()[1] == [200, 5, 0, 0]
+    b = blocks.copy()
+    b[..., 0] = MeshArray(np.arange(8).reshape(4, 2), ["procs", "hosts"])  # reordered names
+    assert np.array_equal(b.to_numpy()[..., 0], np.arange(8).reshape(4, 2).T)
+    b[:, :, [0, 2]] = np.array([7, 8])
+    assert b.item(hosts=1, procs=3).tolist() == [7.0, 22.0, 8.0]
+    with pytest.raises(IndexError, match="two steps"):
+        b[[0, 1], 0, 0] = 1
+    with pytest.raises(ma.MeshShapeError, match="does not fit"):
+        b[0] = MeshArray([1, 2], ["hosts"])
+    with pytest.raises(ma.DimensionError):
+        b[{"gpus": 0}] = 1
+
+
 def test_mesh_reshapes_move_values(grid, blocks):
     f = grid.flatten("r")
     assert f.names == ("r",) and f.tolist() == list(range(8))
