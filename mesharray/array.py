@@ -686,6 +686,11 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         method = _FUNCTIONS.get(func)
         if method is not None and args and isinstance(args[0], MeshArray):
             return getattr(args[0], method)(*args[1:], **kwargs)
+        if func is np.where and len(args) == 3 and not kwargs:
+            # np.where(cond, x, y) is elementwise: operands broadcast as a ufunc's do
+            plan = _plan(list(args), ())
+            aligned = [plan.align(x) if isinstance(x, MeshArray) else x for x in args]
+            return _wrap(plan.shape, _Gathered(np.asarray(np.where(*aligned))))
         if func in _SAME_SHAPE_FUNCTIONS and args and isinstance(args[0], MeshArray):
             a = args[0]
             result = func(a._values(), *_plain(args[1:]), **_plain(kwargs))
@@ -808,6 +813,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
 # -----------------------------------------------------------------------------------
 
 _NUMBER_TYPES = (bool, int, float, complex)
+_SCALAR_TYPES = (bool, int, float, complex, np.generic)
 
 
 class _InvalidIndexError(MeshIndexError, TypeError):
@@ -1059,6 +1065,8 @@ class _Plan:
         v = a._values()
         src = tuple(a._shape.names)
         m = len(src)
+        if src == self.names and (not pad_local or v.ndim - m == len(self.local_shape)):
+            return v
         present = [n for n in self.names if n in src]
         perm = tuple(src.index(n) for n in present)
         if perm != tuple(range(m)):
@@ -1080,6 +1088,21 @@ def _plan(inputs: list, out: tuple, per_element: bool = False) -> _Plan:
     A generalized ufunc (``matmul``) maps local blocks to blocks of its own
     shape, so only the mesh dims are broadcast; its local shape is left empty.
     """
+    # fast path: MeshArrays of one layout and scalars (``a + 1``, ``a * b`` on one mesh)
+    first = None
+    for x in (*out, *inputs):
+        if isinstance(x, MeshArray):
+            if first is None:
+                first = x
+            elif (x._shape.names != first._shape.names or x._shape.sizes != first._shape.sizes
+                  or x.local_shape != first.local_shape):
+                break
+        elif not isinstance(x, _SCALAR_TYPES):
+            break
+    else:
+        if first is not None:
+            local = () if per_element else first.local_shape
+            return _Plan(first._shape.names, first._shape.sizes, first._shape, local)
     arrays = [x for x in inputs if isinstance(x, MeshArray)]
     outs = [x for x in out if isinstance(x, MeshArray)]
     names: list[str] = []

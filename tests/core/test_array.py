@@ -547,6 +547,14 @@ def test_reduction_errors(blocks):
         blocks.sum(out=np.zeros(3))
 
 
+def test_where_aligns_by_name(grid):
+    col = MeshArray([1, 0, 1, 0], ["procs"]).astype(bool)
+    r = np.where(col, grid, -grid.transpose())
+    assert r.names == ("procs", "hosts")
+    assert r.tolist() == [[0, 4], [-1, -5], [2, 6], [-3, -7]]
+    assert np.where(grid > 3, 1, 0).tolist() == [[0, 0, 0, 0], [1, 1, 1, 1]]
+
+
 def test_other_numpy_functions_see_plain_values(blocks):
     assert np.round(blocks / 3, 1).names == ("hosts", "procs")
     assert np.clip(blocks, 1, 5).max() == 5
