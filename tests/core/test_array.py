@@ -564,6 +564,24 @@ def test_other_numpy_functions_see_plain_values(blocks):
     assert np.allclose(blocks, blocks.to_numpy())
 
 
+def test_empty_mesh_dims(grid):
+    e = grid[:, 0:0]
+    assert e.shape == (2, 0) and e.values() == [] and list(e.items()) == []
+    assert e.sum(axis="procs").tolist() == [0, 0]
+    assert e.sum(axis="procs", keepdims=True).shape == (2, 1)
+    assert e.sum(axis="hosts").shape == (0,)
+    assert (e + 1).shape == (2, 0)
+    assert MeshArray.from_results(ma.Shape(procs=0), []).shape == (0,)
+
+
+def test_zero_d_mesh_with_local_axes():
+    z = MeshArray(np.arange(3), [])
+    assert z.names == () and z.mesh_ndim == 0 and z.shape == (3,)
+    assert (z + z).tolist() == [0, 2, 4]
+    assert z.sum() == 3 and z[1] == 1
+    assert len(z) == 3
+
+
 # -- object arrays ----------------------------------------------------------------------
 
 
@@ -594,3 +612,12 @@ def test_shapes_example_runs():
     text = out.getvalue()
     assert "s[0, 1:3].ranks()" in text and "[1, 2]" in text
     assert "MeshArray(hosts=2, dtype=int64)" in text
+
+
+@pytest.mark.parametrize("module", ["mesharray.array", "mesharray.mesh"])
+def test_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0
