@@ -491,10 +491,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
         local = self.local_shape
-        try:
-            new_local = np.empty(local, dtype=np.bool_).reshape(shape).shape if local else np.empty((), np.bool_).reshape(shape).shape
-        except ValueError as e:
-            raise MeshShapeError(f"cannot reshape local shape {local} into {tuple(shape)}") from e
+        new_local = _infer_shape(local, shape)
         return MeshArray._from_parts(self._shape, self._storage.reshape_local(self._shape.ndim, new_local))
 
     # -- Monarch ValueMesh-style access ------------------------------------------------
@@ -876,6 +873,24 @@ def _plain(x: Any) -> Any:
     if isinstance(x, dict):
         return {k: _plain(v) for k, v in x.items()}
     return x
+
+
+def _infer_shape(old: tuple[int, ...], new: Sequence[Any]) -> tuple[int, ...]:
+    """``new`` with its one ``-1`` inferred, checked to hold as many elements as ``old``."""
+    for x in new:
+        if not isinstance(x, (numbers.Integral, np.integer)) or isinstance(x, (bool, np.bool_)):
+            raise TypeError(f"shape entries must be ints, got {type(x).__name__}: {x!r}")
+    dims = [int(x) for x in new]
+    total = math.prod(old)
+    unknown = [i for i, x in enumerate(dims) if x == -1]
+    known = math.prod(x for x in dims if x != -1)
+    if len(unknown) > 1 or any(x < -1 for x in dims):
+        raise ValueError(f"invalid local shape {tuple(dims)}: at most one -1 and no other negative size")
+    if unknown and known and total % known == 0:
+        dims[unknown[0]] = total // known
+    if unknown and dims[unknown[0]] == -1 or math.prod(dims) != total:
+        raise MeshShapeError(f"cannot reshape local shape {tuple(old)} into {tuple(int(x) for x in new)}")
+    return tuple(dims)
 
 
 def _kw(kwargs: dict, **extra: Any) -> dict:
