@@ -441,6 +441,11 @@ def test_local_dims_align_positionally(blocks):
     assert np.array_equal(r3, per_rank.to_numpy() + np.arange(4))
     column = MeshArray(np.ones((2, 4, 1)), ["hosts", "procs"])
     assert (column + np.arange(5)).shape == (2, 4, 5)
+    # a size-1 mesh dim stretched by a plain array: no operand has those ranks -> dense Shape
+    one = MeshArray.from_results(ma.Shape(procs=8)[5:6], [7])
+    grown = one + np.arange(4)
+    assert grown.mesh_sizes == {"procs": 4} and grown.mesh_shape == ma.Shape(procs=4)
+    assert grown.tolist() == [7, 8, 9, 10]
 
 
 def test_broadcast_errors_name_both_shapes(grid, blocks):
