@@ -1064,7 +1064,11 @@ class _Plan:
     shape : Shape
         The result's mesh Shape.
     local_shape : tuple of int
-        The result's local shape (the broadcast of the operands' local shapes).
+        The result's local shape (the broadcast of the operands' local shapes;
+        empty for a generalized ufunc, whose blocks have the shape it makes).
+
+    A plain (non-MeshArray) operand broadcasts positionally against
+    ``sizes + local_shape``; :meth:`layout` says how a MeshArray operand does.
     """
 
     __slots__ = ("names", "sizes", "shape", "local_shape")
@@ -1075,21 +1079,32 @@ class _Plan:
         self.shape = shape
         self.local_shape = local_shape
 
+    def layout(self, a: MeshArray, pad_local: bool = True) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """How ``a`` lines up with the result, from shapes alone: ``(perm, target)``.
+
+        ``perm`` orders ``a``'s mesh axes as the result's names do (then its local
+        axes); ``target`` is the shape, with size-1 axes inserted for the result's
+        mesh dims ``a`` lacks (and, with ``pad_local``, for missing leading local
+        axes), that broadcasts positionally against the result's full shape.
+        """
+        src = tuple(a._shape.names)
+        m = len(src)
+        local = a.local_shape
+        present = [n for n in self.names if n in src]
+        perm = tuple(src.index(n) for n in present) + tuple(range(m, m + len(local)))
+        sizes = dict(zip(src, a._shape.sizes))
+        pad = (len(self.local_shape) - len(local)) if pad_local else 0
+        target = tuple(sizes.get(n, 1) for n in self.names) + (1,) * pad + local
+        return perm, target
+
     def align(self, a: MeshArray, pad_local: bool = True) -> np.ndarray:
         """``a``'s values as a view broadcastable (positionally) to the result's full shape."""
         v = a._values()
-        src = tuple(a._shape.names)
-        m = len(src)
-        if src == self.names and (not pad_local or v.ndim - m == len(self.local_shape)):
+        if a._shape.names == self.names and (not pad_local or v.ndim - len(self.names) == len(self.local_shape)):
             return v
-        present = [n for n in self.names if n in src]
-        perm = tuple(src.index(n) for n in present)
-        if perm != tuple(range(m)):
-            v = v.transpose(perm + tuple(range(m, v.ndim)))
-        sizes = dict(zip(src, a._shape.sizes))
-        local = v.shape[m:]
-        pad = (len(self.local_shape) - len(local)) if pad_local else 0
-        target = tuple(sizes.get(n, 1) for n in self.names) + (1,) * pad + local
+        perm, target = self.layout(a, pad_local)
+        if perm != tuple(range(v.ndim)):
+            v = v.transpose(perm)
         return v.reshape(target) if target != v.shape else v
 
 
