@@ -1077,7 +1077,7 @@ cdef class Shape:
         if self._is_dense():
             extra = ""
         elif self._base is None:
-            extra = f"offset={self._offset}, strides={self.strides}"
+            extra = f"offset={self._offset}, strides={self.strides}" if self._ndim else f"offset={self._offset}"
         else:
             rk = self.ranks()
             shown = ", ".join(map(str, rk[:16].tolist()))
