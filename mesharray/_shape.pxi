@@ -35,12 +35,15 @@ cdef extern from "Python.h":
     Py_ssize_t _raw_as_ssize "PyLong_AsSsize_t"(object o) noexcept
     PyObject* PyErr_Occurred() noexcept
     void PyErr_Clear() noexcept
+    PyObject** PySequence_Fast_ITEMS(object o) noexcept
+    int PyDict_Next(object d, Py_ssize_t* pos, PyObject** key, PyObject** value) noexcept
 
 cdef enum:
     MAX_DIMS = 32
 
 # Module-level singletons compared by identity on the fast path.
 cdef object _ELLIPSIS = Ellipsis
+cdef object _FULL = slice(None)
 cdef object _INT64 = _np.dtype(_np.int64)
 
 _INVALID_INDEX = ("only integers, slices (`:`), ellipsis (`...`), numpy.newaxis (`None`) "
@@ -111,6 +114,7 @@ cdef inline bint _is_int_like(object o):
 
 @cython.final
 @cython.freelist(64)
+@cython.no_gc  # holds only str tuples, int tuples and an int64 array: it cannot be in a cycle
 cdef class Shape:
     """Named dimensions over a set of global ranks, laid out row-major.
 
@@ -521,16 +525,18 @@ cdef class Shape:
         ('_0', 'hosts', 'procs')
         """
         cdef Shape r
+        cdef PyObject* one
         if PyTuple_CheckExact(idx):
-            r = self._basic(<tuple>idx)
+            r = self._basic(PySequence_Fast_ITEMS(idx), PyTuple_GET_SIZE(idx))
             if r is not None:
                 return r
-        elif PyLong_CheckExact(idx) or PySlice_Check(idx):
-            r = self._basic((idx,))
+        elif PyLong_CheckExact(idx) or PySlice_Check(idx) or idx is None or idx is _ELLIPSIS:
+            one = <PyObject*>idx
+            r = self._basic(&one, 1)
             if r is not None:
                 return r
         elif PyDict_Check(idx):
-            return self._general(self._named_index(idx))
+            return self._index_named(<dict>idx)
         return self._general(idx)
 
     def slice(self, **index):
@@ -544,7 +550,37 @@ cdef class Shape:
         >>> Shape(hosts=2, procs=4).slice(procs=slice(1, None, 2))
         Shape{hosts=2, procs=2; offset=1, strides=(4, 2)}
         """
-        return self[self._named_index(index)]
+        return self._index_named(index)
+
+    cdef Shape _index_named(self, dict index):
+        # Fast path of the named forms: items go straight to _basic (borrowed
+        # pointers, a shared ``slice(None)`` for the dims not named).
+        cdef PyObject* items[MAX_DIMS]
+        cdef int d, found
+        cdef Py_ssize_t pos = 0
+        cdef PyObject* key
+        cdef PyObject* value
+        cdef Shape r
+        for d in range(self._ndim):
+            items[d] = <PyObject*>_FULL
+        while PyDict_Next(index, &pos, &key, &value):
+            found = -1
+            for d in range(self._ndim):
+                if <PyObject*>self._names[d] is key:
+                    found = d
+                    break
+            if found < 0:
+                for d in range(self._ndim):
+                    if self._names[d] == <object>key:
+                        found = d
+                        break
+            if found < 0 or not (PyLong_CheckExact(<object>value) or PySlice_Check(<object>value)):
+                return self._general(self._named_index(index))
+            items[found] = value
+        r = self._basic(items, self._ndim)
+        if r is None:
+            return self._general(self._named_index(index))
+        return r
 
     cdef tuple _named_index(self, object index):
         cdef list items = [slice(None)] * self._ndim
@@ -561,15 +597,15 @@ cdef class Shape:
             items[d] = v
         return tuple(items)
 
-    cdef Shape _basic(self, tuple idx):
-        # Fast path: a tuple of ints, slices, None and at most one Ellipsis.
-        # Returns None when anything else is present (the general path decides).
-        cdef Py_ssize_t n = PyTuple_GET_SIZE(idx)
+    cdef Shape _basic(self, PyObject** idx, Py_ssize_t n):
+        # Fast path: ``n`` items (borrowed) that are ints, slices, None and at most
+        # one Ellipsis.  Returns None when anything else is present (the general
+        # path decides).  No Python allocation but the result and its names.
         cdef Py_ssize_t i
         cdef int consumed = 0, nnew = 0, ell = -1
         cdef object o
         for i in range(n):
-            o = <object>PyTuple_GET_ITEM(idx, i)
+            o = <object>idx[i]
             if PyLong_CheckExact(o) or PySlice_Check(o):
                 consumed += 1
             elif o is None:
@@ -591,7 +627,7 @@ cdef class Shape:
         cdef PyObject* names_buf[MAX_DIMS]
         cdef tuple names = self._names
         for i in range(n):
-            o = <object>PyTuple_GET_ITEM(idx, i)
+            o = <object>idx[i]
             if PyLong_CheckExact(o):
                 v = _raw_as_ssize(o)
                 if v == -1 and PyErr_Occurred() != NULL:
@@ -692,7 +728,9 @@ cdef class Shape:
                 items.append(o); kinds.append("s"); consumed += 1
             elif isinstance(o, (bool, _np.bool_)):
                 items.append(bool(o)); kinds.append("b"); advanced = True
-            elif _is_int_like(o):
+            elif PyLong_CheckExact(o) or isinstance(o, _np.integer):
+                items.append(_operator.index(o)); kinds.append("i"); consumed += 1
+            elif not isinstance(o, (_np.ndarray, list, tuple, range)) and _is_int_like(o):
                 items.append(_operator.index(o)); kinds.append("i"); consumed += 1
             elif isinstance(o, (_np.ndarray, list, tuple, range)) or (
                     hasattr(o, "__array__") and not isinstance(o, (str, bytes))):
@@ -743,7 +781,8 @@ cdef class Shape:
                             f"size of corresponding boolean axis is {a.shape[ax]}")
                 dim += a.ndim
         if not advanced:
-            return self._basic(tuple(items))
+            t = tuple(items)
+            return self._basic(PySequence_Fast_ITEMS(t), len(items))
         return self._advanced(items, kinds, consumed)
 
     cdef _array_bounds(self, list items, list kinds, int consumed):
@@ -1376,8 +1415,8 @@ def reduction_plan(Shape shape, dims):
     Examples
     --------
     >>> groups, result = reduction_plan(Shape(hosts=2, procs=3), "procs")
-    >>> groups.tolist(), result
-    ([[0, 1, 2], [3, 4, 5]], Shape{hosts=2})
+    >>> groups.tolist(), result.names, result.ranks().tolist()
+    ([[0, 1, 2], [3, 4, 5]], ('hosts',), [0, 3])
     """
     if isinstance(dims, (tuple, list)):
         axes = [shape._axis(x) for x in dims]

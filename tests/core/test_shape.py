@@ -397,3 +397,13 @@ def test_repr(s):
     assert repr(s[1, 2]) == "Shape{offset=6}"
     assert repr(Shape()) == "Shape{}"
     assert repr(Shape(a=20)[[i % 3 for i in range(20)]]).endswith(", ...]}")
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from mesharray import _core
+
+    result = doctest.testmod(_core, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 20
+    assert result.failed == 0
