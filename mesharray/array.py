@@ -573,14 +573,18 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         >>> a.slice(procs=slice(None, None, -1), hosts=1).tolist()
         [7, 6, 5, 4]
         """
+        mesh_key, local_key = _split_key(self._named_key(dims), self._shape.ndim, self.local_ndim, self)
+        return self._take(mesh_key, local_key)
+
+    def _named_key(self, dims: dict) -> tuple:
+        """``{name: selector}`` as the positional key over the mesh axes."""
         names = tuple(self._shape.names)
         key: list[Any] = [slice(None)] * len(names)
         for name, sel in dims.items():
             if name not in names:
                 raise DimensionError(name, names)
             key[names.index(name)] = sel
-        mesh_key, local_key = _split_key(tuple(key), self._shape.ndim, self.local_ndim, self)
-        return self._take(mesh_key, local_key)
+        return tuple(key)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         """``a[key] = value`` in place, with the selection :meth:`__getitem__` makes.
@@ -602,13 +606,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         [[0, 7, 0], [5, 7, 6]]
         """
         if isinstance(key, dict):
-            names = tuple(self._shape.names)
-            items: list[Any] = [slice(None)] * len(names)
-            for name, sel in key.items():
-                if name not in names:
-                    raise DimensionError(name, names)
-                items[names.index(name)] = sel
-            key = tuple(items)
+            key = self._named_key(key)
         mesh_key, local_key = _split_key(key, self._shape.ndim, self.local_ndim, self)
         mesh_adv = any(_is_advanced(k) for k in mesh_key)
         local_adv = [k for k in local_key if _is_advanced(k)]
@@ -628,7 +626,9 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
                     f"value with mesh dims {value.mesh_sizes} does not fit a selection with mesh dims "
                     f"{dict(zip(target.names, target.sizes))}"
                 )
-            local = np.empty(self.local_shape, dtype=np.bool_)[local_key + (Ellipsis,)].shape if local_key else self.local_shape
+            # the selection's local shape, from a zero-stride stand-in (no allocation)
+            stand_in = np.broadcast_to(np.empty((), dtype=np.bool_), self.local_shape)
+            local = stand_in[local_key + (Ellipsis,)].shape if local_key else self.local_shape
             plan = _Plan(tuple(target.names), tuple(target.sizes), target, tuple(local))
             value = plan.align(value, pad_local=len(value.local_shape) <= len(local))
         self._storage.setitem(mesh_key + local_key, value)
