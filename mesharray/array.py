@@ -44,10 +44,40 @@ __all__ = ["MeshArray"]
 class _Gathered:
     """Values held at the controller: one ndarray, mesh axes first, local axes last.
 
-    This is the storage protocol a MeshArray talks to; a distributed storage
-    (``mesharray/_distributed.py``) implements the same methods with the blocks
-    living in the workers. Every method receives the *layout* already decided by
-    :class:`MeshArray` (which Shape, which axes) and only moves or computes values.
+    This class *is* the storage protocol a MeshArray talks to; a distributed
+    storage (``mesharray/_distributed.py``, blocks living in the workers)
+    implements the same members. MeshArray decides every layout (which Shape,
+    which axes, how operands broadcast) and hands it over; a storage only moves
+    or computes values. Every method returns a new storage (never a MeshArray).
+
+    Members
+    -------
+    kind : str
+        ``"gathered"`` here (a distributed storage says ``"distributed"``).
+    dtype : numpy.dtype
+    local_shape(mesh_ndim) -> tuple
+        Shape of each element.
+    to_numpy() -> ndarray
+        The values, shape ``mesh sizes + local shape`` (a distributed storage gathers).
+    take(mesh_key, local_key, new_shape) -> storage
+        NumPy indexing: ``mesh_key`` (explicit, no ``...``) on the mesh axes, whose
+        result is the Shape ``new_shape``, then ``local_key`` on each element.
+    relayout(old_shape, perm, new_shape) -> storage
+        The same elements over ``new_shape``: the mesh axes permuted by ``perm``
+        (None: unchanged), then reshaped row-major (rename, flatten, split,
+        transpose). Blocks that live at ranks need not move.
+    setitem(key, value) -> None
+        ``values[key] = value`` in place: ``key`` is a NumPy key over the full
+        shape whose NumPy meaning equals the MeshArray's, ``value`` an ndarray or
+        scalar already aligned to the selection's layout.
+    reshape_local(mesh_ndim, local_shape) / astype(dtype, copy) / copy() -> storage
+    reduce(op, func, axes, keepdims, kwargs) -> storage
+        Reduction ``op`` over ``axes`` of the full shape (None: all); ``func`` is
+        the NumPy function for one ndarray.
+    elementwise(ufunc, plan, inputs, kwargs) -> tuple of storage  (static)
+        ``ufunc`` over ``inputs`` (MeshArrays and plain operands) broadcast as
+        ``plan`` (a :class:`_Plan`) says; ``kwargs["out"]``, when present, holds
+        the outputs to write into (MeshArrays with the result's layout, or ndarrays).
     """
 
     __slots__ = ("array",)
@@ -69,28 +99,32 @@ class _Gathered:
         return self.array
 
     # -- layout changes
-    def take(self, mesh_key: tuple, local_key: tuple, new_mesh_ndim: int) -> _Gathered:
-        """NumPy indexing: ``mesh_key`` on the mesh axes, then ``local_key`` on each element."""
+    def take(self, mesh_key: tuple, local_key: tuple, new_shape: Shape) -> _Gathered:
+        # a trailing ``...`` keeps every result an ndarray (an object element that
+        # is itself a list must stay an element, not become axes)
         v = self.array[mesh_key + (Ellipsis,)] if mesh_key else self.array
         if local_key:
+            m = new_shape.ndim
             if any(_is_advanced(k) for k in local_key):
                 # NumPy would move non-adjacent advanced-index dims in front of *all*
                 # axes; put the mesh axes last so they land in front of the local ones.
-                m = new_mesh_ndim
                 v = np.moveaxis(v, tuple(range(m)), tuple(range(-m, 0)))
                 v = v[local_key + (Ellipsis,)]
                 v = np.moveaxis(v, tuple(range(-m, 0)), tuple(range(m)))
             else:
-                v = v[(slice(None),) * new_mesh_ndim + local_key]
-        return _Gathered(np.asarray(v) if not isinstance(v, np.ndarray) else v)
+                v = v[(slice(None),) * m + local_key + (Ellipsis,)]
+        return _Gathered(v)
 
-    def relayout(self, mesh_ndim: int, perm: tuple[int, ...] | None, mesh_sizes: tuple[int, ...]) -> _Gathered:
-        """Permute the mesh axes by ``perm`` and reshape them to ``mesh_sizes`` (row-major)."""
+    def relayout(self, old_shape: Shape, perm: tuple[int, ...] | None, new_shape: Shape) -> _Gathered:
         v = self.array
-        local = v.shape[mesh_ndim:]
+        m = old_shape.ndim
+        local = v.shape[m:]
         if perm is not None:
-            v = v.transpose(perm + tuple(range(mesh_ndim, v.ndim)))
-        return _Gathered(v.reshape(tuple(mesh_sizes) + local))
+            v = v.transpose(perm + tuple(range(m, v.ndim)))
+        return _Gathered(v.reshape(tuple(new_shape.sizes) + local))
+
+    def setitem(self, key: tuple, value: Any) -> None:
+        self.array[key] = value
 
     def reshape_local(self, mesh_ndim: int, local_shape: tuple[int, ...]) -> _Gathered:
         v = self.array
@@ -103,26 +137,24 @@ class _Gathered:
         return _Gathered(self.array.copy())
 
     # -- compute
-    def reduce(self, op: str, func: Any, axes: tuple[int, ...] | None, keepdims: bool, kwargs: dict) -> np.ndarray:
-        """Reduction ``op`` (``"sum"``, ..., ``"argmax"``, or ``"<ufunc>.reduce"``) over ``axes``.
-
-        ``axes`` are axes of the full shape (None: all); ``func`` is the NumPy
-        function computing it on one ndarray, ``func(values, axis=, keepdims=, **kwargs)``.
-        """
+    def reduce(self, op: str, func: Any, axes: tuple[int, ...] | None, keepdims: bool, kwargs: dict) -> _Gathered:
         if op in ("argmin", "argmax") and axes is not None:
-            return func(self.array, axis=axes[0], keepdims=keepdims, **kwargs)
-        return func(self.array, axis=axes, keepdims=keepdims, **kwargs)
+            r = func(self.array, axis=axes[0], keepdims=keepdims, **kwargs)
+        else:
+            r = func(self.array, axis=axes, keepdims=keepdims, **kwargs)
+        return _Gathered(np.asarray(r))
 
     @staticmethod
-    def elementwise(ufunc: np.ufunc, plan: _Plan, inputs: list, kwargs: dict) -> tuple[np.ndarray, ...]:
-        """Run ``ufunc`` over operands aligned to ``plan``; returns the result arrays."""
+    def elementwise(ufunc: np.ufunc, plan: _Plan, inputs: list, kwargs: dict) -> tuple[_Gathered, ...]:
         if ufunc.signature is not None:
-            return _gufunc_per_element(ufunc, plan, inputs, kwargs)
+            return tuple(_Gathered(r) for r in _gufunc_per_element(ufunc, plan, inputs, kwargs))
         args = [plan.align(x) if isinstance(x, MeshArray) else x for x in inputs]
         if isinstance(kwargs.get("where"), MeshArray):
             kwargs = dict(kwargs, where=plan.align(kwargs["where"]))
+        if "out" in kwargs:  # the plan checked that MeshArray outputs have the result's layout
+            kwargs = dict(kwargs, out=tuple(o._values() if isinstance(o, MeshArray) else o for o in kwargs["out"]))
         out = ufunc(*args, **kwargs)
-        return out if isinstance(out, tuple) else (out,)
+        return tuple(_Gathered(np.asarray(r)) for r in (out if isinstance(out, tuple) else (out,)))
 
 
 def _storage_class(operands: Sequence[Any]) -> Any:
@@ -169,8 +201,12 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
     entries index the mesh axes (resolved by ``Shape``, so the result keeps the
     global ranks it came from and advanced indices name new dims by Shape's
     rule), the rest index every element's local axes. ``None`` placed after all
-    mesh axes adds a *local* axis. Advanced (array) indices may select mesh axes
-    or local axes but not both in one key (index in two steps). By name:
+    mesh axes adds a *local* axis. The mesh part is applied first, then the
+    local part to each element, so NumPy's rule that moves advanced-index dims
+    in front (ints and arrays separated by a slice) applies within each part,
+    never across: ``a[:, [0, 2], :, 1]`` keeps the mesh dims first. Advanced
+    (array) indices may select mesh axes or local axes but not both in one key
+    (index in two steps). By name:
     ``a.slice(procs=1)`` or ``a[{"procs": 1}]``. A result with no mesh dims and
     a scalar element is that element (a NumPy scalar, or the Python object of
     an object array), as NumPy returns a scalar; with local axes left it stays
@@ -319,7 +355,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
                 f"a mesh of {shape.size} ranks {shape!r} cannot hold the {self._shape.size} "
                 f"elements of {self._shape!r}"
             )
-        storage = self._storage.relayout(self._shape.ndim, None, tuple(shape.sizes))
+        storage = self._storage.relayout(self._shape, None, shape)
         return MeshArray._from_parts(shape, storage)
 
     # -- description ------------------------------------------------------------------
@@ -455,10 +491,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
         local = self.local_shape
-        try:
-            new_local = np.empty(local, dtype=np.bool_).reshape(shape).shape if local else np.empty((), np.bool_).reshape(shape).shape
-        except ValueError as e:
-            raise MeshShapeError(f"cannot reshape local shape {local} into {tuple(shape)}") from e
+        new_local = _infer_shape(local, shape)
         return MeshArray._from_parts(self._shape, self._storage.reshape_local(self._shape.ndim, new_local))
 
     # -- Monarch ValueMesh-style access ------------------------------------------------
@@ -540,14 +573,65 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         >>> a.slice(procs=slice(None, None, -1), hosts=1).tolist()
         [7, 6, 5, 4]
         """
+        mesh_key, local_key = _split_key(self._named_key(dims), self._shape.ndim, self.local_ndim, self)
+        return self._take(mesh_key, local_key)
+
+    def _named_key(self, dims: dict) -> tuple:
+        """``{name: selector}`` as the positional key over the mesh axes."""
         names = tuple(self._shape.names)
         key: list[Any] = [slice(None)] * len(names)
         for name, sel in dims.items():
             if name not in names:
                 raise DimensionError(name, names)
             key[names.index(name)] = sel
-        mesh_key, local_key = _split_key(tuple(key), self._shape.ndim, self.local_ndim, self)
-        return self._take(mesh_key, local_key)
+        return tuple(key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        """``a[key] = value`` in place, with the selection :meth:`__getitem__` makes.
+
+        A MeshArray value aligns by name with the selection's mesh dims (and its
+        local axes by position); other values broadcast NumPy-style. Keys mixing
+        array indices in one part (mesh or local) with ints or arrays in the other,
+        or several array indices on the local axes, are refused: NumPy would lay
+        those out differently from the selection.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import mesharray as ma
+        >>> a = ma.MeshArray(np.zeros((2, 3), dtype=int), ["hosts", "procs"])
+        >>> a[{"procs": 1}] = 7
+        >>> a[1, ::2] = ma.MeshArray([5, 6], ["procs"])
+        >>> a.tolist()
+        [[0, 7, 0], [5, 7, 6]]
+        """
+        if isinstance(key, dict):
+            key = self._named_key(key)
+        mesh_key, local_key = _split_key(key, self._shape.ndim, self.local_ndim, self)
+        mesh_adv = any(_is_advanced(k) for k in mesh_key)
+        local_adv = [k for k in local_key if _is_advanced(k)]
+        local_int = any(isinstance(k, int) for k in local_key)
+        if (mesh_adv and (local_int or local_adv)) or (
+            local_adv and (len(local_adv) > 1 or local_int or any(isinstance(k, int) for k in mesh_key))
+        ):
+            raise IndexError(
+                "this key mixes array indices with ints or arrays in a way NumPy lays out differently "
+                "from a MeshArray selection; assign through a selection made in two steps"
+            )
+        if isinstance(value, MeshArray):
+            target = self._shape[mesh_key] if mesh_key else self._shape
+            extra = [n for n in value.names if n not in target.names]
+            if extra:
+                raise MeshShapeError(
+                    f"value with mesh dims {value.mesh_sizes} does not fit a selection with mesh dims "
+                    f"{dict(zip(target.names, target.sizes))}"
+                )
+            # the selection's local shape, from a zero-stride stand-in (no allocation)
+            stand_in = np.broadcast_to(np.empty((), dtype=np.bool_), self.local_shape)
+            local = stand_in[local_key + (Ellipsis,)].shape if local_key else self.local_shape
+            plan = _Plan(tuple(target.names), tuple(target.sizes), target, tuple(local))
+            value = plan.align(value, pad_local=len(value.local_shape) <= len(local))
+        self._storage.setitem(mesh_key + local_key, value)
 
     def _take(self, mesh_key: tuple, local_key: tuple) -> Any:
         if mesh_key and not all(_is_full_slice(k) for k in mesh_key):
@@ -556,7 +640,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
             shape, mesh_key = self._shape, ()
         if all(_is_full_slice(k) for k in local_key):
             local_key = ()
-        storage = self._storage.take(mesh_key, local_key, shape.ndim)
+        storage = self._storage.take(mesh_key, local_key, shape)
         return _wrap(shape, storage)
 
     def transpose(self, *dims: str | int) -> MeshArray:
@@ -575,7 +659,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         names = tuple(self._shape.names)
         new = self._shape.transpose(*dims)
         perm = tuple(names.index(n) for n in new.names)
-        return MeshArray._from_parts(new, self._storage.relayout(len(names), perm, tuple(new.sizes)))
+        return MeshArray._from_parts(new, self._storage.relayout(self._shape, perm, new))
 
     # -- ufuncs ----------------------------------------------------------------------------
 
@@ -599,6 +683,11 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         method = _FUNCTIONS.get(func)
         if method is not None and args and isinstance(args[0], MeshArray):
             return getattr(args[0], method)(*args[1:], **kwargs)
+        if func is np.where and len(args) == 3 and not kwargs:
+            # np.where(cond, x, y) is elementwise: operands broadcast as a ufunc's do
+            plan = _plan(list(args), ())
+            aligned = [plan.align(x) if isinstance(x, MeshArray) else x for x in args]
+            return _wrap(plan.shape, _Gathered(np.asarray(np.where(*aligned))))
         if func in _SAME_SHAPE_FUNCTIONS and args and isinstance(args[0], MeshArray):
             a = args[0]
             result = func(a._values(), *_plain(args[1:]), **_plain(kwargs))
@@ -614,9 +703,8 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         axes = _normalize_axes(axis, self)
         m = self._shape.ndim
         reduced_mesh = range(m) if axes is None else [i for i in axes if i < m]
-        values = self._storage.reduce(op, func, axes, bool(keepdims), kwargs)
-        shape = self._reduced_shape(set(reduced_mesh), bool(keepdims))
-        return _wrap(shape, _Gathered(np.asarray(values)) if not isinstance(values, _Gathered) else values)
+        storage = self._storage.reduce(op, func, axes, bool(keepdims), kwargs)
+        return _wrap(self._reduced_shape(set(reduced_mesh), bool(keepdims)), storage)
 
     def _reduced_shape(self, mesh_axes: set[int], keepdims: bool) -> Shape:
         if not mesh_axes:
@@ -722,6 +810,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
 # -----------------------------------------------------------------------------------
 
 _NUMBER_TYPES = (bool, int, float, complex)
+_SCALAR_TYPES = (bool, int, float, complex, np.generic)
 
 
 class _InvalidIndexError(MeshIndexError, TypeError):
@@ -784,6 +873,24 @@ def _plain(x: Any) -> Any:
     if isinstance(x, dict):
         return {k: _plain(v) for k, v in x.items()}
     return x
+
+
+def _infer_shape(old: tuple[int, ...], new: Sequence[Any]) -> tuple[int, ...]:
+    """``new`` with its one ``-1`` inferred, checked to hold as many elements as ``old``."""
+    for x in new:
+        if not isinstance(x, (numbers.Integral, np.integer)) or isinstance(x, (bool, np.bool_)):
+            raise TypeError(f"shape entries must be ints, got {type(x).__name__}: {x!r}")
+    dims = [int(x) for x in new]
+    total = math.prod(old)
+    unknown = [i for i, x in enumerate(dims) if x == -1]
+    known = math.prod(x for x in dims if x != -1)
+    if len(unknown) > 1 or any(x < -1 for x in dims):
+        raise ValueError(f"invalid local shape {tuple(dims)}: at most one -1 and no other negative size")
+    if unknown and known and total % known == 0:
+        dims[unknown[0]] = total // known
+    if unknown and dims[unknown[0]] == -1 or math.prod(dims) != total:
+        raise MeshShapeError(f"cannot reshape local shape {tuple(old)} into {tuple(int(x) for x in new)}")
+    return tuple(dims)
 
 
 def _kw(kwargs: dict, **extra: Any) -> dict:
@@ -957,7 +1064,11 @@ class _Plan:
     shape : Shape
         The result's mesh Shape.
     local_shape : tuple of int
-        The result's local shape (the broadcast of the operands' local shapes).
+        The result's local shape (the broadcast of the operands' local shapes;
+        empty for a generalized ufunc, whose blocks have the shape it makes).
+
+    A plain (non-MeshArray) operand broadcasts positionally against
+    ``sizes + local_shape``; :meth:`layout` says how a MeshArray operand does.
     """
 
     __slots__ = ("names", "sizes", "shape", "local_shape")
@@ -968,19 +1079,32 @@ class _Plan:
         self.shape = shape
         self.local_shape = local_shape
 
+    def layout(self, a: MeshArray, pad_local: bool = True) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """How ``a`` lines up with the result, from shapes alone: ``(perm, target)``.
+
+        ``perm`` orders ``a``'s mesh axes as the result's names do (then its local
+        axes); ``target`` is the shape, with size-1 axes inserted for the result's
+        mesh dims ``a`` lacks (and, with ``pad_local``, for missing leading local
+        axes), that broadcasts positionally against the result's full shape.
+        """
+        src = tuple(a._shape.names)
+        m = len(src)
+        local = a.local_shape
+        present = [n for n in self.names if n in src]
+        perm = tuple(src.index(n) for n in present) + tuple(range(m, m + len(local)))
+        sizes = dict(zip(src, a._shape.sizes))
+        pad = (len(self.local_shape) - len(local)) if pad_local else 0
+        target = tuple(sizes.get(n, 1) for n in self.names) + (1,) * pad + local
+        return perm, target
+
     def align(self, a: MeshArray, pad_local: bool = True) -> np.ndarray:
         """``a``'s values as a view broadcastable (positionally) to the result's full shape."""
         v = a._values()
-        src = tuple(a._shape.names)
-        m = len(src)
-        present = [n for n in self.names if n in src]
-        perm = tuple(src.index(n) for n in present)
-        if perm != tuple(range(m)):
-            v = v.transpose(perm + tuple(range(m, v.ndim)))
-        sizes = dict(zip(src, a._shape.sizes))
-        local = v.shape[m:]
-        pad = (len(self.local_shape) - len(local)) if pad_local else 0
-        target = tuple(sizes.get(n, 1) for n in self.names) + (1,) * pad + local
+        if a._shape.names == self.names and (not pad_local or v.ndim - len(self.names) == len(self.local_shape)):
+            return v
+        perm, target = self.layout(a, pad_local)
+        if perm != tuple(range(v.ndim)):
+            v = v.transpose(perm)
         return v.reshape(target) if target != v.shape else v
 
 
@@ -994,6 +1118,21 @@ def _plan(inputs: list, out: tuple, per_element: bool = False) -> _Plan:
     A generalized ufunc (``matmul``) maps local blocks to blocks of its own
     shape, so only the mesh dims are broadcast; its local shape is left empty.
     """
+    # fast path: MeshArrays of one layout and scalars (``a + 1``, ``a * b`` on one mesh)
+    first = None
+    for x in (*out, *inputs):
+        if isinstance(x, MeshArray):
+            if first is None:
+                first = x
+            elif (x._shape.names != first._shape.names or x._shape.sizes != first._shape.sizes
+                  or x.local_shape != first.local_shape):
+                break
+        elif not isinstance(x, _SCALAR_TYPES):
+            break
+    else:
+        if first is not None:
+            local = () if per_element else first.local_shape
+            return _Plan(first._shape.names, first._shape.sizes, first._shape, local)
     arrays = [x for x in inputs if isinstance(x, MeshArray)]
     outs = [x for x in out if isinstance(x, MeshArray)]
     names: list[str] = []
@@ -1067,16 +1206,13 @@ def _elementwise(ufunc: np.ufunc, inputs: list, kwargs: dict) -> Any:
     plan = _plan(inputs + ([where] if isinstance(where, MeshArray) else []), tuple(out), ufunc.signature is not None)
     storage_cls = _storage_class(inputs + list(out))
     if out:
-        kwargs["out"] = tuple(o._storage.to_numpy() if isinstance(o, MeshArray) else o for o in out)
+        kwargs["out"] = tuple(out)
     results = storage_cls.elementwise(ufunc, plan, inputs, kwargs)
     wrapped = []
     for i, r in enumerate(results):
-        if out and isinstance(out[i], MeshArray):
+        if out and out[i] is not None:
+            # written in place: give back what the caller passed (NumPy returns `out`)
             wrapped.append(out[i])
-        elif out and out[i] is not None:
-            wrapped.append(r)
-        elif isinstance(r, (np.ndarray, np.generic)) or storage_cls is _Gathered:
-            wrapped.append(_wrap(plan.shape, _Gathered(np.asarray(r))))
         else:
             wrapped.append(_wrap(plan.shape, r))
     return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)

@@ -32,6 +32,7 @@ The hooks a subclass provides:
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -244,8 +245,6 @@ def _mesh_size(shape: Shape, dims: Any) -> int:
 
 
 def _row_major(sizes: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
-    import itertools
-
     return itertools.product(*(range(n) for n in sizes))
 
 

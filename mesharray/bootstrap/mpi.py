@@ -537,17 +537,34 @@ def _timeout_from_env(timeout: float | None) -> float:
 
 
 def _listen_host(hostnames: Iterable[str]) -> str:
-    """Where the controller listens: loopback when all ranks share its host."""
+    """Where the controller listens: loopback when all ranks share its host.
+
+    Otherwise the address of the interface that routes to another rank's
+    host (``gethostbyname(gethostname())`` is often 127.0.1.1 on clusters);
+    ``MESHARRAY_MPI_HOST`` overrides both.
+    """
     forced = os.environ.get("MESHARRAY_MPI_HOST", "").strip()
     if forced:
         return forced
     me = socket.gethostname()
-    if all(h == me for h in hostnames):
+    others = sorted({h for h in hostnames if h != me})
+    if not others:
         return "127.0.0.1"
+    for host in others:
+        try:
+            return _route_ip(socket.gethostbyname(host))
+        except OSError:
+            continue
     try:
-        return socket.gethostbyname(me)
+        mine = socket.gethostbyname(me)
     except OSError:
-        return socket.gethostbyname(socket.getfqdn())
+        mine = "127.0.0.1"
+    if mine.startswith("127."):
+        raise BootstrapError(
+            f"cannot find an address of {me!r} that ranks on {others[:4]} can reach "
+            f"(their names do not resolve here); set MESHARRAY_MPI_HOST to this host's address"
+        )
+    return mine
 
 
 def _fmt_ranks(ranks: Sequence[int]) -> str:
@@ -741,7 +758,7 @@ def _bootstrap_controller(MPI: Any, hosts: int | None, procs: int | None,
 
 def _thread_worker(address: str, secret: bytes) -> None:
     try:
-        _runtime_run_worker(address, secret, 0, in_thread=True)
+        _runtime_run_worker(address, secret, 0)
     except BaseException:  # the controller sees the EOF; say why here
         sys.stderr.write("mesharray: rank 0's worker failed:\n" + traceback.format_exc())
 
@@ -794,7 +811,7 @@ def _serve(MPI: Any) -> None:
             time.sleep(_POLL_S)
         state = _make_comms(MPI)
         _state = state
-        _runtime_run_worker(payload["address"], payload["secret"], rank, in_thread=False)
+        _runtime_run_worker(payload["address"], payload["secret"], rank)
     except KeyboardInterrupt:
         # Ctrl-C reaches every rank through mpirun; rank 0 reports it
         code = 130
@@ -914,8 +931,7 @@ def _runtime_proc_mesh(controller: Any, shape: Any, owner: Any) -> Any:
     return ProcMesh._from_controller(controller, shape, _Handle(_state), owner)
 
 
-def _runtime_run_worker(address: str, secret: bytes, rank: int, in_thread: bool,
-                        ready: threading.Event | None = None) -> None:
+def _runtime_run_worker(address: str, secret: bytes, rank: int) -> None:
     from ..runtime.worker import run_worker
 
     if address.startswith("unix:"):
@@ -927,7 +943,7 @@ def _runtime_run_worker(address: str, secret: bytes, rank: int, in_thread: bool,
     # they exit, which run_worker's own os._exit would skip; mpirun forwards
     # their stdout/stderr itself
     run_worker(address, secret, rank, listen=listen, listen_host=listen_host,
-               exit_process=False, forward_logs=False, ready=ready)
+               exit_process=False, forward_logs=False)
 
 
 def _runtime_stop(mesh: Any) -> None:

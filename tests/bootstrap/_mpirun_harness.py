@@ -8,8 +8,10 @@ or leave a rank behind.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from dataclasses import dataclass
@@ -82,16 +84,25 @@ def mpirun(n: int, argv: Sequence[str], *, timeout: float = 60.0, extra: Sequenc
     from mesharray.bootstrap.mpi import mpirun_command
 
     cmd = mpirun_command(n, [sys.executable, *argv], extra=extra)
+    env = dict(env or clean_env())
+    # Open MPI's shared-memory segments outlive jobs that are aborted or
+    # killed (which these tests do on purpose): keep them in a directory that
+    # is removed afterwards instead of /dev/shm
+    shm_dir = tempfile.mkdtemp(prefix="mesharray-mpi-shm-")
+    env.setdefault("OMPI_MCA_btl_sm_backing_directory", shm_dir)
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env or clean_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_tree(proc.pid)
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish within {timeout} s\n--- stdout\n{out}\n"
-                    f"--- stderr\n{err}")
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc.pid)
+            out, err = proc.communicate()
+            pytest.fail(f"{' '.join(cmd)} did not finish within {timeout} s\n--- stdout\n{out}\n"
+                        f"--- stderr\n{err}")
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)
     return Launch(proc.returncode, out, err, time.monotonic() - start)
 
 

@@ -226,3 +226,26 @@ def test_missing_mpi4py_under_a_launcher_names_the_extra():
     assert last.startswith("mesharray.errors.BootstrapError: the mpi bootstrap needs mpi4py")
     assert "launched by openmpi: rank 1 of 2" in last
     assert "pip install 'mesharray[mpi]'" in last
+
+
+def test_controller_listens_on_loopback_only_when_every_rank_is_local(monkeypatch):
+    import socket
+
+    from mesharray.bootstrap import mpi
+
+    monkeypatch.delenv("MESHARRAY_MPI_HOST", raising=False)
+    monkeypatch.setattr(socket, "gethostname", lambda: "node-a")
+    assert mpi._listen_host(["node-a", "node-a"]) == "127.0.0.1"
+    monkeypatch.setenv("MESHARRAY_MPI_HOST", "10.1.2.3")
+    assert mpi._listen_host(["node-a", "node-b"]) == "10.1.2.3"
+    monkeypatch.delenv("MESHARRAY_MPI_HOST")
+
+    def resolve(name):
+        if name == "node-a":
+            return "127.0.1.1"      # what /etc/hosts says on many clusters
+        raise socket.gaierror(f"unknown host {name}")
+
+    monkeypatch.setattr(socket, "gethostbyname", resolve)
+    with pytest.raises(BootstrapError, match=r"cannot find an address of 'node-a' that ranks on "
+                                             r"\['node-b'\] can reach.*MESHARRAY_MPI_HOST"):
+        mpi._listen_host(["node-a", "node-b"])

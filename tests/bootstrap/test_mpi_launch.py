@@ -222,3 +222,32 @@ def test_a_worker_rank_dying_later_is_an_actor_died_error(tmp_path):
     # waiting on the dead rank)
     assert run.returncode != 0
     assert "ranks [2] died during the job; aborting the MPI job" in run.stderr
+
+
+def test_control_traffic_over_tcp_when_told_the_address(tmp_path):
+    # the multi-host path (TCP listeners on a routable address), on one host
+    from mesharray.bootstrap.mpi import _route_ip
+
+    try:
+        address = _route_ip("192.0.2.1")   # TEST-NET-1: nothing is sent
+    except OSError:
+        address = "127.0.0.1"
+    if address.startswith("127."):
+        pytest.skip("no non-loopback interface on this machine")
+    path = script(tmp_path, """
+        import numpy as np
+        import mesharray as ma
+
+        class Rank(ma.Actor):
+            @ma.endpoint
+            def rank(self):
+                return ma.context().global_rank
+
+        procs = ma.proc_mesh()
+        print("listener", procs._root.controller.address.split(":")[0], flush=True)
+        print("ranks", np.asarray(procs.spawn("r", Rank).rank.call().get()).ravel().tolist())
+    """)
+    run = mpirun(2, [path], timeout=60, env=clean_env(MESHARRAY_MPI_HOST=address))
+    assert run.returncode == 0, run.output
+    assert "listener tcp" in run.stdout
+    assert "ranks [0, 1]" in run.stdout

@@ -5,9 +5,13 @@ Property tests against NumPy as the oracle are in test_array_props.py.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fractions
+import io
+import pathlib
 import pickle
+import runpy
 
 import numpy as np
 import pytest
@@ -108,6 +112,16 @@ def test_from_results_mixed_become_objects():
     # lists are values, not nested axes
     d = MeshArray.from_results(s, [[1, 2], [3, 4], [5, 6]])
     assert d.shape == (3,) and d.item(procs=0) == [1, 2]
+    assert d[0] == [1, 2] and d[-1] == [5, 6]
+    assert d[1:].tolist() == [[3, 4], [5, 6]]
+    # an object array with local axes: elements stay elements
+    o = np.empty((2, 2), dtype=object)
+    for i in range(2):
+        for j in range(2):
+            o[i, j] = [i, j]
+    m = MeshArray(o, ["procs"])
+    assert m.local_shape == (2,) and m[1, 0] == [1, 0]
+    assert m[:, 1].tolist() == [[0, 1], [1, 1]]
     # numbers NumPy cannot hold become objects too, exact
     e = MeshArray.from_results(s, [fractions.Fraction(1, 3)] * 3)
     assert e.dtype == object and e.sum() == 1
@@ -272,6 +286,19 @@ def test_advanced_indexing_local_axes_is_per_element():
     assert np.array_equal(a[:, :, [1, 0]], values[:, :, [1, 0]])
 
 
+def test_mesh_part_and_local_part_are_indexed_separately():
+    # NumPy would gather the int on a local axis with the mesh array index and put
+    # both in front; a MeshArray indexes the mesh, then each element.
+    values = np.arange(2 * 3 * 4 * 5).reshape(2, 3, 4, 5)
+    a = MeshArray(values, ["hosts", "procs"])
+    r = a[:, [0, 2], :, 1]
+    assert r.names == ("hosts", "procs") and r.shape == (2, 2, 4)
+    assert np.array_equal(r, values[:, [0, 2]][..., 1])
+    s = a[0, :, [1, 3]]
+    assert s.names == ("procs",) and s.shape == (3, 2, 5)
+    assert np.array_equal(s, np.stack([values[0, i][[1, 3]] for i in range(3)]))
+
+
 def test_none_after_the_mesh_axes_is_local(grid):
     assert grid[..., None].local_shape == (1,)
     assert grid[:, :, None].names == ("hosts", "procs")
@@ -309,6 +336,28 @@ def test_indexing_errors(blocks):
         blocks[[0, 1], 0, [0, 1]]
     with pytest.raises(IndexError, match="spans both mesh axes"):
         MeshArray(np.zeros((2, 2)), ["procs"])[np.ones((2, 2), bool)]
+
+
+def test_setitem(grid, blocks):
+    g = grid.copy()
+    g[0] = 9
+    g[{"procs": -1}] = -1
+    assert g.tolist() == [[9, 9, 9, -1], [4, 5, 6, -1]]
+    g[:, [0, 2]] = MeshArray([100, 200], ["hosts"])  # aligned by name, broadcast over procs
+    assert g.tolist() == [[100, 9, 100, -1], [200, 5, 200, -1]]
+    g[grid > 5] = 0
+    assert g.tolist()[1] == [200, 5, 0, 0]
+    b = blocks.copy()
+    b[..., 0] = MeshArray(np.arange(8).reshape(4, 2), ["procs", "hosts"])  # reordered names
+    assert np.array_equal(b.to_numpy()[..., 0], np.arange(8).reshape(4, 2).T)
+    b[:, :, [0, 2]] = np.array([7, 8])
+    assert b.item(hosts=1, procs=3).tolist() == [7.0, 22.0, 8.0]
+    with pytest.raises(IndexError, match="two steps"):
+        b[[0, 1], 0, 0] = 1
+    with pytest.raises(ma.MeshShapeError, match="does not fit"):
+        b[0] = MeshArray([1, 2], ["hosts"])
+    with pytest.raises(ma.DimensionError):
+        b[{"gpus": 0}] = 1
 
 
 def test_mesh_reshapes_move_values(grid, blocks):
@@ -392,6 +441,11 @@ def test_local_dims_align_positionally(blocks):
     assert np.array_equal(r3, per_rank.to_numpy() + np.arange(4))
     column = MeshArray(np.ones((2, 4, 1)), ["hosts", "procs"])
     assert (column + np.arange(5)).shape == (2, 4, 5)
+    # a size-1 mesh dim stretched by a plain array: no operand has those ranks -> dense Shape
+    one = MeshArray.from_results(ma.Shape(procs=8)[5:6], [7])
+    grown = one + np.arange(4)
+    assert grown.mesh_sizes == {"procs": 4} and grown.mesh_shape == ma.Shape(procs=4)
+    assert grown.tolist() == [7, 8, 9, 10]
 
 
 def test_broadcast_errors_name_both_shapes(grid, blocks):
@@ -498,6 +552,14 @@ def test_reduction_errors(blocks):
         blocks.sum(out=np.zeros(3))
 
 
+def test_where_aligns_by_name(grid):
+    col = MeshArray([1, 0, 1, 0], ["procs"]).astype(bool)
+    r = np.where(col, grid, -grid.transpose())
+    assert r.names == ("procs", "hosts")
+    assert r.tolist() == [[0, 4], [-1, -5], [2, 6], [-3, -7]]
+    assert np.where(grid > 3, 1, 0).tolist() == [[0, 0, 0, 0], [1, 1, 1, 1]]
+
+
 def test_other_numpy_functions_see_plain_values(blocks):
     assert np.round(blocks / 3, 1).names == ("hosts", "procs")
     assert np.clip(blocks, 1, 5).max() == 5
@@ -505,6 +567,24 @@ def test_other_numpy_functions_see_plain_values(blocks):
     assert type(c) is np.ndarray and c.shape == (4, 4, 3)
     assert np.shape(blocks) == (2, 4, 3)
     assert np.allclose(blocks, blocks.to_numpy())
+
+
+def test_empty_mesh_dims(grid):
+    e = grid[:, 0:0]
+    assert e.shape == (2, 0) and e.values() == [] and list(e.items()) == []
+    assert e.sum(axis="procs").tolist() == [0, 0]
+    assert e.sum(axis="procs", keepdims=True).shape == (2, 1)
+    assert e.sum(axis="hosts").shape == (0,)
+    assert (e + 1).shape == (2, 0)
+    assert MeshArray.from_results(ma.Shape(procs=0), []).shape == (0,)
+
+
+def test_zero_d_mesh_with_local_axes():
+    z = MeshArray(np.arange(3), [])
+    assert z.names == () and z.mesh_ndim == 0 and z.shape == (3,)
+    assert (z + z).tolist() == [0, 2, 4]
+    assert z.sum() == 3 and z[1] == 1
+    assert len(z) == 3
 
 
 # -- object arrays ----------------------------------------------------------------------
@@ -526,3 +606,23 @@ def test_object_arrays():
     assert dicts.transpose().item(hosts=0, procs=1) == {"r": 1}
     with pytest.raises(TypeError):
         dicts + 1
+
+
+def test_shapes_example_runs():
+    """examples/shapes.py (what `make demo` shows before the runtime exists) runs and prints."""
+    path = pathlib.Path(__file__).parents[2] / "examples" / "shapes.py"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        runpy.run_path(str(path), run_name="__main__")
+    text = out.getvalue()
+    assert "s[0, 1:3].ranks()" in text and "[1, 2]" in text
+    assert "MeshArray(hosts=2, dtype=int64)" in text
+
+
+@pytest.mark.parametrize("module", ["mesharray.array", "mesharray.mesh"])
+def test_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0
