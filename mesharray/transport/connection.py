@@ -93,6 +93,7 @@ class Connection:
         self.peer: dict = {}
         self.bytes_out = 0
         self.frames_out = 0
+        self.bytes_in = 0  # counted by poll-mode reading (the caller side) only
         self._out: list = []  # corked frames
         self._out_n = 0
         self._out_t0 = 0.0
@@ -308,6 +309,7 @@ class Connection:
                 n = sock.recv_into(pv[have:], 0, socket.MSG_DONTWAIT)
                 if n == 0:
                     raise EOFError
+                self.bytes_in += n
                 have += n
                 if have < len(payload):
                     self._big = (payload, pv, have, hdr)
@@ -320,6 +322,7 @@ class Connection:
             n = sock.recv_into(view[end:], 0, socket.MSG_DONTWAIT)
             if n == 0:
                 raise EOFError
+            self.bytes_in += n
             end += n
             limit, handler = self.limit, self.handler
             while end - start >= 24:

@@ -19,13 +19,28 @@ or in a shared-memory segment of the sender (:mod:`.shm`). Buffers below
 ``cloudpickle`` is used only when plain pickle cannot do the job: when it fails,
 or when the pickle refers to ``__main__`` (classes and functions defined in the
 user's script do not exist under that name in a worker).
+
+CPU ``torch.Tensor`` values travel like NumPy arrays: their bytes are one
+out-of-band buffer (so a large tensor goes through shared memory, zero-copy on
+the receiving side), rebuilt with ``torch.frombuffer``. Dtype (``bfloat16``
+included) and shape are kept; a non-contiguous tensor is sent as a contiguous
+copy (the receiver gets contiguous strides). Autograd history is not sent: the
+receiver gets a leaf tensor whose ``requires_grad`` is the sender's flag. Other
+tensors (GPU, sparse, quantized, subclasses such as ``nn.Parameter``) use
+torch's own pickling. torch is never imported for this: the reducer is only
+installed when ``torch`` is already in ``sys.modules`` (a process that never
+saw a tensor cannot be sending one), and only the receiving process of a
+tensor imports it, to rebuild it.
 """
 
 from __future__ import annotations
 
+import copyreg
+import io
 import os
 import pickle
 import struct
+import sys
 
 from .._core import FRAME_HEADER_SIZE, pack_header, unpack_header
 from ..errors import SerializationError
@@ -67,11 +82,77 @@ class Payload:
         self.big = sum(memoryview(b).nbytes for b in buffers) >= SHM_THRESHOLD if buffers else False
 
 
+def _rebuild_tensor(buf, dtype: str, shape: tuple, requires_grad: bool):
+    """Receiving side of :func:`_reduce_tensor`: a tensor viewing ``buf`` (no copy when aligned)."""
+    import torch
+
+    dt = getattr(torch, dtype)
+    mv = memoryview(buf)
+    if mv.nbytes == 0:
+        t = torch.empty(shape, dtype=dt)
+    else:
+        itemsize = torch.empty((), dtype=dt).element_size()
+        if mv.readonly or _address(mv) % itemsize:
+            mv = memoryview(bytearray(mv))  # frombuffer wants writable, aligned memory
+        t = torch.frombuffer(mv, dtype=torch.uint8).view(dt).view(shape)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def _address(mv: memoryview) -> int:
+    import numpy as np
+
+    return np.frombuffer(mv, np.uint8).ctypes.data
+
+
+def _reduce_tensor(t):
+    import torch
+
+    if (type(t) is not torch.Tensor or t.device.type != "cpu" or t.layout != torch.strided
+            or t.is_quantized or t.is_conj() or t.is_neg()):
+        return t.__reduce_ex__(5)
+    rg = t.requires_grad
+    d = t.detach()
+    if not d.is_contiguous():
+        d = d.contiguous()
+    flat = d.reshape(-1).view(torch.uint8) if d.numel() else torch.empty(0, dtype=torch.uint8)
+    dtype = str(d.dtype).rpartition(".")[2]
+    return _rebuild_tensor, (pickle.PickleBuffer(flat.numpy()), dtype, tuple(d.shape), rg)
+
+
+_tables: dict = {}
+
+
+def _torch_table():
+    """The dispatch table with the tensor reducer, or ``None`` while torch is not loaded."""
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "Tensor"):
+        return None  # not imported (or still importing): there can be no tensor to send
+    t = _tables.get("torch")
+    if t is None:
+        t = copyreg.dispatch_table.copy()
+        t[torch.Tensor] = _reduce_tensor
+        _tables["torch"] = t
+    return t
+
+
+def _pickle5(obj, buffers: list) -> bytes:
+    table = _torch_table()
+    if table is None:
+        return pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    f = io.BytesIO()
+    p = pickle.Pickler(f, protocol=5, buffer_callback=buffers.append)
+    p.dispatch_table = table
+    p.dump(obj)
+    return f.getvalue()
+
+
 def dumps(obj) -> Payload:
     """Pickle ``obj`` (protocol 5, out-of-band buffers); :class:`SerializationError` if impossible."""
     buffers: list = []
     try:
-        data = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+        data = _pickle5(obj, buffers)
         if b"__main__" not in data:
             return Payload(data, buffers)
     except Exception:
@@ -80,7 +161,15 @@ def dumps(obj) -> Payload:
     try:
         import cloudpickle
 
-        data = cloudpickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+        f = io.BytesIO()
+        cp = cloudpickle.CloudPickler(f, protocol=5, buffer_callback=buffers.append)
+        if _torch_table() is not None:
+            import collections
+
+            cp.dispatch_table = collections.ChainMap({sys.modules["torch"].Tensor: _reduce_tensor},
+                                                     cp.dispatch_table)
+        cp.dump(obj)
+        data = f.getvalue()
     except Exception as exc:
         raise SerializationError(f"cannot pickle {type(obj).__name__} for sending: {exc}") from exc
     return Payload(data, buffers)

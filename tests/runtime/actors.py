@@ -164,3 +164,25 @@ class Owner:
 
     def __supervise__(self, failure) -> None:
         self.failures.append(failure)
+
+
+class TorchProbe(ma.Actor):
+    """Endpoints that look at torch tensors in the worker (torch is imported only by what it receives)."""
+
+    @ma.endpoint
+    def has_module(self, name: str) -> bool:
+        import sys
+
+        return name in sys.modules
+
+    @ma.endpoint
+    def echo(self, x):
+        return x
+
+    @ma.endpoint
+    def plus1(self, t):
+        return t + 1
+
+    @ma.endpoint
+    def describe(self, t) -> tuple:
+        return type(t).__name__, str(t.dtype), tuple(t.shape), t.stride(), t.requires_grad, t.is_contiguous()
