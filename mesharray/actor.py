@@ -281,7 +281,8 @@ class ActorMesh(MeshTrait):
         if name not in self._endpoints:
             raise AttributeError(f"actor {self._name!r} ({self._cls_name}) has no endpoint {name!r}; "
                                  f"endpoints are {sorted(self._endpoints)}")
-        return Endpoint(self, name)
+        ep = self.__dict__[name] = Endpoint(self, name)  # later lookups skip __getattr__
+        return ep
 
     def __reduce__(self):
         return (ActorMesh, (self._name, self._actor_id, self._cls_name, self._endpoints, self._shape,
@@ -303,20 +304,25 @@ class ActorMesh(MeshTrait):
 
 
 _NO_ARGS = framing.dumps(((), {}))
+_NO_ARGS_BYTES = b"".join(framing.encode(_NO_ARGS))
 
 
 class Endpoint:
     """An endpoint of an actor mesh: the adverbs that send a message to its actors."""
 
-    __slots__ = ("_mesh", "_name", "_method")
+    __slots__ = ("_mesh", "_name", "_method", "_noargs")
 
     def __init__(self, mesh: ActorMesh, name: str) -> None:
         self._mesh = mesh
         self._name = name
         self._method = P.encode_method(name)
+        self._noargs = [self._method + _NO_ARGS_BYTES]  # the whole payload of a call without arguments
 
-    def _send(self, ranks, shape, args, kwargs, cbs) -> None:
-        """Pickle once, then send one CALL per rank (``cbs[i]`` gets rank i's reply)."""
+    def _send(self, ranks, shape, args, kwargs, cbs) -> list:
+        """Pickle once, then send one CALL per rank (``cbs[i]`` gets rank i's reply).
+
+        Returns the connections used (``None`` for a rank that could not be reached).
+        """
         p = framing.dumps((args, kwargs)) if (args or kwargs) else _NO_ARGS
         mesh = self._mesh
         router = get_router()
@@ -337,7 +343,10 @@ class Endpoint:
 
             if shm.available():
                 seg, placed = framing.write_shm(p, len(conns))
-        plain = None if p.big else [self._method, *framing.encode(p)]
+        if p is _NO_ARGS:
+            plain = self._noargs
+        else:
+            plain = None if p.big else [self._method, *framing.encode(p)]
         aid = mesh._actor_id
         for i, conn in enumerate(conns):
             if conn is None:
@@ -350,6 +359,7 @@ class Endpoint:
                 parts = [self._method, *framing.encode(p)]
             vid = router.view_id(conn, shape)
             router.send(conn, P.CALL, aid, vid, parts, None if cbs is None else cbs[i])
+        return conns
 
     def call(self, *args, **kwargs) -> Future:
         """Call every actor of the mesh; a future of the gathered :class:`~mesharray.MeshArray`.
@@ -367,21 +377,29 @@ class Endpoint:
         if not ranks:
             g._finish()
             return fut
-        self._send(ranks, shape, args, kwargs, cbs)
+        conns = self._send(ranks, shape, args, kwargs, cbs)
+        for c in conns:
+            if c is None or getattr(c, "_rlock", None) is None:
+                break
+        else:  # all polled: get() reads the replies in its own thread
+            fut._conn = tuple(conns)
         return fut
 
-    def _send_one(self, rank, shape, args, kwargs, cb) -> None:
+    def _send_one(self, rank, shape, args, kwargs, cb):
         """The latency path of ``call_one``/``choose``: one rank, small arguments."""
-        p = framing.dumps((args, kwargs)) if (args or kwargs) else _NO_ARGS
-        if p.big:
-            return self._send((rank,), shape, args, kwargs, (cb,))
+        if args or kwargs:
+            p = framing.dumps((args, kwargs))
+            if p.big:
+                return self._send((rank,), shape, args, kwargs, (cb,))[0]
+            parts = [self._method, *framing.encode(p)]
+        else:
+            parts = self._noargs
         router = get_router()
         try:
             conn = router.connection(self._mesh._addresses[rank])
         except Exception as exc:
             cb(P.DIED, exc)
             return
-        parts = [self._method, *framing.encode(p)]
         router.send(conn, P.CALL, self._mesh._actor_id, router.view_id(conn, shape), parts, cb)
         return conn
 
@@ -410,7 +428,9 @@ class Endpoint:
             raise ValueError("choose needs at least 1 actor, but mesh has 0")
         r = shape.rank(random.randrange(shape.size))
         fut = Future._new()
-        self._send_one(r, shape, args, kwargs, _one_cb(fut))
+        conn = self._send_one(r, shape, args, kwargs, _one_cb(fut))
+        if conn is not None and getattr(conn, "_rlock", None) is not None:
+            fut._conn = conn
         return fut
 
     def stream(self, *args, **kwargs):

@@ -13,6 +13,8 @@ import _thread
 import asyncio
 from time import monotonic as _monotonic
 
+from .router import _dirty, flush_all as _flush_all
+
 __all__ = ["Future"]
 
 _cb_lock = _thread.allocate_lock()
@@ -47,7 +49,7 @@ class Future:
         f._value = _PENDING
         f._exc = None
         f._callbacks = None
-        f._conn = None  # the polled connection its reply comes on, when only one
+        f._conn = None  # the polled connection(s) its reply comes on: one, or a tuple (call())
         return f
 
     @classmethod
@@ -100,14 +102,19 @@ class Future:
     def _wait(self, timeout) -> None:
         if self._value is not _PENDING:
             return
-        _flush_all()
+        if _dirty:
+            _flush_all()
         conn = self._conn
         if conn is not None:
             # read the reply ourselves rather than be woken by the poller thread
             if timeout is not None and timeout < 0:
                 raise ValueError(f"timeout must be >= 0, got {timeout}")
             deadline = None if timeout is None else _monotonic() + timeout
-            if conn.read_until(self, deadline) and self._value is _PENDING and deadline is not None:
+            if type(conn) is tuple:  # the replies of a call(): read them all here
+                read = conn[0].read_all(conn, self, deadline)
+            else:
+                read = conn.read_until(self, deadline)
+            if read and self._value is _PENDING and deadline is not None:
                 timeout = max(0.0, deadline - _monotonic())
         if timeout is None:
             ok = self._lock.acquire()
@@ -152,7 +159,8 @@ class Future:
 
     def __await__(self):
         if self._value is _PENDING:
-            _flush_all()
+            if _dirty:
+                _flush_all()
             loop = asyncio.get_running_loop()
             waiter = loop.create_future()
 
@@ -173,12 +181,6 @@ class Future:
         else:
             state = "done"
         return f"<mesharray.Future {state}>"
-
-
-def _flush_all() -> None:
-    from .router import flush_all
-
-    flush_all()
 
 
 def _wake(waiter) -> None:

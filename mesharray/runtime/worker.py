@@ -51,6 +51,9 @@ __all__ = ["run_worker", "Worker", "error_record"]
 log = logging.getLogger("mesharray.worker")
 
 _EMPTY_OK = framing.encode(framing.dumps(None))
+# the pickled payload of a call without arguments (what the caller sends, byte for byte)
+_NO_ARGS_BYTES = b"".join(framing.encode(framing.dumps(((), {}))))
+_NO_ARGS_LEN = len(_NO_ARGS_BYTES)
 _names: dict[bytes, str] = {}  # u8 n + method name -> name
 
 
@@ -273,9 +276,12 @@ class Worker:
             ctx._view = vshape
             token = current.set(ctx)
             try:
-                args, kwargs = framing.decode(memoryview(payload)[1 + n:])
                 fn = slot.bound.get(method) or self._endpoint(slot, method)
-                result = fn(*args, **kwargs)
+                if len(payload) - 1 - n == _NO_ARGS_LEN and payload.endswith(_NO_ARGS_BYTES):
+                    result = fn()  # no arguments: nothing to unpickle
+                else:
+                    args, kwargs = framing.decode(memoryview(payload)[1 + n:])
+                    result = fn(*args, **kwargs)
             except BaseException as exc:
                 self._fail(conn, msg_id, reply, slot, exc)
                 return

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
 import sys
 import threading
@@ -264,33 +265,38 @@ class Connection:
         self._polled = threading.Event()
         self._rlock = threading.Lock()
         (poller or default_poller()).add(self)
+        self._pollobj = select.poll()  # for callers that read with a deadline
+        self._pollobj.register(self._fd, select.POLLIN)
 
     def read_until(self, fut, deadline: float | None) -> bool:
         """Read this (polled) connection in the calling thread until ``fut`` is done.
 
         Returns False at once if another thread is reading it. Stops at
         ``deadline`` (``time.monotonic()``), or when the connection ends.
+        Without a deadline it blocks in ``recv`` itself (one syscall per
+        reply, no ``poll``); closing the connection wakes it.
         """
         if not self._rlock.acquire(False):
             return False
         ok = True
+        done = fut.done
         self._poller.disarm(self)  # keep the poller thread asleep while we read
         try:
-            import select
-
-            p = select.poll()
-            p.register(self._fd, select.POLLIN)
-            while not fut.done():
-                if deadline is None:
-                    ms = None
-                else:
-                    ms = int(max(0.0, deadline - time.monotonic()) * 1000)
-                if p.poll(ms):
-                    ok = self._poll_read()
+            if deadline is None:
+                while not done():
+                    ok = self._poll_read(0)
                     if not ok:
                         break
-                elif deadline is not None and time.monotonic() >= deadline:
-                    break
+            else:
+                p = self._pollobj
+                while not done():
+                    ms = int(max(0.0, deadline - time.monotonic()) * 1000)
+                    if p.poll(ms):
+                        ok = self._poll_read()
+                        if not ok:
+                            break
+                    elif time.monotonic() >= deadline:
+                        break
         finally:
             self._rlock.release()
             if ok:
@@ -300,13 +306,64 @@ class Connection:
                 self._poll_done()
         return True
 
-    def _poll_read(self) -> bool:
-        """Read what is there and handle complete frames; False once the connection ended."""
+    @staticmethod
+    def read_all(conns, fut, deadline: float | None) -> bool:
+        """:meth:`read_until` over several polled connections (the replies of one ``call()``).
+
+        The calling thread reads them all (one ``poll`` for the lot, no hand-off
+        to the poller thread). Returns False at once, reading nothing, if
+        another thread is reading any of them.
+        """
+        held = []
+        for c in conns:
+            if not c._rlock.acquire(False):
+                for h in held:
+                    h._rlock.release()
+                return False
+            held.append(c)
+        ended = []
+        done = fut.done
+        try:
+            p = select.poll()
+            by_fd = {}
+            for c in held:
+                c._poller.disarm(c)
+                p.register(c._fd, select.POLLIN)
+                by_fd[c._fd] = c
+            while not done() and by_fd:
+                if deadline is None:
+                    ms = None
+                else:
+                    ms = int(max(0.0, deadline - time.monotonic()) * 1000)
+                ready = p.poll(ms)
+                for fd, _ in ready:
+                    c = by_fd.get(fd)
+                    if c is not None and not c._poll_read():
+                        ended.append(c)
+                        del by_fd[fd]
+                        p.unregister(fd)
+                if not ready and deadline is not None and time.monotonic() >= deadline:
+                    break
+        finally:
+            for c in held:
+                c._rlock.release()
+                if c in ended:
+                    c._poller.discard(c)
+                    c._poll_done()
+                else:
+                    c._poller.rearm(c)
+        return True
+
+    def _poll_read(self, flags: int = socket.MSG_DONTWAIT) -> bool:
+        """Read what is there and handle complete frames; False once the connection ended.
+
+        ``flags=0``: block until something comes (a caller waiting for its reply).
+        """
         sock, view = self.sock, self._pview
         try:
             if self._big is not None:
                 payload, pv, have, hdr = self._big
-                n = sock.recv_into(pv[have:], 0, socket.MSG_DONTWAIT)
+                n = sock.recv_into(pv[have:], 0, flags)
                 if n == 0:
                     raise EOFError
                 self.bytes_in += n
@@ -319,7 +376,7 @@ class Connection:
                 self.handler(self, *hdr, payload)
                 return True
             start, end = self._pstart, self._pend
-            n = sock.recv_into(view[end:], 0, socket.MSG_DONTWAIT)
+            n = sock.recv_into(view[end:], 0, flags)
             if n == 0:
                 raise EOFError
             self.bytes_in += n
