@@ -318,7 +318,7 @@ class Endpoint:
         self._method = P.encode_method(name)
         self._noargs = [self._method + _NO_ARGS_BYTES]  # the whole payload of a call without arguments
 
-    def _send(self, ranks, shape, args, kwargs, cbs) -> list:
+    def _send(self, ranks, shape, args, kwargs, cbs, park: bool = False) -> list:
         """Pickle once, then send one CALL per rank (``cbs[i]`` gets rank i's reply).
 
         Returns the connections used (``None`` for a rank that could not be reached).
@@ -348,6 +348,11 @@ class Endpoint:
         else:
             plain = None if p.big else [self._method, *framing.encode(p)]
         aid = mesh._actor_id
+        if park:  # the caller will read the replies itself (call().get()): see Router.send
+            for c in conns:
+                if c is None or getattr(c, "_rlock", None) is None:
+                    park = False
+                    break
         for i, conn in enumerate(conns):
             if conn is None:
                 continue
@@ -358,7 +363,7 @@ class Endpoint:
             else:
                 parts = [self._method, *framing.encode(p)]
             vid = router.view_id(conn, shape)
-            router.send(conn, P.CALL, aid, vid, parts, None if cbs is None else cbs[i])
+            router.send(conn, P.CALL, aid, vid, parts, None if cbs is None else cbs[i], park)
         return conns
 
     def call(self, *args, **kwargs) -> Future:
@@ -377,7 +382,7 @@ class Endpoint:
         if not ranks:
             g._finish()
             return fut
-        conns = self._send(ranks, shape, args, kwargs, cbs)
+        conns = self._send(ranks, shape, args, kwargs, cbs, park=True)
         for c in conns:
             if c is None or getattr(c, "_rlock", None) is None:
                 break
@@ -400,7 +405,8 @@ class Endpoint:
         except Exception as exc:
             cb(P.DIED, exc)
             return
-        router.send(conn, P.CALL, self._mesh._actor_id, router.view_id(conn, shape), parts, cb)
+        router.send(conn, P.CALL, self._mesh._actor_id, router.view_id(conn, shape), parts, cb,
+                    park=getattr(conn, "_rlock", None) is not None)
         return conn
 
     def call_one(self, *args, **kwargs) -> Future:

@@ -97,7 +97,21 @@ class Future:
     # -- public API -------------------------------------------------------
     def done(self) -> bool:
         """Whether the result (or an exception) is available."""
+        if self._value is not _PENDING:
+            return True
+        self._unpark()  # someone polls done(): let the poller thread read the reply
         return self._value is not _PENDING
+
+    def _done(self) -> bool:
+        return self._value is not _PENDING
+
+    def _unpark(self) -> None:
+        conn = self._conn
+        if conn is not None:
+            for c in conn if type(conn) is tuple else (conn,):
+                p = c._poller
+                if c in p._parked:
+                    p.unpark(c)
 
     def _wait(self, timeout) -> None:
         if self._value is not _PENDING:
@@ -116,6 +130,8 @@ class Future:
                 read = conn.read_until(self, deadline)
             if read and self._value is _PENDING and deadline is not None:
                 timeout = max(0.0, deadline - _monotonic())
+            if not read:
+                self._unpark()  # another thread reads: make sure the poller does too
         if timeout is None:
             ok = self._lock.acquire()
         else:
@@ -148,6 +164,8 @@ class Future:
 
     def add_done_callback(self, fn) -> None:
         """Call ``fn(future)`` when done (at once, in this thread, if already done)."""
+        if self._conn is not None:
+            self._unpark()  # nobody may ever call get(): the poller thread must read the reply
         with _cb_lock:
             if self._value is _PENDING:
                 if self._callbacks is None:

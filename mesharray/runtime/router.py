@@ -137,7 +137,7 @@ class Router:
                     conn.views_out[shape] = vid
         return vid
 
-    def send(self, conn: Connection, kind: int, target: int, view: int, parts, cb) -> None:
+    def send(self, conn: Connection, kind: int, target: int, view: int, parts, cb, park: bool = False) -> None:
         """Send one frame; ``cb(status, payload_or_error)`` gets the reply (``None``: no reply).
 
         Frames are corked (written later, many per write) when nobody can be
@@ -145,6 +145,11 @@ class Router:
         connection are still in flight (pipelining). A lone call goes out at
         once. Corked frames are flushed before any wait (:func:`flush_all`) and
         by a flusher thread within ~0.2 ms.
+
+        ``park=True``: the caller will likely read the reply itself (its future
+        knows the connection): a lone call disarms the poller thread for this
+        connection before it is written (``Poller.park``), so that the poller
+        cannot win the race for the reply.
         """
         if conn.on_cork is None:
             conn.on_cork = _mark_dirty
@@ -155,6 +160,8 @@ class Router:
         self.sent_calls += 1
         mid = next_id()
         cork = bool(conn.pending) or bool(conn._out)
+        if park and not cork:
+            conn._poller.park(conn)
         conn.pending[mid] = cb
         try:
             conn.send(kind, P.F_REPLY, mid, target, view, parts, cork=cork)

@@ -45,6 +45,8 @@ __all__ = ["Connection", "Listener", "Poller", "connect", "default_poller", "par
 log = logging.getLogger("mesharray.transport")
 
 _RECV_BUF = 1 << 18
+#: seconds a connection parked for a caller may stay unread before the poller reads it again
+PARK_MAX = 0.05
 _SMALL = 1 << 14
 _CORK_MAX = 1 << 16  # flush corked frames once this many bytes are queued
 _CORK_AGE = 0.0005  # ... or once the oldest has waited this long while handling a batch
@@ -279,7 +281,7 @@ class Connection:
         if not self._rlock.acquire(False):
             return False
         ok = True
-        done = fut.done
+        done = fut._done
         self._poller.disarm(self)  # keep the poller thread asleep while we read
         try:
             if deadline is None:
@@ -322,7 +324,7 @@ class Connection:
                 return False
             held.append(c)
         ended = []
-        done = fut.done
+        done = fut._done
         try:
             p = select.poll()
             by_fd = {}
@@ -495,6 +497,11 @@ class Poller:
         self._ep = select.epoll()
         self._flags = select.EPOLLIN | select.EPOLLONESHOT
         self._conns: dict[int, Connection] = {}
+        # connections disarmed by a caller about to wait for its reply (see park())
+        self._parked: dict[Connection, float] = {}
+        self._timeout = -1.0  # becomes PARK_MAX once anything was parked
+        self._wake_r, self._wake_w = os.pipe()
+        self._ep.register(self._wake_r, select.EPOLLIN)
         self.thread = threading.Thread(target=self._loop, name="mesharray-poller", daemon=True)
         self.thread.start()
 
@@ -505,7 +512,31 @@ class Poller:
         self._conns[fd] = conn
         self._ep.register(fd, self._flags)
 
+    def park(self, conn: Connection) -> None:
+        """Disarm ``conn`` *before* a call is sent on it whose caller will likely read the reply.
+
+        Disarming only once the caller waits would race with the reply: on a
+        busy machine the poller thread often won, and its hand-off cost a
+        thread wake-up. A parked connection is re-armed by whoever reads it,
+        by :meth:`Future.done`/callbacks, or by the poller itself after at most
+        ~2 x ``PARK_MAX`` (heartbeats and deaths are noticed late by that much).
+        """
+        self._parked[conn] = time.monotonic()
+        try:
+            self._ep.modify(conn._fd, 0)
+        except (OSError, ValueError):
+            pass
+        if self._timeout < 0:  # first park: the poller must start looking at the clock
+            self._timeout = PARK_MAX
+            os.write(self._wake_w, b"x")
+
+    def unpark(self, conn: Connection) -> None:
+        """Re-arm a parked connection (no-op if it is not parked)."""
+        if self._parked.pop(conn, None) is not None:
+            self.rearm(conn)
+
     def rearm(self, conn: Connection) -> None:
+        self._parked.pop(conn, None)
         try:
             self._ep.modify(conn._fd, self._flags)
         except (OSError, ValueError):
@@ -518,6 +549,7 @@ class Poller:
             pass
 
     def discard(self, conn: Connection) -> None:
+        self._parked.pop(conn, None)
         if self._conns.get(conn._fd) is conn:
             del self._conns[conn._fd]
             try:
@@ -526,8 +558,22 @@ class Poller:
                 pass
 
     def _loop(self) -> None:
+        parked = self._parked
         while True:
-            for fd, _ in self._ep.poll():
+            events = self._ep.poll(self._timeout)
+            if parked:
+                now = time.monotonic()
+                for conn, t in list(parked.items()):
+                    if now - t > PARK_MAX and conn._rlock.acquire(False):
+                        # nobody came to read it: take it back (a reader re-arms it itself)
+                        try:
+                            self.unpark(conn)
+                        finally:
+                            conn._rlock.release()
+            for fd, _ in events:
+                if fd == self._wake_r:
+                    os.read(fd, 64)
+                    continue
                 conn = self._conns.get(fd)
                 if conn is None:  # discarded by a caller that saw it end
                     continue
