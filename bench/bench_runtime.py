@@ -29,6 +29,7 @@ Cases (what each figure is):
   sees the error.
 - ``rt16mib_gbps``: 16 MiB float32 array sent to an actor and returned; 16 MiB / round trip.
 - ``rt16mib_new_gbps``: the same, but the actor returns ``x + 1`` (a new array).
+- ``rt16mib_torch_gbps``: a 16 MiB CPU float32 ``torch.Tensor`` sent to an actor and returned.
 - ``call_vs_size_us``: ``call().get()`` median on 1, 2, 4, 8, 16, 32 actors.
 """
 
@@ -66,6 +67,19 @@ def _rt(ep, x, rounds: int) -> float:
         ts.append(time.perf_counter() - t)
         del y
     return (MIB16 * 4) / statistics.median(ts) / 1e9
+
+
+def _torch_rt(ep, rounds: int):
+    """GB/s of a 16 MiB CPU float32 torch tensor round trip (the actor returns it); None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    xt = torch.ones(MIB16, dtype=torch.float32)
+    y = ep.call_one(xt).get()
+    if not torch.equal(y, xt):
+        raise AssertionError("the tensor came back changed")
+    return _rt(ep, xt, rounds)
 
 
 # --------------------------------------------------------------------------- mesharray
@@ -153,6 +167,7 @@ def run_mesharray(quick: bool) -> dict:
             del y
         out["rt16mib_gbps"] = (MIB16 * 4) / statistics.median(ts) / 1e9
         out["rt16mib_new_gbps"] = _rt(one.plus1, x, 5 if quick else 20)
+        out["rt16mib_torch_gbps"] = _torch_rt(echo, 5 if quick else 20)
         sizes = {}
         for k in (1, 2, 4, 8, 16):
             e = a[0, :k].noop
@@ -283,6 +298,7 @@ def run_monarch(quick: bool) -> dict:
         ts.append(time.perf_counter() - t)
     out["rt16mib_gbps"] = (MIB16 * 4) / statistics.median(ts) / 1e9
     out["rt16mib_new_gbps"] = _rt(one.plus1, x, 5 if quick else 10)
+    out["rt16mib_torch_gbps"] = _torch_rt(one.echo, 5 if quick else 10)
     sizes = {}
     for k in (1, 2, 4, 8, 16):
         e = a.slice(procs=slice(0, k)).noop
@@ -335,6 +351,7 @@ ROWS = [
     ("SIGKILL -> error at pending caller", "kill_to_error_s", "s", False),
     ("16 MiB round trip (actor returns its argument)", "rt16mib_gbps", "GB/s", True),
     ("16 MiB round trip (actor returns x + 1)", "rt16mib_new_gbps", "GB/s", True),
+    ("16 MiB CPU torch tensor round trip (echo)", "rt16mib_torch_gbps", "GB/s", True),
 ]
 
 

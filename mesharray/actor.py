@@ -229,7 +229,7 @@ class _Gather:
     def _finish(self) -> None:
         from .array import MeshArray
 
-        if self.fut.done():
+        if self.fut._done():
             return
         try:
             self.fut._set_result(MeshArray.from_results(self.shape, self.values))
