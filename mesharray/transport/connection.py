@@ -282,7 +282,9 @@ class Connection:
             return False
         ok = True
         done = fut._done
-        self._poller.disarm(self)  # keep the poller thread asleep while we read
+        poller = self._poller
+        if self not in poller._parked:
+            poller.disarm(self)  # keep the poller thread asleep while we read
         try:
             if deadline is None:
                 while not done():
@@ -301,11 +303,13 @@ class Connection:
                         break
         finally:
             self._rlock.release()
-            if ok:
-                self._poller.rearm(self)
-            else:
-                self._poller.discard(self)
+            if not ok:
+                poller.discard(self)
                 self._poll_done()
+            elif self.pending:
+                poller.rearm(self)  # replies nobody reads here: the poller's job
+            else:
+                poller.keep_parked(self)  # saves two epoll_ctl per call in a call loop
         return True
 
     @staticmethod
@@ -329,7 +333,8 @@ class Connection:
             p = select.poll()
             by_fd = {}
             for c in held:
-                c._poller.disarm(c)
+                if c not in c._poller._parked:
+                    c._poller.disarm(c)
                 p.register(c._fd, select.POLLIN)
                 by_fd[c._fd] = c
             while not done() and by_fd:
@@ -352,8 +357,10 @@ class Connection:
                 if c in ended:
                     c._poller.discard(c)
                     c._poll_done()
-                else:
+                elif c.pending:
                     c._poller.rearm(c)
+                else:
+                    c._poller.keep_parked(c)
         return True
 
     def _poll_read(self, flags: int = socket.MSG_DONTWAIT) -> bool:
@@ -521,14 +528,32 @@ class Poller:
         by :meth:`Future.done`/callbacks, or by the poller itself after at most
         ~2 x ``PARK_MAX`` (heartbeats and deaths are noticed late by that much).
         """
-        self._parked[conn] = time.monotonic()
+        parked = self._parked
+        if conn in parked:  # still disarmed since its last call: no syscall
+            parked[conn] = time.monotonic()
+            return
+        parked[conn] = time.monotonic()
         try:
             self._ep.modify(conn._fd, 0)
         except (OSError, ValueError):
             pass
-        if self._timeout < 0:  # first park: the poller must start looking at the clock
-            self._timeout = PARK_MAX
-            os.write(self._wake_w, b"x")
+        if self._timeout < 0:
+            self._start_sweeping()
+
+    def keep_parked(self, conn: Connection) -> None:
+        """A reader is done with ``conn`` (disarmed) and nothing is pending on it: leave it so.
+
+        The next call parks it again without a syscall; if none comes within
+        ``PARK_MAX`` the poller re-arms it (heartbeats, logs, EOF).
+        """
+        self._parked[conn] = time.monotonic()
+        if self._timeout < 0:
+            self._start_sweeping()
+
+    def _start_sweeping(self) -> None:
+        # first park: the poller must start looking at the clock
+        self._timeout = PARK_MAX
+        os.write(self._wake_w, b"x")
 
     def unpark(self, conn: Connection) -> None:
         """Re-arm a parked connection (no-op if it is not parked)."""
