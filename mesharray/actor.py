@@ -177,9 +177,14 @@ def _actor_error(rec: dict) -> ActorError:
     return err
 
 
+_NONE_REPLY = b"".join(framing.encode(framing.dumps(None)))  # what a worker sends for ``None``
+
+
 def _outcome(status, payload):
     """(value, exception) of one reply."""
     if status == P.OK:
+        if payload == _NONE_REPLY:
+            return None, None
         try:
             return framing.decode(payload), None
         except Exception as exc:
