@@ -783,7 +783,73 @@ cdef class Shape:
         if not advanced:
             t = tuple(items)
             return self._basic(PySequence_Fast_ITEMS(t), len(items))
+        # One 1-d array (or 1-d mask) among basic items: its dim stays in place
+        # and keeps its name, so it is a basic view with that dim gathered.
+        cdef int n_adv = 0, which = -1
+        for j in range(len(kinds)):
+            k = kinds[j]
+            if k == "a" or k == "m":
+                n_adv += 1
+                which = j
+            elif k == "i" or k == "b":
+                n_adv += 2
+        if n_adv == 1 and items[which].ndim == 1:
+            return self._one_array(items, kinds, which, consumed)
         return self._advanced(items, kinds, consumed)
+
+    cdef Shape _one_array(self, list items, list kinds, int which, int consumed):
+        a = items[which]
+        pos = _np.flatnonzero(a) if kinds[which] == "m" else a
+        cdef int p = 0, j, dim = 0
+        for j in range(which):
+            k = kinds[j]
+            if k == "s" or k == "n":
+                p += 1
+            elif k == "e":
+                p += self._ndim - consumed
+            if k == "s" or k == "i":
+                dim += 1
+            elif k == "e":
+                dim += self._ndim - consumed
+            elif k == "m":
+                dim += items[j].ndim
+        items2 = list(items)
+        items2[which] = _FULL
+        t = tuple(items2)
+        cdef Shape v = self._basic(PySequence_Fast_ITEMS(t), len(items2))
+        cdef Py_ssize_t size = v._sizes[p]
+        pos = _np.array(pos, dtype=_np.int64, copy=True)   # ours to normalise in place
+        cdef int64_t* pv = <int64_t*>cnp.PyArray_DATA(pos)
+        cdef Py_ssize_t n = pos.shape[0], q, step
+        for q in range(n):
+            if pv[q] < 0:
+                pv[q] += size
+            if pv[q] < 0 or pv[q] >= size:
+                raise _out_of_bounds(int(a[q]) if kinds[which] == "a" else pv[q], dim, self._names[dim], size)
+        cdef bint progression = True
+        step = pv[1] - pv[0] if n > 1 else 1
+        for q in range(2, n):
+            if pv[q] - pv[q - 1] != step:
+                progression = False
+                break
+        if progression:
+            if n:
+                v._offset += pv[0] * v._strides[p]
+            v._strides[p] *= step
+            v._sizes[p] = n
+            v._sizes_t = None
+            v._finish()
+            return v
+        # not a progression: gather in C straight into the new rank list
+        v._sizes[p] = n
+        v._sizes_t = None
+        v._finish()
+        cdef cnp.npy_intp total = v._size
+        out = cnp.PyArray_EMPTY(1, &total, cnp.NPY_INT64, 0)
+        if total:
+            _fill_gather(v._ndim, v._sizes, v._strides, v._offset, v._bptr, p, pv,
+                         <int64_t*>cnp.PyArray_DATA(out))
+        return _from_ranks(v._names, list(v.sizes), out, True)
 
     cdef _array_bounds(self, list items, list kinds, int consumed):
         # Raise our message (with the dim's name) for an out-of-range index array.
@@ -1223,7 +1289,7 @@ cdef Py_ssize_t _check_size(object size, object name) except -1:
     return v
 
 
-cdef Shape _from_ranks(tuple names, list sizes, object arr):
+cdef Shape _from_ranks(tuple names, list sizes, object arr, bint owned=False):
     # ``arr``: contiguous int64, len == prod(sizes), non-negative.  Strided
     # when the ranks are, else explicit over a read-only copy.
     cdef int n = len(names), d
@@ -1248,7 +1314,7 @@ cdef Shape _from_ranks(tuple names, list sizes, object arr):
     if total == 0 or _matches(s, p):
         return s
     # explicit: a row-major contiguous view over its own copy
-    base = _np.array(arr, dtype=_np.int64, copy=True)
+    base = arr if owned else _np.array(arr, dtype=_np.int64, copy=True)
     base.flags.writeable = False
     s._base = base
     s._bptr = <const int64_t*>cnp.PyArray_DATA(base)
@@ -1337,6 +1403,36 @@ cdef void _fill(int ndim, const Py_ssize_t* sizes_in, const Py_ssize_t* strides_
             d -= 1
         if d < 0:
             return
+
+
+cdef void _fill_gather(int ndim, const Py_ssize_t* sizes, const Py_ssize_t* strides,
+                       Py_ssize_t offset, const int64_t* base, int p, const int64_t* pos,
+                       int64_t* out) noexcept nogil:
+    # Like _fill, but dim ``p`` (size == len(pos)) visits positions ``pos``
+    # instead of 0..size-1: the rank list of ``view[..., pos, ...]``.
+    cdef Py_ssize_t idx[MAX_DIMS]
+    cdef Py_ssize_t cur = offset + pos[0] * strides[p], k = 0, total = 1, j
+    cdef int d
+    for d in range(ndim):
+        idx[d] = 0
+        total *= sizes[d]
+    for k in range(total):
+        out[k] = base[cur] if base != NULL else cur
+        d = ndim - 1
+        while d >= 0:
+            idx[d] += 1
+            if idx[d] < sizes[d]:
+                if d == p:
+                    cur += (pos[idx[d]] - pos[idx[d] - 1]) * strides[d]
+                else:
+                    cur += strides[d]
+                break
+            if d == p:
+                cur -= (pos[sizes[d] - 1] - pos[0]) * strides[d]
+            else:
+                cur -= strides[d] * (sizes[d] - 1)
+            idx[d] = 0
+            d -= 1
 
 
 # ---------------------------------------------------------------------- functions
