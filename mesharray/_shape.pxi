@@ -742,8 +742,8 @@ cdef class Shape:
                         items.append(a); kinds.append("m"); consumed += a.ndim
                     advanced = True
                     continue
-                if a.size == 0 and a.dtype.kind in "fO":
-                    a = a.astype(_np.intp)
+                if a.size == 0 and a.dtype.kind in "fO" and not isinstance(o, _np.ndarray):
+                    a = a.astype(_np.intp)  # ``[]`` is an empty integer index, as in NumPy
                 if a.dtype.kind not in "iu":
                     raise _InvalidIndexError(
                         f"arrays used as indices must be of integer (or boolean) type, not {a.dtype}")
