@@ -152,6 +152,8 @@ cdef class Shape:
     cdef const int64_t* _bptr  # data of _base
     cdef object _sizes_t       # cached tuple
     cdef Py_hash_t _hash       # 0 = not yet computed
+    cdef tuple _names_cache    # names of the last basic-index result (see _basic)
+    cdef unsigned long long _names_cache_mask  # which input dims it kept
 
     def __init__(self, extent=None, /, **sizes):
         if extent is not None:
@@ -624,6 +626,7 @@ cdef class Shape:
         cdef Py_ssize_t v, size, start, stop, step, length
         cdef Py_ssize_t offset = self._offset
         cdef int nint = 0
+        cdef unsigned long long kept = 0
         cdef PyObject* names_buf[MAX_DIMS]
         cdef tuple names = self._names
         for i in range(n):
@@ -652,6 +655,7 @@ cdef class Shape:
                 if length > 0:
                     offset += start * self._strides[dim]
                 names_buf[out] = PyTuple_GET_ITEM(names, dim)
+                kept |= (<unsigned long long>1) << dim
                 out += 1
                 dim += 1
             elif o is None:
@@ -668,6 +672,7 @@ cdef class Shape:
                     r._sizes[out] = self._sizes[dim]
                     r._strides[out] = self._strides[dim]
                     names_buf[out] = PyTuple_GET_ITEM(names, dim)
+                    kept |= (<unsigned long long>1) << dim
                     out += 1
                     dim += 1
         while dim < self._ndim:
@@ -676,6 +681,7 @@ cdef class Shape:
             r._sizes[out] = self._sizes[dim]
             r._strides[out] = self._strides[dim]
             names_buf[out] = PyTuple_GET_ITEM(names, dim)
+            kept |= (<unsigned long long>1) << dim
             out += 1
             dim += 1
         r._ndim = out
@@ -686,7 +692,14 @@ cdef class Shape:
         if nint == 0 and nnew == 0 and out == self._ndim:
             r._names = names
         elif nnew == 0:
-            r._names = _names_tuple(names_buf, out)
+            # one-entry cache: indexing the same dims away again (mesh[i] in a
+            # loop) reuses the names tuple instead of building a new one
+            if self._names_cache is not None and self._names_cache_mask == kept:
+                r._names = self._names_cache
+            else:
+                r._names = _names_tuple(names_buf, out)
+                self._names_cache = r._names
+                self._names_cache_mask = kept
         else:
             used = set()
             for k in range(out):
@@ -747,6 +760,9 @@ cdef class Shape:
                 if a.dtype.kind not in "iu":
                     raise _InvalidIndexError(
                         f"arrays used as indices must be of integer (or boolean) type, not {a.dtype}")
+                if a.dtype.kind == "u" and a.size and int(a.max()) > 0x7FFFFFFFFFFFFFFF:
+                    # would wrap to a negative int64 below; no mesh is that large
+                    raise MeshIndexError(f"index {int(a.max())} is out of bounds for the mesh")
                 if a.ndim == 0:
                     items.append(int(a)); kinds.append("i"); consumed += 1
                 else:

@@ -417,3 +417,11 @@ def test_docstring_examples_run():
     result = doctest.testmod(_core, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 20
     assert result.failed == 0
+
+
+def test_repeated_basic_indexing_of_one_shape_keeps_names_right():
+    t = Shape(a=2, b=3, c=4)
+    seq = [(0,), (slice(None), 0), (0,), (Ellipsis, 1), (0, 0), (None, 0), (0,), (slice(None), 1, 1)]
+    expected = [("b", "c"), ("a", "c"), ("b", "c"), ("a", "b"), ("c",), ("_0", "b", "c"), ("b", "c"), ("a",)]
+    for _ in range(2):
+        assert [t[i].names for i in seq] == expected
