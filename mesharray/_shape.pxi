@@ -504,8 +504,9 @@ cdef class Shape:
 
         Naming of dims that no input dim names:
 
-        - ``None`` (and a 0-d bool that is the only advanced index) makes a
-          size-1 dim named ``"_<p>"``, ``p`` its position in the result.
+        - ``None`` makes a size-1 dim named ``"_<p>"``, ``p`` its position in
+          the result; so are named the dims of advanced indices that consume
+          no dim (0-d bools, with ints only).
         - The dims of the broadcast advanced indices take the names of the dims
           the index arrays/masks consume, joined with ``"_"`` (one array on
           ``procs`` → ``procs``; arrays or a 2-d mask on ``hosts`` and
