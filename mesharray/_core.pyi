@@ -6,13 +6,10 @@ from typing import Any, SupportsIndex
 import numpy as np
 import numpy.typing as npt
 
-from mesharray.errors import MeshIndexError
 
 # --- _shape.pxi ---
 
 _Index = Any  # int, slice, None, Ellipsis, integer array/sequence, bool mask, tuple of these, or a dict name -> index
-
-class _InvalidIndexError(MeshIndexError, TypeError): ...
 
 class Shape:
     def __init__(self, extent: Mapping[str, SupportsIndex] | None = None, /, **sizes: SupportsIndex) -> None: ...

@@ -23,7 +23,7 @@ from collections.abc import Mapping as _Mapping
 
 import numpy as _np
 
-from mesharray.errors import DimensionError, MeshIndexError, MeshShapeError
+from mesharray.errors import DimensionError, InvalidIndexError, MeshIndexError, MeshShapeError
 
 cnp.import_array()
 
@@ -49,14 +49,6 @@ cdef object _INT64 = _np.dtype(_np.int64)
 _INVALID_INDEX = ("only integers, slices (`:`), ellipsis (`...`), numpy.newaxis (`None`) "
                   "and integer or boolean arrays are valid indices")
 _ONE_ELLIPSIS = "an index can only have a single ellipsis ('...')"
-
-
-class _InvalidIndexError(MeshIndexError, TypeError):
-    """An index of a type a mesh cannot be indexed with (a float, a str, ...).
-
-    NumPy raises ``IndexError`` for these and Python convention says
-    ``TypeError``; this is both, so either ``except`` clause catches it.
-    """
 
 
 cdef inline object _fresh_name(int pos, object used):
@@ -594,7 +586,7 @@ cdef class Shape:
             except ValueError:
                 raise DimensionError(name, self._names) from None
             if v is None or v is _ELLIPSIS:
-                raise _InvalidIndexError(
+                raise InvalidIndexError(
                     f"index of dimension {name!r} must be an int, a slice, an integer array or a "
                     f"boolean mask, not {v!r}")
             items[d] = v
@@ -759,7 +751,7 @@ cdef class Shape:
                 if a.size == 0 and a.dtype.kind in "fO" and not isinstance(o, _np.ndarray):
                     a = a.astype(_np.intp)  # ``[]`` is an empty integer index, as in NumPy
                 if a.dtype.kind not in "iu":
-                    raise _InvalidIndexError(
+                    raise InvalidIndexError(
                         f"arrays used as indices must be of integer (or boolean) type, not {a.dtype}")
                 if a.dtype.kind == "u" and a.size and int(a.max()) > 0x7FFFFFFFFFFFFFFF:
                     # would wrap to a negative int64 below; no mesh is that large
@@ -769,7 +761,7 @@ cdef class Shape:
                 else:
                     items.append(a); kinds.append("a"); consumed += 1; advanced = True
             else:
-                raise _InvalidIndexError(f"{_INVALID_INDEX}; got {type(o).__name__} {o!r}")
+                raise InvalidIndexError(f"{_INVALID_INDEX}; got {type(o).__name__} {o!r}")
         if consumed > self._ndim:
             raise _too_many(self._ndim, consumed)
         # bounds (NumPy's messages, with the dim's name) and mask shapes

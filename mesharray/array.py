@@ -30,7 +30,7 @@ import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from ._core import Shape, broadcast_shapes
-from .errors import DimensionError, MeshIndexError, MeshShapeError
+from .errors import DimensionError, InvalidIndexError, MeshIndexError, MeshShapeError
 from .mesh import MeshTrait, _mesh_size
 
 __all__ = ["MeshArray"]
@@ -813,10 +813,6 @@ _NUMBER_TYPES = (bool, int, float, complex)
 _SCALAR_TYPES = (bool, int, float, complex, np.generic)
 
 
-class _InvalidIndexError(MeshIndexError, TypeError):
-    """An index of a type nothing can be indexed with: NumPy says IndexError, Python TypeError."""
-
-
 def _rebuild(shape: Shape, values: np.ndarray) -> MeshArray:
     return MeshArray._from_parts(shape, _Gathered(values))
 
@@ -1001,7 +997,7 @@ def _split_key(key: Any, mesh_ndim: int, local_ndim: int, a: MeshArray) -> tuple
                 )
             items.append(arr)
             continue
-        raise _InvalidIndexError(
+        raise InvalidIndexError(
             "only integers, slices (`:`), ellipsis (`...`), numpy.newaxis (`None`) and "
             f"integer or boolean arrays are valid indices, got {type(k).__name__}: {k!r}"
         )
