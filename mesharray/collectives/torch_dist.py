@@ -69,7 +69,7 @@ class TorchCollective:
     def _tensor(x: Any) -> tuple[Any, bool]:
         if isinstance(x, torch.Tensor):
             return x, False
-        arr = np.ascontiguousarray(x)
+        arr = np.asarray(x, order="C")
         return torch.from_numpy(arr), True
 
     @staticmethod

@@ -72,7 +72,7 @@ class NumpyEngine:
 
     # host transfer
     def from_numpy(self, array: Any) -> np.ndarray:
-        return np.ascontiguousarray(array)
+        return np.asarray(array, order="C")
 
     def to_numpy(self, block: Any) -> np.ndarray:
         return np.asarray(block)
@@ -120,11 +120,11 @@ class NumpyEngine:
     # export
     def host_view(self, block: Any) -> np.ndarray:
         """A C-contiguous host array sharing memory with ``block`` when possible."""
-        return np.ascontiguousarray(block)
+        return np.asarray(block, order="C")
 
     def to_dlpack(self, block: Any) -> Any:
         # np.ndarray implements __dlpack__ itself; consumers call from_dlpack on it
-        return np.ascontiguousarray(block)
+        return np.asarray(block, order="C")
 
     def from_dlpack(self, obj: Any) -> np.ndarray:
         return np.from_dlpack(obj)

@@ -145,7 +145,7 @@ class TorchEngine:
 
     # host transfer
     def from_numpy(self, array: Any):
-        arr = np.ascontiguousarray(array)
+        arr = np.asarray(array, order="C")
         if not arr.flags.writeable:
             # torch warns on (and may write through) read-only memory: own a copy
             arr = arr.copy()

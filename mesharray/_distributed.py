@@ -1,0 +1,740 @@
+"""Distributed storage of ``MeshArray``: each rank's block lives in its worker.
+
+The controller keeps only metadata (a block id, the global rank holding each
+mesh position, the local shape and dtype); the blocks live in a built-in
+system actor, :class:`_DataActor`, spawned once per process mesh, which keeps
+them by id on the mesh's tensor engine, runs elementwise operations,
+reductions, ``astype``/``reshape``/indexing of local axes and ``matmul`` on
+them, and takes part in collectives across ranks.
+
+Operations that make blocks are sent fire-and-forget (ordered per sender, so
+they pipeline like a stream); a failure is kept with the block it should have
+made and raised when that block is used or fetched. Shapes and dtypes are
+checked at the controller before anything is sent. Reductions over mesh axes
+run one collective per group of :func:`~mesharray.reduction_plan` and wait for
+completion: a worker dying during one fails it at the controller with
+:class:`~mesharray.ActorDiedError`, and the survivors' collective times out
+of its wait on the dead peer instead of hanging.
+
+Collective backend per group (chosen in the worker): MPI when the mesh was
+launched under mpirun, else the built-in shared-memory backend (ranks on one
+host); ``collective="torch"`` on the array asks for torch.distributed (gloo
+on CPU, NCCL/RCCL on GPUs).
+
+Blocks are freed on the workers when the last controller array using them is
+garbage-collected (a fire-and-forget ``free``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+import numbers
+import os
+import secrets
+import threading
+import weakref
+from typing import Any, Sequence
+
+import numpy as np
+
+from ._core import Shape
+from .actor import Actor, endpoint
+from .errors import MeshArrayError, MeshShapeError
+
+__all__ = ["DistributedStorage", "data_context"]
+
+# ---------------------------------------------------------------------------------------
+# worker side
+# ---------------------------------------------------------------------------------------
+
+# this worker's blocks by id (module-global so that a distributed MeshArray passed
+# to an endpoint on this worker unpickles to its local block)
+_BLOCKS: dict[int, Any] = {}
+_FAILED: dict[int, BaseException] = {}
+_GROUPS: dict[tuple, Any] = {}
+
+
+class _BlockLost(MeshArrayError):
+    """A block that failed to be made (its cause chained)."""
+
+
+def _engine_for(block: Any):
+    from .engines import get_engine
+
+    if isinstance(block, np.ndarray) or np.isscalar(block):
+        return get_engine("numpy")
+    dev = getattr(block, "device", None)
+    kind = getattr(dev, "type", "cpu")
+    if kind == "cpu":
+        return get_engine("torch")
+    if kind == "cuda":
+        import torch
+
+        return get_engine("rocm" if getattr(torch.version, "hip", None) else "cuda")
+    return get_engine(kind)
+
+
+def _block(bid: int) -> Any:
+    if bid in _FAILED:
+        raise _BlockLost(f"block {bid} could not be made: {_FAILED[bid]}") from _FAILED[bid]
+    try:
+        return _BLOCKS[bid]
+    except KeyError:
+        raise MeshArrayError(f"block {bid} is not on this worker (freed, or never made here)") from None
+
+
+def local_block(bid: int) -> Any:
+    """The block ``bid`` of this worker (what an endpoint receives for a distributed array)."""
+    return _block(bid)
+
+
+def _arg(a: Any, rank: int) -> Any:
+    tag = a[0]
+    if tag == "b":
+        return _block(a[1])
+    if tag == "r":  # a value per rank
+        return a[1][rank]
+    return a[1]
+
+
+def _group(members: tuple[int, ...], me: int, token: str, backend: str | None):
+    key = (members, backend)
+    g = _GROUPS.get(key)
+    if g is not None:
+        return g
+    if backend == "torch":
+        from .collectives.torch_dist import TorchCollective
+
+        g = TorchCollective(group=None)
+    else:
+        mpi = None
+        if backend in (None, "mpi"):
+            try:
+                from .bootstrap import mpi as _mpi  # the MPI helper's communicators
+
+                mpi = _mpi if _mpi.is_active() else None
+            except Exception:
+                mpi = None
+        if mpi is not None:
+            from .collectives.mpi import MpiCollective
+
+            g = MpiCollective(mpi.mesh_comm(list(members)))
+        else:
+            from .collectives.shm import ShmCollective
+
+            digest = hashlib.sha1(repr(members).encode()).hexdigest()[:12]
+            g = ShmCollective(f"ma-{token}-{digest}", members.index(me), len(members),
+                              timeout=float(os.environ.get("MESHARRAY_COLLECTIVE_TIMEOUT", "60")),
+                              global_ranks=members)
+    _GROUPS[key] = g
+    return g
+
+
+class _DataActor(Actor):
+    """The system actor holding this worker's blocks of distributed arrays."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self.rank: int | None = None
+
+    def _me(self) -> int:
+        if self.rank is None:
+            from .actor import context
+
+            self.rank = int(context().global_rank)
+        return self.rank
+
+    @endpoint
+    def meta(self, bid: int) -> tuple:
+        """Local shape and dtype of block ``bid`` (raises its failure if it could not be made)."""
+        b = _block(bid)
+        eng = _engine_for(b)
+        return tuple(eng.shape_of(b)), eng.dtype_of(b)
+
+    @endpoint
+    def run(self, program: list) -> Any:
+        """Run instructions in order; returns the result of the last ``fetch``/``coll`` if any."""
+        me = self._me()
+        result = None
+        for ins in program:
+            op, out = ins[0], ins[1]
+            try:
+                if op == "fetch":
+                    result = _host(_block(out))
+                    continue
+                if op == "free":
+                    for b in out:
+                        _BLOCKS.pop(b, None)
+                        _FAILED.pop(b, None)
+                    continue
+                if op == "coll":
+                    result = self._collective(me, *ins[1:])
+                    continue
+                if op == "setitem":
+                    _setitem(_block(out), ins[2], _arg(ins[3], me))
+                    continue
+                _BLOCKS[out] = _execute(op, ins[2:], me)
+                _FAILED.pop(out, None)
+            except BaseException as exc:
+                if op in ("fetch", "coll", "setitem"):
+                    raise
+                _BLOCKS.pop(out, None)
+                _FAILED[out] = exc
+        return result
+
+    def _collective(self, me: int, out: int, src: int, op: str, groups: list, backend: str | None,
+                    dtype: str) -> None:
+        members = next(tuple(g) for g in groups if me in g)
+        block = _block(src)
+        eng = _engine_for(block)
+        g = _group(members, me, self.token, backend)
+        if backend == "torch":
+            res = g.allreduce(eng.astype(block, dtype).contiguous(), op=op)
+        else:
+            host = np.asarray(eng.host_view(eng.astype(block, dtype)), order="C")
+            if len(members) == 1:
+                res = host.copy()
+            else:
+                res = g.allreduce(host, op=op)
+            res = eng.from_numpy(res) if eng.name != "numpy" else res
+        _BLOCKS[out] = res
+        _FAILED.pop(out, None)
+        return None
+
+
+def _host(block: Any) -> np.ndarray:
+    if isinstance(block, np.ndarray):
+        return block
+    return _engine_for(block).to_numpy(block)
+
+
+def _setitem(block: Any, key: tuple, value: Any) -> None:
+    if not isinstance(block, np.ndarray) and isinstance(value, np.ndarray):
+        value = _engine_for(block).from_numpy(value)
+    block[key] = value
+
+
+def _execute(op: str, args: tuple, me: int) -> Any:
+    from .engines import get_engine
+
+    if op == "new":
+        kind, shape, dtype, engine, extra = args
+        eng = get_engine(engine)
+        if kind == "full":
+            return eng.full(shape, extra, dtype)
+        if kind == "rand":
+            return eng.rand(shape, dtype, seed=None if extra is None else extra + me)
+        if kind == "rank":
+            return eng.full(shape, me, dtype)
+        if kind == "arange":
+            return eng.reshape(eng.arange(math.prod(shape), dtype), shape)
+        return getattr(eng, kind)(shape, dtype)
+    if op == "put":
+        value, engine = args
+        return get_engine(engine).from_numpy(_arg(value, me))
+    if op == "ew":
+        name, operands, kwargs = args
+        vals = [_arg(a, me) for a in operands]
+        blocks = [v for v, a in zip(vals, operands) if a[0] == "b"]
+        eng = _engine_for(blocks[0]) if blocks else get_engine("numpy")
+        if name == "matmul":
+            return eng.matmul(*vals)
+        if eng.name == "numpy":
+            return np.asarray(getattr(np, name)(*vals, **kwargs))
+        return eng.elementwise(name, *vals)
+    if op == "apply":
+        fn, operands = args
+        return fn(*[_arg(a, me) for a in operands])
+    src = _block(args[0])
+    eng = _engine_for(src)
+    if op == "reduce":
+        rop, axes, keepdims, dtype = args[1:]
+        r = eng.reduce(rop, src, axis=axes, keepdims=keepdims)
+        if not eng.is_block(r):
+            r = eng.from_numpy(np.asarray(r))
+        return eng.astype(r, dtype) if dtype is not None else r
+    if op == "astype":
+        return eng.astype(src, args[1])
+    if op == "reshape":
+        return eng.reshape(src, args[1])
+    if op == "getitem":
+        r = eng.getitem(src, args[1])
+        return r.copy() if isinstance(r, np.ndarray) else r.clone()
+    if op == "copy":
+        return src.copy() if isinstance(src, np.ndarray) else src.clone()
+    raise ValueError(f"unknown block instruction {op!r}")
+
+
+# ---------------------------------------------------------------------------------------
+# controller side
+# ---------------------------------------------------------------------------------------
+
+_CONTEXTS: "weakref.WeakKeyDictionary[Any, _DataContext]" = weakref.WeakKeyDictionary()
+_CTX_LOCK = threading.Lock()
+
+
+class _DataContext:
+    """Per process mesh: the system actors and the controller's block bookkeeping."""
+
+    def __init__(self, procs: Any) -> None:
+        from .proc import ProcMesh
+
+        root = procs._root
+        self.root = root
+        self.shape = root.shape
+        self.token = secrets.token_hex(4)
+        self.actors = ProcMesh(root, root.shape).spawn("__mesharray_data__", _DataActor, self.token)
+        self._ids = itertools.count(1)
+        self._refs: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._views: dict[tuple, Any] = {}
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def view(self, ranks: Sequence[int]):
+        """The system actors of ``ranks`` (a flat actor mesh over exactly those ranks)."""
+        key = tuple(ranks)
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) > 256:
+                self._views.clear()
+            v = self.actors._with_mesh_shape(Shape.from_ranks(("ranks",), (len(key),), np.asarray(key, dtype=np.int64)))
+            self._views[key] = v
+        return v
+
+    def send(self, ranks: Sequence[int], program: list) -> None:
+        """Fire-and-forget a program to ``ranks`` (ordered after earlier messages)."""
+        if ranks:
+            self.view(sorted(set(int(r) for r in ranks))).run.broadcast(program)
+
+    def call(self, ranks: Sequence[int], program: list) -> Any:
+        """Run a program on ``ranks`` and wait; a MeshArray of per-rank results (flat)."""
+        ranks = sorted(set(int(r) for r in ranks))
+        return ranks, self.view(ranks).run.call(program).get()
+
+    def fetch(self, ranks: Sequence[int], bid: int) -> dict:
+        """Each rank's block ``bid`` as a host array: ``{rank: ndarray}``."""
+        futs = [(r, self.view([r]).run.call_one([("fetch", bid)])) for r in ranks]
+        return {r: np.asarray(f.get()) for r, f in futs}
+
+    def incref(self, bid: int) -> None:
+        with self._lock:
+            self._refs[bid] = self._refs.get(bid, 0) + 1
+
+    def decref(self, bid: int, ranks: tuple) -> None:
+        with self._lock:
+            n = self._refs.get(bid, 0) - 1
+            if n > 0:
+                self._refs[bid] = n
+                return
+            self._refs.pop(bid, None)
+        if self.root.stopped:
+            return
+        try:
+            self.send(ranks, [("free", [bid])])
+        except Exception:  # the mesh is going away: nothing to free
+            pass
+
+
+def data_context(procs: Any) -> _DataContext:
+    """The data context of ``procs``' root mesh (spawning its system actors on first use)."""
+    root = procs._root
+    ctx = _CONTEXTS.get(root)
+    if ctx is None:
+        with _CTX_LOCK:
+            ctx = _CONTEXTS.get(root)
+            if ctx is None:
+                ctx = _DataContext(procs)
+                _CONTEXTS[root] = ctx
+    return ctx
+
+
+def _resolve_block(bid: int) -> Any:
+    return local_block(bid)
+
+
+_REDUCE_NAMES = {"add.reduce": "sum", "multiply.reduce": "prod", "minimum.reduce": "min",
+                 "maximum.reduce": "max", "sum": "sum", "prod": "prod", "min": "min", "max": "max",
+                 "mean": "mean", "any": "any", "all": "all"}
+_COLLECTIVE_OP = {"sum": "sum", "prod": "prod", "min": "min", "max": "max", "mean": "mean",
+                  "any": "max", "all": "min"}
+
+
+class DistributedStorage:
+    """The storage protocol of ``MeshArray`` (see ``array._Gathered``) over blocks in workers.
+
+    Attributes
+    ----------
+    ctx : _DataContext
+    bid : int
+        Block id (the same on every rank holding a block of this array).
+    ranks : numpy.ndarray of int64
+        Global rank holding each mesh position (shape: the mesh sizes).
+    holders : numpy.ndarray or None
+        Ranks holding a copy of each position's block (``keepdims`` results of
+        a reduction live on every member of their group), shape ``sizes + (H,)``.
+    """
+
+    kind = "distributed"
+    __slots__ = ("ctx", "bid", "ranks", "holders", "_local", "_dtype", "engine", "collective", "__weakref__")
+
+    def __init__(self, ctx: _DataContext, bid: int, ranks: np.ndarray, local_shape: tuple, dtype: Any,
+                 engine: str, holders: np.ndarray | None = None, collective: str | None = None) -> None:
+        self.ctx = ctx
+        self.bid = bid
+        self.ranks = np.asarray(ranks, dtype=np.int64)
+        self.holders = holders
+        self._local = tuple(int(x) for x in local_shape)
+        self._dtype = np.dtype(dtype)
+        self.engine = engine
+        self.collective = collective
+        ctx.incref(bid)
+        all_ranks = tuple(sorted(set(self.ranks.ravel().tolist()) | (set(holders.ravel().tolist()) if holders is not None else set())))
+        weakref.finalize(self, ctx.decref, bid, all_ranks)
+
+    def _derive(self, bid: int, ranks: np.ndarray | None = None, local: tuple | None = None, dtype: Any = None,
+                holders: Any = False) -> "DistributedStorage":
+        return DistributedStorage(self.ctx, bid, self.ranks if ranks is None else ranks,
+                                  self._local if local is None else local,
+                                  self._dtype if dtype is None else dtype, self.engine,
+                                  self.holders if holders is False else holders, self.collective)
+
+    def _unique(self) -> list[int]:
+        return sorted(set(self.ranks.ravel().tolist()))
+
+    # -- description
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    def local_shape(self, mesh_ndim: int) -> tuple[int, ...]:
+        return self._local
+
+    def __reduce__(self):
+        # an endpoint argument: the worker receives its own block
+        return (_resolve_block, (self.bid,))
+
+    # -- whole values
+    def to_numpy(self) -> np.ndarray:
+        """Gather every position's block to the controller."""
+        by_rank = self.ctx.fetch(self._unique(), self.bid)
+        out = np.empty(self.ranks.shape + self._local, dtype=self._dtype)
+        for pos in np.ndindex(*self.ranks.shape):
+            out[pos] = by_rank[int(self.ranks[pos])]
+        return out
+
+    # -- layout changes (no data moves)
+    def take(self, mesh_key: tuple, local_key: tuple, new_shape: Shape) -> "DistributedStorage":
+        ranks = self.ranks[mesh_key + (Ellipsis,)] if mesh_key else self.ranks
+        holders = self.holders[mesh_key + (Ellipsis,)] if (mesh_key and self.holders is not None) else self.holders
+        ranks = np.asarray(ranks).reshape(tuple(new_shape.sizes))
+        if holders is not None:
+            holders = np.asarray(holders).reshape(tuple(new_shape.sizes) + (holders.shape[-1],))
+        if not local_key:
+            return self._derive(self.bid, ranks, holders=holders)
+        local = np.empty(self._local, dtype=np.bool_)[local_key + (Ellipsis,)].shape
+        bid = self.ctx.new_id()
+        if ranks.size:
+            self.ctx.send(np.unique(ranks).tolist(), [("getitem", bid, self.bid, local_key)])
+        return self._derive(bid, ranks, local=local, holders=None)
+
+    def relayout(self, old_shape: Shape, perm: tuple[int, ...] | None, new_shape: Shape) -> "DistributedStorage":
+        ranks = self.ranks if perm is None else self.ranks.transpose(perm)
+        holders = self.holders
+        if holders is not None and perm is not None:
+            holders = holders.transpose(perm + (holders.ndim - 1,))
+        sizes = tuple(new_shape.sizes)
+        return self._derive(self.bid, ranks.reshape(sizes),
+                            holders=None if holders is None else holders.reshape(sizes + (holders.shape[-1],)))
+
+    def setitem(self, key: tuple, value: Any) -> None:
+        m = self.ranks.ndim
+        mesh_key, local_key = key[:m], key[m:]
+        sel = self.ranks[mesh_key + (Ellipsis,)] if mesh_key else self.ranks
+        sel = np.asarray(sel)
+        if isinstance(value, np.ndarray) and value.ndim > len(np.empty(self._local, bool)[local_key + (Ellipsis,)].shape):
+            # one value per selected position
+            vals = np.broadcast_to(value, sel.shape + value.shape[sel.ndim:]) if value.ndim >= sel.ndim else value
+            per = {}
+            for pos in np.ndindex(*sel.shape):
+                per[int(sel[pos])] = np.array(vals[pos])
+            arg = ("r", per)
+        else:
+            arg = ("v", value)
+        self.ctx.send(np.unique(sel).tolist(), [("setitem", self.bid, tuple(local_key), arg)])
+
+    def reshape_local(self, mesh_ndim: int, local_shape: tuple[int, ...]) -> "DistributedStorage":
+        bid = self.ctx.new_id()
+        self.ctx.send(self._unique(), [("reshape", bid, self.bid, tuple(local_shape))])
+        return self._derive(bid, local=tuple(local_shape))
+
+    def astype(self, dtype: Any, copy: bool) -> "DistributedStorage":
+        dt = np.dtype(dtype)
+        if dt == self._dtype and not copy:
+            return self
+        bid = self.ctx.new_id()
+        self.ctx.send(self._unique(), [("astype", bid, self.bid, dt.name)])
+        return self._derive(bid, dtype=dt)
+
+    def copy(self) -> "DistributedStorage":
+        bid = self.ctx.new_id()
+        self.ctx.send(self._unique(), [("copy", bid, self.bid)])
+        return self._derive(bid)
+
+    # -- compute
+    def reduce(self, op: str, func: Any, axes: tuple[int, ...] | None, keepdims: bool, kwargs: dict) -> Any:
+        m = self.ranks.ndim
+        full = m + len(self._local)
+        axes_t = tuple(range(full)) if axes is None else tuple(axes)
+        name = _REDUCE_NAMES.get(op)
+        mesh_axes = tuple(a for a in axes_t if a < m)
+        local_axes = tuple(a - m for a in axes_t if a >= m)
+        if name is None or kwargs or (op.endswith(".reduce") and len(axes_t) != 1 and axes is not None):
+            return self._gathered_reduce(op, func, axes, keepdims, kwargs)
+        # the result dtype NumPy would give (sum of int32 -> int64, mean of ints -> float64)
+        proxy = np.zeros((1,) * full, dtype=self._dtype)
+        if op in ("argmin", "argmax"):
+            return self._gathered_reduce(op, func, axes, keepdims, kwargs)
+        rdt = np.asarray(func(proxy, axis=axes_t if len(axes_t) != 1 or not op.endswith(".reduce") else axes_t[0],
+                              keepdims=keepdims)).dtype
+        if mesh_axes and (rdt.kind not in "fiub" or (name in ("any", "all"))):
+            if name in ("any", "all"):
+                rdt_work = np.dtype(np.uint8)
+            else:
+                return self._gathered_reduce(op, func, axes, keepdims, kwargs)
+        else:
+            rdt_work = rdt
+        new_local = tuple(s for i, s in enumerate(self._local) if i not in local_axes) if not keepdims else \
+            tuple(1 if i in local_axes else s for i, s in enumerate(self._local))
+        cur = self.bid
+        program = []
+        if local_axes or rdt_work != self._dtype:
+            nb = self.ctx.new_id()
+            if local_axes:
+                program.append(("reduce", nb, cur, name, local_axes, keepdims, rdt_work.name))
+            else:
+                program.append(("astype", nb, cur, rdt_work.name))
+            cur = nb
+        if not mesh_axes:
+            self.ctx.send(self._unique(), program)
+            return self._derive(cur, local=new_local, dtype=rdt_work)
+        groups, roots = self._plan(mesh_axes)
+        if any(len(set(g)) != len(g) for g in groups):
+            # a rank at several positions of one group (an advanced-index view): reduce here
+            return self._gathered_reduce(op, func, axes, keepdims, kwargs)
+        out = self.ctx.new_id()
+        program.append(("coll", out, cur, _COLLECTIVE_OP[name], [list(g) for g in groups],
+                        self.collective, rdt_work.name))
+        if cur != self.bid:
+            program.append(("free", [cur]))
+        members = sorted({r for g in groups for r in g})
+        self.ctx.call(members, program)  # waits: a dead member fails it here (ActorDiedError)
+        kept = tuple(i for i in range(m) if i not in mesh_axes)
+        sizes = tuple(self.ranks.shape[i] for i in kept)
+        if keepdims:
+            sizes = tuple(1 if i in mesh_axes else self.ranks.shape[i] for i in range(m))
+        ranks = np.asarray([g[0] for g in groups], dtype=np.int64).reshape(sizes)
+        holders = np.asarray(groups, dtype=np.int64).reshape(sizes + (len(groups[0]),))
+        res = DistributedStorage(self.ctx, out, ranks, new_local, rdt_work, self.engine, holders, self.collective)
+        if rdt_work != rdt:  # any/all computed as uint8 max/min
+            res = res.astype(rdt, copy=True)
+        return res
+
+    def _plan(self, mesh_axes: tuple[int, ...]) -> tuple[list[tuple[int, ...]], list[int]]:
+        # the groups of reduction_plan, computed on this storage's rank layout
+        m = self.ranks.ndim
+        kept = [i for i in range(m) if i not in mesh_axes]
+        r = self.ranks.transpose(kept + list(mesh_axes))
+        g = r.reshape(-1, math.prod(self.ranks.shape[i] for i in mesh_axes) if mesh_axes else 1)
+        groups = [tuple(int(x) for x in row) for row in g]
+        return groups, [row[0] for row in groups]
+
+    def _gathered_reduce(self, op: str, func: Any, axes: Any, keepdims: bool, kwargs: dict) -> Any:
+        from .array import _Gathered
+
+        return _Gathered(self.to_numpy()).reduce(op, func, axes, keepdims, kwargs)
+
+    @staticmethod
+    def elementwise(ufunc: np.ufunc, plan: Any, inputs: list, kwargs: dict) -> tuple:
+        from .array import MeshArray
+
+        if kwargs.get("out") is not None or kwargs.get("where") is not None:
+            raise TypeError(f"{ufunc.__name__} of distributed arrays does not take out= or where=; assign the result instead")
+        if ufunc.nout != 1:
+            raise TypeError(f"{ufunc.__name__} has {ufunc.nout} outputs; distributed arrays support one")
+        extra = {k: v for k, v in kwargs.items() if k not in ("out", "where")}
+        dist = [x for x in inputs if isinstance(x, MeshArray) and isinstance(x._storage, DistributedStorage)]
+        first = dist[0]._storage
+        ctx = first.ctx
+        per_element = ufunc.signature is not None
+        sizes = tuple(plan.sizes)
+        # which rank computes each result position, and the check that every distributed
+        # operand's block for that position is on that rank
+        laid = []
+        for x in dist:
+            perm, target = plan.layout(x, pad_local=not per_element)
+            st = x._storage
+            mperm = perm[: st.ranks.ndim]
+            r = st.ranks.transpose(mperm).reshape(target[: len(sizes)])
+            h = None
+            if st.holders is not None:
+                h = st.holders.transpose(mperm + (st.holders.ndim - 1,)).reshape(target[: len(sizes)] + (st.holders.shape[-1],))
+            laid.append((x, r, h))
+        lead = next((t for t in laid if t[1].shape == sizes), laid[0])
+        R = np.broadcast_to(lead[1], sizes)
+        for x, r, h in laid:
+            if x._storage.ctx is not ctx:
+                raise MeshShapeError("distributed operands belong to different process meshes")
+            rb = np.broadcast_to(r, sizes)
+            ok = rb == R
+            if h is not None:
+                hb = np.broadcast_to(h, sizes + (h.shape[-1],))
+                ok = ok | (hb == R[..., None]).any(-1)
+            if not ok.all():
+                raise MeshShapeError(
+                    f"distributed operands of {ufunc.__name__} live on different ranks for some positions "
+                    f"(mesh dims {dict(zip(plan.names, sizes))}); reduce or fetch one of them first"
+                )
+        if R.size and len(np.unique(R)) != R.size:
+            raise MeshShapeError(
+                f"the result of {ufunc.__name__} would need several blocks on one rank "
+                f"(a distributed operand broadcast along mesh dims {dict(zip(plan.names, sizes))}); "
+                "fetch it or reduce with keepdims=True first"
+            )
+        pos_of = {int(R[p]): p for p in np.ndindex(*sizes)}
+        operands = []
+        proxies = []
+        for x in inputs:
+            if isinstance(x, MeshArray) and isinstance(x._storage, DistributedStorage):
+                st = x._storage
+                operands.append(("b", st.bid))
+                proxies.append(_proxy(st._dtype, x.local_shape))
+            elif isinstance(x, MeshArray):
+                aligned = plan.align(x, pad_local=not per_element)
+                m = len(sizes)
+                per = {}
+                for rank, p in pos_of.items():
+                    idx = tuple(pi if s > 1 else 0 for pi, s in zip(p, aligned.shape[:m]))
+                    per[rank] = np.array(aligned[idx])
+                operands.append(("r", per))
+                proxies.append(_proxy(x.dtype, aligned.shape[m:]))
+            elif isinstance(x, np.ndarray) and x.ndim > len(plan.local_shape) and not per_element:
+                m = len(sizes)
+                full = x.reshape((1,) * (m + len(plan.local_shape) - x.ndim) + x.shape)
+                per = {}
+                for rank, p in pos_of.items():
+                    idx = tuple(pi if s > 1 else 0 for pi, s in zip(p, full.shape[:m]))
+                    per[rank] = np.array(full[idx])
+                operands.append(("r", per))
+                proxies.append(_proxy(x.dtype, full.shape[m:]))
+            else:
+                operands.append(("v", x))
+                proxies.append(x)
+        # result dtype and local shape, from NumPy on empty proxies (nothing is computed at size 0)
+        with np.errstate(all="ignore"):
+            if per_element:
+                local, dt = _matmul_meta(proxies)
+            else:
+                dt = ufunc(*[p if not isinstance(p, np.ndarray) else p.reshape(-1)[:1] if p.size else np.zeros(1, p.dtype) for p in proxies], **extra).dtype
+                local = tuple(plan.local_shape)
+        bid = ctx.new_id()
+        ranks = sorted(pos_of)
+        ctx.send(ranks, [("ew", bid, ufunc.__name__, operands, extra)])
+        return (DistributedStorage(ctx, bid, np.asarray(R, dtype=np.int64).copy(), local, dt, first.engine,
+                                   None, first.collective),)
+
+
+def _proxy(dtype: Any, shape: tuple) -> np.ndarray:
+    # a zero-stride array of the right dtype and shape (no memory for big blocks)
+    base = np.zeros(1, dtype=dtype)
+    return np.lib.stride_tricks.as_strided(base, shape=tuple(shape), strides=(0,) * len(shape))
+
+
+def _matmul_meta(proxies: list) -> tuple[tuple, np.dtype]:
+    a, b = (np.asarray(p) for p in proxies[:2])
+    if a.ndim == 0 or b.ndim == 0:
+        raise ValueError("matmul: input operand does not have enough dimensions")
+    a2 = a.shape if a.ndim > 1 else (1,) + a.shape
+    b2 = b.shape if b.ndim > 1 else b.shape + (1,)
+    if a2[-1] != b2[-2]:
+        raise MeshShapeError(f"matmul: local shapes {a.shape} and {b.shape} do not match in their core dimension")
+    batch = np.broadcast_shapes(a2[:-2], b2[:-2])
+    out = batch + (a2[-2],) * (a.ndim > 1) + (b2[-1],) * (b.ndim > 1)
+    dt = np.result_type(a.dtype, b.dtype)
+    return tuple(out), dt
+
+
+# ---------------------------------------------------------------------------------------
+# making distributed arrays (used by ArrayFactory)
+# ---------------------------------------------------------------------------------------
+
+
+def make(procs: Any, kind: str, local_shape: tuple, dtype: Any, engine: str, extra: Any = None,
+         collective: str | None = None):
+    from .array import MeshArray
+    from .engines import resolve_engine_name
+
+    ctx = data_context(procs)
+    shape = procs._mesh_shape
+    ranks = np.asarray(shape.ranks(), dtype=np.int64).reshape(tuple(shape.sizes))
+    engine = resolve_engine_name(engine)
+    bid = ctx.new_id()
+    ctx.send(ranks.ravel().tolist(), [("new", bid, kind, tuple(local_shape), np.dtype(dtype).name, engine, extra)])
+    st = DistributedStorage(ctx, bid, ranks, tuple(local_shape), dtype, engine, None, collective)
+    return MeshArray._from_parts(shape, st)
+
+
+def scatter(procs: Any, arr: np.ndarray, engine: str, collective: str | None = None):
+    from .array import MeshArray
+    from .engines import resolve_engine_name
+
+    ctx = data_context(procs)
+    shape = procs._mesh_shape
+    sizes = tuple(shape.sizes)
+    if arr.shape[: len(sizes)] != sizes:
+        raise MeshShapeError(
+            f"from_numpy needs an array whose leading axes are the mesh sizes {dict(zip(shape.names, sizes))}; "
+            f"got shape {arr.shape}"
+        )
+    engine = resolve_engine_name(engine)
+    ranks = np.asarray(shape.ranks(), dtype=np.int64).reshape(sizes)
+    bid = ctx.new_id()
+    futs = []
+    for pos in np.ndindex(*sizes):
+        r = int(ranks[pos])
+        futs.append(ctx.view([r]).run.call_one([("put", bid, ("v", np.asarray(arr[pos], order="C")), engine)]))
+    for f in futs:
+        f.get()
+    st = DistributedStorage(ctx, bid, ranks, arr.shape[len(sizes):], arr.dtype, engine, None, collective)
+    return MeshArray._from_parts(shape, st)
+
+
+def apply(procs: Any, fn: Any, arrays: Sequence[Any]):
+    """Run ``fn`` on each rank's blocks of ``arrays``; the results form a new distributed array."""
+    from .array import MeshArray
+
+    dist = [a for a in arrays if isinstance(a, MeshArray) and isinstance(a._storage, DistributedStorage)]
+    if not dist:
+        raise TypeError("apply needs at least one distributed MeshArray")
+    st0 = dist[0]._storage
+    for a in dist[1:]:
+        st = a._storage
+        if st.ranks.shape != st0.ranks.shape or not (st.ranks == st0.ranks).all():
+            raise MeshShapeError(
+                f"apply needs distributed arrays on the same ranks; got mesh dims {dist[0].mesh_sizes} and {a.mesh_sizes}"
+            )
+    operands = [("b", a._storage.bid) if isinstance(a, MeshArray) and isinstance(a._storage, DistributedStorage)
+                else ("v", a) for a in arrays]
+    ctx = st0.ctx
+    bid = ctx.new_id()
+    ranks = st0._unique()
+    ctx.send(ranks, [("apply", bid, fn, operands)])
+    # the result's local shape and dtype are known only after running: ask one rank
+    # (this also raises the error of a failing fn)
+    local, dtype = ctx.view(ranks[:1]).meta.call_one(bid).get()
+    shape = dist[0]._shape
+    return MeshArray._from_parts(shape, DistributedStorage(ctx, bid, st0.ranks.copy(), tuple(local), dtype,
+                                                           st0.engine, None, st0.collective))
