@@ -56,6 +56,36 @@ _FAILED: dict[int, BaseException] = {}
 _GROUPS: dict[tuple, Any] = {}
 
 
+_POOL: dict[int, list] = {}
+_POOL_MIN = 1 << 20  # only large blocks are worth recycling
+_POOL_PER_SIZE = 4
+
+
+def _pool_take(shape: tuple, dtype: np.dtype) -> np.ndarray:
+    nbytes = math.prod(shape) * dtype.itemsize
+    free = _POOL.get(nbytes)
+    if free:
+        return free.pop().view(dtype).reshape(shape)
+    return np.empty(shape, dtype=dtype)
+
+
+def _pool_give(block: Any) -> None:
+    # a freed NumPy block that owns its memory (nobody else can see it: views were
+    # never handed out beyond this worker's endpoints) is kept for reuse
+    if not isinstance(block, np.ndarray) or block.nbytes < _POOL_MIN:
+        return
+    base = block if block.base is None else block.base
+    if not isinstance(base, np.ndarray) or base.base is not None or base.nbytes != block.nbytes:
+        return
+    import sys
+
+    if sys.getrefcount(base) > 4:  # still referenced elsewhere (an endpoint kept it)
+        return
+    free = _POOL.setdefault(block.nbytes, [])
+    if len(free) < _POOL_PER_SIZE:
+        free.append(base.reshape(-1).view(np.uint8))
+
+
 class _BlockLost(MeshArrayError):
     """A block that failed to be made (its cause chained)."""
 
@@ -166,7 +196,7 @@ class _DataActor(Actor):
                     continue
                 if op == "free":
                     for b in out:
-                        _BLOCKS.pop(b, None)
+                        _pool_give(_BLOCKS.pop(b, None))
                         _FAILED.pop(b, None)
                     continue
                 if op == "coll":
@@ -193,11 +223,16 @@ class _DataActor(Actor):
         if backend == "torch":
             res = g.allreduce(eng.astype(block, dtype).contiguous(), op=op)
         else:
-            host = np.asarray(eng.host_view(eng.astype(block, dtype)), order="C")
+            if eng.dtype_of(block) != np.dtype(dtype):
+                block = eng.astype(block, dtype)
+            host = np.asarray(eng.host_view(block), order="C")
+            # the result goes into a recycled buffer: fresh 64 MiB allocations page-fault
+            # on every first touch, which halves the bandwidth of a reduction
+            res = _pool_take(host.shape, host.dtype)
             if len(members) == 1:
-                res = host.copy()
+                res[...] = host
             else:
-                res = g.allreduce(host, op=op)
+                g.allreduce(host, out=res, op=op)
             res = eng.from_numpy(res) if eng.name != "numpy" else res
         _BLOCKS[out] = res
         _FAILED.pop(out, None)
@@ -311,9 +346,20 @@ class _DataContext:
             self.view(sorted(set(int(r) for r in ranks))).run.broadcast(program)
 
     def call(self, ranks: Sequence[int], program: list) -> Any:
-        """Run a program on ``ranks`` and wait; a MeshArray of per-rank results (flat)."""
+        """Run a program on ``ranks`` and wait for every rank.
+
+        A rank that died, or a survivor whose collective saw a peer die, fails
+        the call with :class:`~mesharray.ActorDiedError` naming the dead ranks.
+        """
+        from .errors import ActorDiedError, ActorError
+
         ranks = sorted(set(int(r) for r in ranks))
-        return ranks, self.view(ranks).run.call(program).get()
+        try:
+            return ranks, self.view(ranks).run.call(program).get()
+        except ActorError as exc:
+            if isinstance(exc.exception, ActorDiedError):
+                raise exc.exception from exc
+            raise
 
     def fetch(self, ranks: Sequence[int], bid: int) -> dict:
         """Each rank's block ``bid`` as a host array: ``{rank: ndarray}``."""
