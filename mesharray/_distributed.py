@@ -467,6 +467,10 @@ class DistributedStorage:
     def to_numpy(self) -> np.ndarray:
         """Gather every position's block to the controller."""
         by_rank = self.ctx.fetch(self._unique(), self.bid)
+        if self.ranks.size == 1:
+            # one block: hand it over as it arrived (no second copy at the controller)
+            only = np.asarray(by_rank[int(self.ranks.reshape(-1)[0])], dtype=self._dtype)
+            return only.reshape(self.ranks.shape + self._local)
         out = np.empty(self.ranks.shape + self._local, dtype=self._dtype)
         for pos in np.ndindex(*self.ranks.shape):
             out[pos] = by_rank[int(self.ranks[pos])]
