@@ -1,0 +1,1268 @@
+"""``MeshArray``: a NumPy-like array whose leading axes are the dims of a mesh.
+
+A ``MeshArray`` of ``mesh_ndim`` named mesh dims and a local shape has NumPy
+shape ``mesh sizes + local shape``: one position per rank along the mesh axes,
+and each rank's own element (a scalar or a block) along the trailing *local*
+axes. It is what ``endpoint.call()`` returns (the gathered results of every
+actor) and what distributed data looks like.
+
+>>> import numpy as np
+>>> import mesharray as ma
+>>> a = ma.MeshArray(np.arange(8).reshape(2, 4), ["hosts", "procs"])
+>>> a
+MeshArray(hosts=2, procs=4, dtype=int64)
+[[0 1 2 3]
+ [4 5 6 7]]
+>>> (a * 10 + 1).sum(axis="procs").tolist()
+[64, 224]
+>>> a.slice(procs=-1).tolist()
+[3, 7]
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+from numpy.lib.mixins import NDArrayOperatorsMixin
+
+from ._core import Shape, broadcast_shapes
+from .errors import DimensionError, MeshIndexError, MeshShapeError
+from .mesh import MeshTrait, _mesh_size
+
+__all__ = ["MeshArray"]
+
+
+# -----------------------------------------------------------------------------------
+# storage
+# -----------------------------------------------------------------------------------
+
+
+class _Gathered:
+    """Values held at the controller: one ndarray, mesh axes first, local axes last.
+
+    This class *is* the storage protocol a MeshArray talks to; a distributed
+    storage (``mesharray/_distributed.py``, blocks living in the workers)
+    implements the same members. MeshArray decides every layout (which Shape,
+    which axes, how operands broadcast) and hands it over; a storage only moves
+    or computes values. Every method returns a new storage (never a MeshArray).
+
+    Members
+    -------
+    kind : str
+        ``"gathered"`` here (a distributed storage says ``"distributed"``).
+    dtype : numpy.dtype
+    local_shape(mesh_ndim) -> tuple
+        Shape of each element.
+    to_numpy() -> ndarray
+        The values, shape ``mesh sizes + local shape`` (a distributed storage gathers).
+    take(mesh_key, local_key, new_shape) -> storage
+        NumPy indexing: ``mesh_key`` (explicit, no ``...``) on the mesh axes, whose
+        result is the Shape ``new_shape``, then ``local_key`` on each element.
+    relayout(old_shape, perm, new_shape) -> storage
+        The same elements over ``new_shape``: the mesh axes permuted by ``perm``
+        (None: unchanged), then reshaped row-major (rename, flatten, split,
+        transpose). Blocks that live at ranks need not move.
+    setitem(key, value) -> None
+        ``values[key] = value`` in place: ``key`` is a NumPy key over the full
+        shape whose NumPy meaning equals the MeshArray's, ``value`` an ndarray or
+        scalar already aligned to the selection's layout.
+    reshape_local(mesh_ndim, local_shape) / astype(dtype, copy) / copy() -> storage
+    reduce(op, func, axes, keepdims, kwargs) -> storage
+        Reduction ``op`` over ``axes`` of the full shape (None: all); ``func`` is
+        the NumPy function for one ndarray.
+    elementwise(ufunc, plan, inputs, kwargs) -> tuple of storage  (static)
+        ``ufunc`` over ``inputs`` (MeshArrays and plain operands) broadcast as
+        ``plan`` (a :class:`_Plan`) says; ``kwargs["out"]``, when present, holds
+        the outputs to write into (MeshArrays with the result's layout, or ndarrays).
+    """
+
+    __slots__ = ("array",)
+    kind = "gathered"
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+
+    # -- description
+    @property
+    def dtype(self) -> np.dtype:
+        return self.array.dtype
+
+    def local_shape(self, mesh_ndim: int) -> tuple[int, ...]:
+        return self.array.shape[mesh_ndim:]
+
+    # -- whole values
+    def to_numpy(self) -> np.ndarray:
+        return self.array
+
+    # -- layout changes
+    def take(self, mesh_key: tuple, local_key: tuple, new_shape: Shape) -> _Gathered:
+        # a trailing ``...`` keeps every result an ndarray (an object element that
+        # is itself a list must stay an element, not become axes)
+        v = self.array[mesh_key + (Ellipsis,)] if mesh_key else self.array
+        if local_key:
+            m = new_shape.ndim
+            if any(_is_advanced(k) for k in local_key):
+                # NumPy would move non-adjacent advanced-index dims in front of *all*
+                # axes; put the mesh axes last so they land in front of the local ones.
+                v = np.moveaxis(v, tuple(range(m)), tuple(range(-m, 0)))
+                v = v[local_key + (Ellipsis,)]
+                v = np.moveaxis(v, tuple(range(-m, 0)), tuple(range(m)))
+            else:
+                v = v[(slice(None),) * m + local_key + (Ellipsis,)]
+        return _Gathered(v)
+
+    def relayout(self, old_shape: Shape, perm: tuple[int, ...] | None, new_shape: Shape) -> _Gathered:
+        v = self.array
+        m = old_shape.ndim
+        local = v.shape[m:]
+        if perm is not None:
+            v = v.transpose(perm + tuple(range(m, v.ndim)))
+        return _Gathered(v.reshape(tuple(new_shape.sizes) + local))
+
+    def setitem(self, key: tuple, value: Any) -> None:
+        self.array[key] = value
+
+    def reshape_local(self, mesh_ndim: int, local_shape: tuple[int, ...]) -> _Gathered:
+        v = self.array
+        return _Gathered(v.reshape(v.shape[:mesh_ndim] + tuple(local_shape)))
+
+    def astype(self, dtype: Any, copy: bool) -> _Gathered:
+        return _Gathered(self.array.astype(dtype, copy=copy))
+
+    def copy(self) -> _Gathered:
+        return _Gathered(self.array.copy())
+
+    # -- compute
+    def reduce(self, op: str, func: Any, axes: tuple[int, ...] | None, keepdims: bool, kwargs: dict) -> _Gathered:
+        if op in ("argmin", "argmax") and axes is not None:
+            r = func(self.array, axis=axes[0], keepdims=keepdims, **kwargs)
+        else:
+            r = func(self.array, axis=axes, keepdims=keepdims, **kwargs)
+        return _Gathered(np.asarray(r))
+
+    @staticmethod
+    def elementwise(ufunc: np.ufunc, plan: _Plan, inputs: list, kwargs: dict) -> tuple[_Gathered, ...]:
+        if ufunc.signature is not None:
+            return tuple(_Gathered(r) for r in _gufunc_per_element(ufunc, plan, inputs, kwargs))
+        args = [plan.align(x) if isinstance(x, MeshArray) else x for x in inputs]
+        if isinstance(kwargs.get("where"), MeshArray):
+            kwargs = dict(kwargs, where=plan.align(kwargs["where"]))
+        if "out" in kwargs:  # the plan checked that MeshArray outputs have the result's layout
+            kwargs = dict(kwargs, out=tuple(o._values() if isinstance(o, MeshArray) else o for o in kwargs["out"]))
+        out = ufunc(*args, **kwargs)
+        return tuple(_Gathered(np.asarray(r)) for r in (out if isinstance(out, tuple) else (out,)))
+
+
+def _storage_class(operands: Sequence[Any]) -> Any:
+    """The storage that runs an operation on these operands.
+
+    This is the single place where a distributed storage takes over: an operation
+    with any distributed operand is run by that operand's storage class (which
+    decides how to treat gathered operands next to it).
+    """
+    for x in operands:
+        if isinstance(x, MeshArray) and type(x._storage) is not _Gathered:
+            return type(x._storage)
+    return _Gathered
+
+
+# -----------------------------------------------------------------------------------
+# the array
+# -----------------------------------------------------------------------------------
+
+
+class MeshArray(NDArrayOperatorsMixin, MeshTrait):
+    """A NumPy-like array whose leading ``mesh_ndim`` axes are named mesh dims.
+
+    ``MeshArray(values, names)`` wraps ``values`` (anything ``numpy.asarray``
+    takes): its leading ``len(names)`` axes are the mesh dims and its trailing
+    axes are each element's own (*local*) shape. ``shape``, ``size``, ``ndim``,
+    ``len()`` and iteration have NumPy's meaning over ``mesh sizes + local
+    shape``; ``mesh_shape`` is the :class:`~mesharray.Shape` over global ranks
+    that the mesh axes came from (dense over the sizes when you build one
+    yourself; the actor mesh's ranks when it is the result of a call).
+
+    Parameters
+    ----------
+    values : array_like
+        The values; not copied when already an ndarray.
+    names : str or sequence of str, optional
+        Names of the leading mesh dims. Optional when ``mesh_shape`` is given.
+    mesh_shape : Shape, optional
+        The Shape of the mesh axes (its sizes must match the leading axes).
+
+    Notes
+    -----
+    **Indexing.** ``a[key]`` follows NumPy over the whole shape: the leading
+    entries index the mesh axes (resolved by ``Shape``, so the result keeps the
+    global ranks it came from and advanced indices name new dims by Shape's
+    rule), the rest index every element's local axes. ``None`` placed after all
+    mesh axes adds a *local* axis. The mesh part is applied first, then the
+    local part to each element, so NumPy's rule that moves advanced-index dims
+    in front (ints and arrays separated by a slice) applies within each part,
+    never across: ``a[:, [0, 2], :, 1]`` keeps the mesh dims first. Advanced
+    (array) indices may select mesh axes or local axes but not both in one key
+    (index in two steps). By name:
+    ``a.slice(procs=1)`` or ``a[{"procs": 1}]``. A result with no mesh dims and
+    a scalar element is that element (a NumPy scalar, or the Python object of
+    an object array), as NumPy returns a scalar; with local axes left it stays
+    a 0-d-mesh MeshArray.
+
+    **Arithmetic** (every ufunc, and every operator through it). Between
+    MeshArrays, mesh dims align **by name** — a missing name broadcasts, equal
+    names need equal sizes (or 1) — and local axes align by NumPy's positional
+    rules. The result's names are the first operand's, then the new names of
+    the others in order. A plain ndarray (or list) operand broadcasts NumPy-style
+    against the result's full shape ``mesh sizes + local shape``, so it meets the
+    local axes when its ndim is at most the local ndim — exactly what
+    ``np.asarray(a) + x`` does; it may not have more dims than that shape.
+    Generalized ufuncs (``@``/``np.matmul``) apply per element: plain operands are
+    local operands. The result keeps the mesh Shape of the first MeshArray
+    operand that has all its dims at full size, else a dense Shape.
+    Mismatches raise :class:`~mesharray.MeshShapeError` naming both shapes.
+
+    **Reductions** (``sum mean min max prod any all argmin argmax std var``, also
+    as ``np.sum(a, axis="procs")``) take ``axis`` as an int (over the whole
+    shape), a mesh dim name, a tuple of either, or None. Reducing a mesh axis
+    removes its name (``keepdims`` keeps it with size 1); the result's Shape holds
+    the first rank of each reduced group (the root of ``reduction_plan``).
+
+    **Storage.** Values live in ``self._storage``, behind a small protocol
+    (``to_numpy``, ``take``, ``relayout``, ``reshape_local``, ``astype``,
+    ``copy``, ``reduce``, ``elementwise``). This module implements the
+    *gathered* storage (one ndarray at the controller, ``_Gathered``); a
+    distributed storage (blocks in the workers, ``mesharray/_distributed.py``)
+    implements the same protocol. MeshArray itself only decides layouts (names,
+    Shapes, axes, broadcasting plans) and never touches values except through
+    the storage; ``_storage_class(operands)`` is the one place that picks the
+    storage running an operation.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import mesharray as ma
+    >>> a = ma.MeshArray(np.ones((2, 3), dtype="float32"), ["procs"])
+    >>> a
+    MeshArray(procs=2, local=(3,), dtype=float32)
+    [[1. 1. 1.]
+     [1. 1. 1.]]
+    >>> a.shape, a.mesh_sizes, a.local_shape
+    ((2, 3), {'procs': 2}, (3,))
+    >>> b = ma.MeshArray([10, 20], "procs")
+    >>> (a + b).tolist()
+    [[11.0, 11.0, 11.0], [21.0, 21.0, 21.0]]
+    >>> a.sum(axis="procs").tolist()
+    [2.0, 2.0, 2.0]
+    """
+
+    __slots__ = ("_shape", "_storage", "__weakref__")
+    # ndarray operands defer to us (ndarray + MeshArray -> MeshArray.__radd__)
+    __array_priority__ = 20
+
+    def __init__(self, values: Any, names: str | Sequence[str] | None = None, *, mesh_shape: Shape | None = None) -> None:
+        if isinstance(values, MeshArray):
+            values = values._values()
+        array = np.asarray(values)
+        if mesh_shape is not None:
+            if not isinstance(mesh_shape, Shape):
+                raise TypeError(f"mesh_shape must be a Shape, got {type(mesh_shape).__name__}")
+            if names is not None and tuple(_as_names(names)) != tuple(mesh_shape.names):
+                raise ValueError(f"names {tuple(_as_names(names))} differ from the names of mesh_shape {tuple(mesh_shape.names)}")
+            shape = mesh_shape
+            k = shape.ndim
+            if array.ndim < k or tuple(array.shape[:k]) != tuple(shape.sizes):
+                raise MeshShapeError(
+                    f"values of shape {array.shape} do not fit mesh {dict(zip(shape.names, shape.sizes))}: "
+                    f"the leading axes must have sizes {tuple(shape.sizes)}"
+                )
+        else:
+            if names is None:
+                raise TypeError("MeshArray() needs names (or a mesh_shape) for the leading mesh axes")
+            names = _as_names(names)
+            if len(names) > array.ndim:
+                raise ValueError(
+                    f"{len(names)} mesh dim names {tuple(names)} for values of only {array.ndim} dims (shape {array.shape})"
+                )
+            shape = Shape(dict(_unique_names(names, array.shape)))
+        self._shape = shape
+        self._storage = _Gathered(array)
+
+    # -- construction ---------------------------------------------------------------
+
+    @classmethod
+    def _from_parts(cls, shape: Shape, storage: Any) -> MeshArray:
+        self = object.__new__(cls)
+        self._shape = shape
+        self._storage = storage
+        return self
+
+    @classmethod
+    def from_results(cls, mesh_shape: Shape, values: Sequence[Any]) -> MeshArray:
+        """Gathered results of a call, one per rank in row-major order of ``mesh_shape``.
+
+        Numbers and bools become a numeric array of the mesh's shape; NumPy arrays
+        of one shape and dtype are stacked (their axes become local axes); any
+        other mix becomes an object array holding the values as they are.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import mesharray as ma
+        >>> s = ma.Shape({"hosts": 1, "procs": 2})
+        >>> ma.MeshArray.from_results(s, [1, 2]).dtype
+        dtype('int64')
+        >>> ma.MeshArray.from_results(s, [np.zeros(3), np.ones(3)]).shape
+        (1, 2, 3)
+        >>> ma.MeshArray.from_results(s, ["a", {"b": 1}]).tolist()
+        [['a', {'b': 1}]]
+        """
+        if not isinstance(mesh_shape, Shape):
+            raise TypeError(f"mesh_shape must be a Shape, got {type(mesh_shape).__name__}")
+        values = list(values)
+        n = mesh_shape.size
+        if len(values) != n:
+            raise ValueError(f"{len(values)} values for a mesh of {n} ranks {mesh_shape!r}")
+        sizes = tuple(mesh_shape.sizes)
+        array: np.ndarray | None = None
+        if values and all(type(v) in _NUMBER_TYPES or isinstance(v, (np.number, np.bool_)) for v in values):
+            array = np.array(values)
+            if array.ndim != 1:  # pragma: no cover - numbers always give a 1-d array
+                array = None
+        elif values and all(type(v) is np.ndarray for v in values):
+            first = values[0]
+            if all(v.shape == first.shape and v.dtype == first.dtype for v in values):
+                array = np.stack(values)
+        if array is None:
+            array = np.empty(n, dtype=object)
+            for i, v in enumerate(values):
+                array[i] = v
+        return cls._from_parts(mesh_shape, _Gathered(array.reshape(sizes + array.shape[1:])))
+
+    # -- MeshTrait hooks --------------------------------------------------------------
+
+    @property
+    def _mesh_shape(self) -> Shape:
+        return self._shape
+
+    def _with_mesh_shape(self, shape: Shape) -> MeshArray:
+        # rename / flatten / split: the same elements in the same row-major order
+        if shape.size != self._shape.size:
+            raise MeshShapeError(
+                f"a mesh of {shape.size} ranks {shape!r} cannot hold the {self._shape.size} "
+                f"elements of {self._shape!r}"
+            )
+        storage = self._storage.relayout(self._shape, None, shape)
+        return MeshArray._from_parts(shape, storage)
+
+    # -- description ------------------------------------------------------------------
+
+    def _values(self) -> np.ndarray:
+        return self._storage.to_numpy()
+
+    @property
+    def mesh_ndim(self) -> int:
+        """Number of mesh dims (the leading axes)."""
+        return self._shape.ndim
+
+    @property
+    def mesh_sizes(self) -> dict[str, int]:
+        """``{name: size}`` of the mesh dims."""
+        return dict(zip(self._shape.names, self._shape.sizes))
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """Shape of each element (the trailing axes)."""
+        return tuple(self._storage.local_shape(self._shape.ndim))
+
+    @property
+    def local_ndim(self) -> int:
+        """Number of local axes."""
+        return len(self.local_shape)
+
+    @property
+    def shape(self) -> tuple[int, ...]:  # type: ignore[override]
+        """NumPy shape: mesh sizes then local shape."""
+        return tuple(self._shape.sizes) + self.local_shape
+
+    @property
+    def ndim(self) -> int:  # type: ignore[override]
+        """NumPy ndim: ``mesh_ndim + local_ndim``."""
+        return self._shape.ndim + self.local_ndim
+
+    @property
+    def size(self) -> int:  # type: ignore[override]
+        """NumPy size: the number of scalar elements (``mesh_size() * prod(local_shape)``)."""
+        return math.prod(self.shape)
+
+    def mesh_size(self, dims: str | tuple[str, ...] | None = None) -> int:
+        """Number of mesh positions: in total, along one dim, or over several dims.
+
+        (``MeshTrait.size`` under another name, since ``size`` has NumPy's meaning here.)
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import mesharray as ma
+        >>> a = ma.MeshArray(np.zeros((2, 4, 3)), ["hosts", "procs"])
+        >>> a.mesh_size(), a.mesh_size("procs"), a.size
+        (8, 4, 24)
+        """
+        return _mesh_size(self._shape, dims)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The dtype of the values (``object`` for arbitrary Python values)."""
+        return self._storage.dtype
+
+    def __len__(self) -> int:
+        """Size of the first axis (NumPy's meaning)."""
+        shape = self.shape
+        if not shape:
+            raise TypeError("len() of unsized object")
+        return shape[0]
+
+    def __iter__(self) -> Iterator[Any]:
+        """Sub-arrays (or elements) along the first axis (NumPy's meaning)."""
+        for i in range(len(self)):
+            yield self[i]
+
+    def __bool__(self) -> bool:
+        return bool(self._values())
+
+    # -- conversion ------------------------------------------------------------------
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        v = self._values()
+        if dtype is not None and np.dtype(dtype) != v.dtype:
+            if copy is False:
+                raise ValueError(f"cannot convert a MeshArray of dtype {v.dtype} to {np.dtype(dtype)} without a copy")
+            return v.astype(dtype)
+        return v.copy() if copy else v
+
+    def to_numpy(self, copy: bool = False) -> np.ndarray:
+        """The values as an ndarray of shape ``self.shape`` (shared unless ``copy``).
+
+        Examples
+        --------
+        >>> import mesharray as ma
+        >>> ma.MeshArray([[1, 2], [3, 4]], ["procs"]).to_numpy().shape
+        (2, 2)
+        """
+        v = self._values()
+        return v.copy() if copy else v
+
+    def tolist(self) -> Any:
+        """Nested Python lists (Python scalars as leaves), like ``ndarray.tolist``."""
+        return self._values().tolist()
+
+    def astype(self, dtype: Any, copy: bool = True) -> MeshArray:
+        """A MeshArray of another dtype (same mesh Shape)."""
+        return MeshArray._from_parts(self._shape, self._storage.astype(dtype, copy))
+
+    def copy(self) -> MeshArray:
+        """A MeshArray with its own copy of the values (the Shape is immutable)."""
+        return MeshArray._from_parts(self._shape, self._storage.copy())
+
+    def __copy__(self) -> MeshArray:
+        return self.copy()
+
+    def __deepcopy__(self, memo: dict) -> MeshArray:
+        import copy as _copy
+
+        return MeshArray._from_parts(self._shape, _Gathered(_copy.deepcopy(self._values(), memo)))
+
+    def __reduce__(self) -> tuple:
+        return (_rebuild, (self._shape, self._values()))
+
+    def reshape_local(self, *shape: Any) -> MeshArray:
+        """Reshape each element's local axes (``-1`` infers one size); the mesh is unchanged.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import mesharray as ma
+        >>> ma.MeshArray(np.zeros((2, 6)), ["procs"]).reshape_local(2, 3).shape
+        (2, 2, 3)
+        """
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        local = self.local_shape
+        new_local = _infer_shape(local, shape)
+        return MeshArray._from_parts(self._shape, self._storage.reshape_local(self._shape.ndim, new_local))
+
+    # -- Monarch ValueMesh-style access ------------------------------------------------
+
+    def item(self, *args: Any, **coords: Any) -> Any:
+        """One element: by mesh coordinates (``a.item(hosts=0, procs=3)``) or NumPy-style.
+
+        With keywords, every mesh dim must be given; the result is the element
+        (a Python scalar, the stored object, or the local block as an ndarray).
+        Without keywords it is ``ndarray.item(*args)``: a Python scalar.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import mesharray as ma
+        >>> a = ma.MeshArray(np.arange(8).reshape(2, 4), ["hosts", "procs"])
+        >>> a.item(hosts=1, procs=2)
+        6
+        >>> a[0, 1:2].item()
+        1
+        """
+        if coords:
+            if args:
+                raise TypeError("item() takes either mesh coordinates by name or positions, not both")
+            names = tuple(self._shape.names)
+            for n in coords:
+                if n not in names:
+                    raise DimensionError(n, names)
+            missing = tuple(n for n in names if n not in coords)
+            if missing:
+                raise ValueError(
+                    f"item() needs a coordinate for every mesh dimension; missing {missing}; dimensions are {names}"
+                )
+            key = tuple(coords[n] for n in names)
+            for n, k in zip(names, key):
+                if not isinstance(k, (numbers.Integral, np.integer)) or isinstance(k, (bool, np.bool_)):
+                    raise TypeError(f"coordinate {n}={k!r} must be an int")
+            return _to_item(self[key])
+        return self._values().item(*args)
+
+    def items(self) -> Iterator[tuple[dict[str, int], Any]]:
+        """``(coordinates, element)`` pairs in row-major order of the mesh.
+
+        Examples
+        --------
+        >>> import mesharray as ma
+        >>> list(ma.MeshArray([5, 6], ["procs"]).items())
+        [({'procs': 0}, 5), ({'procs': 1}, 6)]
+        """
+        names = tuple(self._shape.names)
+        v = self._values()
+        for coords in np.ndindex(*self._shape.sizes):
+            yield dict(zip(names, coords)), _to_item(v[coords])
+
+    def values(self) -> list[Any]:
+        """The elements in row-major order of the mesh (as :meth:`item` gives them)."""
+        return [value for _, value in self.items()]
+
+    # -- indexing ------------------------------------------------------------------------
+
+    def __getitem__(self, key: Any) -> Any:
+        """NumPy indexing over mesh axes then local axes; a dict selects mesh dims by name."""
+        if isinstance(key, dict):
+            return self.slice(**key)
+        mesh_key, local_key = _split_key(key, self._shape.ndim, self.local_ndim, self)
+        return self._take(mesh_key, local_key)
+
+    def slice(self, **dims: Any) -> Any:
+        """Select mesh dims by name: ``a.slice(procs=1, hosts=slice(0, 2))``.
+
+        Each selector indexes its dim as a positional index would (an int removes
+        the dim, a slice keeps it, arrays select like NumPy).
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import mesharray as ma
+        >>> a = ma.MeshArray(np.arange(8).reshape(2, 4), ["hosts", "procs"])
+        >>> a.slice(procs=slice(None, None, -1), hosts=1).tolist()
+        [7, 6, 5, 4]
+        """
+        mesh_key, local_key = _split_key(self._named_key(dims), self._shape.ndim, self.local_ndim, self)
+        return self._take(mesh_key, local_key)
+
+    def _named_key(self, dims: dict) -> tuple:
+        """``{name: selector}`` as the positional key over the mesh axes."""
+        names = tuple(self._shape.names)
+        key: list[Any] = [slice(None)] * len(names)
+        for name, sel in dims.items():
+            if name not in names:
+                raise DimensionError(name, names)
+            key[names.index(name)] = sel
+        return tuple(key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        """``a[key] = value`` in place, with the selection :meth:`__getitem__` makes.
+
+        A MeshArray value aligns by name with the selection's mesh dims (and its
+        local axes by position); other values broadcast NumPy-style. Keys mixing
+        array indices in one part (mesh or local) with ints or arrays in the other,
+        or several array indices on the local axes, are refused: NumPy would lay
+        those out differently from the selection.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import mesharray as ma
+        >>> a = ma.MeshArray(np.zeros((2, 3), dtype=int), ["hosts", "procs"])
+        >>> a[{"procs": 1}] = 7
+        >>> a[1, ::2] = ma.MeshArray([5, 6], ["procs"])
+        >>> a.tolist()
+        [[0, 7, 0], [5, 7, 6]]
+        """
+        if isinstance(key, dict):
+            key = self._named_key(key)
+        mesh_key, local_key = _split_key(key, self._shape.ndim, self.local_ndim, self)
+        mesh_adv = any(_is_advanced(k) for k in mesh_key)
+        local_adv = [k for k in local_key if _is_advanced(k)]
+        local_int = any(isinstance(k, int) for k in local_key)
+        if (mesh_adv and (local_int or local_adv)) or (
+            local_adv and (len(local_adv) > 1 or local_int or any(isinstance(k, int) for k in mesh_key))
+        ):
+            raise IndexError(
+                "this key mixes array indices with ints or arrays in a way NumPy lays out differently "
+                "from a MeshArray selection; assign through a selection made in two steps"
+            )
+        if isinstance(value, MeshArray):
+            target = self._shape[mesh_key] if mesh_key else self._shape
+            extra = [n for n in value.names if n not in target.names]
+            if extra:
+                raise MeshShapeError(
+                    f"value with mesh dims {value.mesh_sizes} does not fit a selection with mesh dims "
+                    f"{dict(zip(target.names, target.sizes))}"
+                )
+            # the selection's local shape, from a zero-stride stand-in (no allocation)
+            stand_in = np.broadcast_to(np.empty((), dtype=np.bool_), self.local_shape)
+            local = stand_in[local_key + (Ellipsis,)].shape if local_key else self.local_shape
+            plan = _Plan(tuple(target.names), tuple(target.sizes), target, tuple(local))
+            value = plan.align(value, pad_local=len(value.local_shape) <= len(local))
+        self._storage.setitem(mesh_key + local_key, value)
+
+    def _take(self, mesh_key: tuple, local_key: tuple) -> Any:
+        if mesh_key and not all(_is_full_slice(k) for k in mesh_key):
+            shape = self._shape[mesh_key]
+        else:
+            shape, mesh_key = self._shape, ()
+        if all(_is_full_slice(k) for k in local_key):
+            local_key = ()
+        storage = self._storage.take(mesh_key, local_key, shape)
+        return _wrap(shape, storage)
+
+    def transpose(self, *dims: str | int) -> MeshArray:
+        """The mesh dims reordered (names or mesh axis numbers; none reverses them).
+
+        Local axes stay where they are.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import mesharray as ma
+        >>> a = ma.MeshArray(np.arange(6).reshape(2, 3), ["hosts", "procs"])
+        >>> a.transpose("procs", "hosts").shape
+        (3, 2)
+        """
+        names = tuple(self._shape.names)
+        new = self._shape.transpose(*dims)
+        perm = tuple(names.index(n) for n in new.names)
+        return MeshArray._from_parts(new, self._storage.relayout(self._shape, perm, new))
+
+    # -- ufuncs ----------------------------------------------------------------------------
+
+    def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        for x in inputs + tuple(kwargs.get("out", ())):
+            if not isinstance(x, MeshArray) and _defers(x):
+                return NotImplemented
+        if method == "reduce":
+            if len(inputs) != 1 or not isinstance(inputs[0], MeshArray):
+                return NotImplemented
+            a = inputs[0]
+            axis = kwargs.pop("axis", 0)
+            keepdims = kwargs.pop("keepdims", False)
+            _no_out(kwargs.pop("out", None), f"{ufunc.__name__}.reduce")
+            return a._reduce(f"{ufunc.__name__}.reduce", ufunc.reduce, axis, keepdims, kwargs)
+        if method != "__call__":
+            return NotImplemented
+        return _elementwise(ufunc, list(inputs), kwargs)
+
+    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        method = _FUNCTIONS.get(func)
+        if method is not None and args and isinstance(args[0], MeshArray):
+            return getattr(args[0], method)(*args[1:], **kwargs)
+        if func is np.where and len(args) == 3 and not kwargs:
+            # np.where(cond, x, y) is elementwise: operands broadcast as a ufunc's do
+            plan = _plan(list(args), ())
+            aligned = [plan.align(x) if isinstance(x, MeshArray) else x for x in args]
+            return _wrap(plan.shape, _Gathered(np.asarray(np.where(*aligned))))
+        if func in _SAME_SHAPE_FUNCTIONS and args and isinstance(args[0], MeshArray):
+            a = args[0]
+            result = func(a._values(), *_plain(args[1:]), **_plain(kwargs))
+            if isinstance(result, np.ndarray) and result.shape == a.shape:
+                return MeshArray._from_parts(a._shape, _Gathered(result))
+            return result
+        # Anything else sees the plain values and returns plain NumPy results.
+        return func(*_plain(args), **_plain(kwargs))
+
+    # -- reductions ------------------------------------------------------------------------
+
+    def _reduce(self, op: str, func: Any, axis: Any, keepdims: bool, kwargs: dict) -> Any:
+        axes = _normalize_axes(axis, self)
+        m = self._shape.ndim
+        reduced_mesh = range(m) if axes is None else [i for i in axes if i < m]
+        storage = self._storage.reduce(op, func, axes, bool(keepdims), kwargs)
+        return _wrap(self._reduced_shape(set(reduced_mesh), bool(keepdims)), storage)
+
+    def _reduced_shape(self, mesh_axes: set[int], keepdims: bool) -> Shape:
+        if not mesh_axes:
+            return self._shape
+        sizes = tuple(self._shape.sizes)
+        if any(sizes[i] == 0 for i in mesh_axes):
+            # an empty group has no first rank to stand for it
+            names = tuple(self._shape.names)
+            kept = [(n, 1 if i in mesh_axes else s) for i, (n, s) in enumerate(zip(names, sizes)) if keepdims or i not in mesh_axes]
+            return Shape(dict(kept))
+        key = tuple((slice(0, 1) if keepdims else 0) if i in mesh_axes else slice(None) for i in range(len(sizes)))
+        return self._shape[key]
+
+    def sum(self, axis: Any = None, dtype: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> Any:
+        """Sum over ``axis`` (int, mesh dim name, tuple of either, or None for all).
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import mesharray as ma
+        >>> a = ma.MeshArray(np.arange(8).reshape(2, 4), ["hosts", "procs"])
+        >>> a.sum(axis="procs").tolist(), a.sum()
+        ([6, 22], np.int64(28))
+        """
+        _no_out(out, "sum")
+        return self._reduce("sum", np.sum, axis, keepdims, _kw(kwargs, dtype=dtype))
+
+    def prod(self, axis: Any = None, dtype: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> Any:
+        """Product over ``axis`` (see :meth:`sum`)."""
+        _no_out(out, "prod")
+        return self._reduce("prod", np.prod, axis, keepdims, _kw(kwargs, dtype=dtype))
+
+    def mean(self, axis: Any = None, dtype: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> Any:
+        """Arithmetic mean over ``axis`` (see :meth:`sum`)."""
+        _no_out(out, "mean")
+        return self._reduce("mean", np.mean, axis, keepdims, _kw(kwargs, dtype=dtype))
+
+    def std(self, axis: Any = None, dtype: Any = None, out: Any = None, ddof: float = 0, keepdims: bool = False, **kwargs: Any) -> Any:
+        """Standard deviation over ``axis`` (``ddof`` as NumPy; see :meth:`sum`)."""
+        _no_out(out, "std")
+        return self._reduce("std", np.std, axis, keepdims, _kw(kwargs, dtype=dtype, ddof=ddof or None))
+
+    def var(self, axis: Any = None, dtype: Any = None, out: Any = None, ddof: float = 0, keepdims: bool = False, **kwargs: Any) -> Any:
+        """Variance over ``axis`` (``ddof`` as NumPy; see :meth:`sum`)."""
+        _no_out(out, "var")
+        return self._reduce("var", np.var, axis, keepdims, _kw(kwargs, dtype=dtype, ddof=ddof or None))
+
+    def min(self, axis: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> Any:
+        """Minimum over ``axis`` (see :meth:`sum`)."""
+        _no_out(out, "min")
+        return self._reduce("min", np.min, axis, keepdims, kwargs)
+
+    def max(self, axis: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> Any:
+        """Maximum over ``axis`` (see :meth:`sum`)."""
+        _no_out(out, "max")
+        return self._reduce("max", np.max, axis, keepdims, kwargs)
+
+    def any(self, axis: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> Any:
+        """Whether any element is true, over ``axis`` (see :meth:`sum`)."""
+        _no_out(out, "any")
+        return self._reduce("any", np.any, axis, keepdims, kwargs)
+
+    def all(self, axis: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> Any:
+        """Whether all elements are true, over ``axis`` (see :meth:`sum`)."""
+        _no_out(out, "all")
+        return self._reduce("all", np.all, axis, keepdims, kwargs)
+
+    def argmin(self, axis: Any = None, out: Any = None, *, keepdims: bool = False) -> Any:
+        """Index of the minimum along one ``axis`` (int or name), or of the flattened array.
+
+        Examples
+        --------
+        >>> import mesharray as ma
+        >>> ma.MeshArray([[3, 1], [0, 2]], ["hosts", "procs"]).argmin(axis="procs").tolist()
+        [1, 0]
+        """
+        _no_out(out, "argmin")
+        return self._reduce("argmin", np.argmin, _single_axis(axis, "argmin"), keepdims, {})
+
+    def argmax(self, axis: Any = None, out: Any = None, *, keepdims: bool = False) -> Any:
+        """Index of the maximum along one ``axis`` (int or name), or of the flattened array."""
+        _no_out(out, "argmax")
+        return self._reduce("argmax", np.argmax, _single_axis(axis, "argmax"), keepdims, {})
+
+    # -- display ----------------------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        parts = [f"{n}={s}" for n, s in zip(self._shape.names, self._shape.sizes)]
+        if self.local_shape:
+            parts.append(f"local={self.local_shape}")
+        parts.append(f"dtype={self.dtype}")
+        head = f"MeshArray({', '.join(parts)})"
+        if self._storage.kind != "gathered":
+            return head + f" [{self._storage.kind}]"
+        return head + "\n" + np.array2string(self._values(), separator=" ")
+
+    def __str__(self) -> str:
+        return str(self._values())
+
+
+# -----------------------------------------------------------------------------------
+# helpers
+# -----------------------------------------------------------------------------------
+
+_NUMBER_TYPES = (bool, int, float, complex)
+_SCALAR_TYPES = (bool, int, float, complex, np.generic)
+
+
+class _InvalidIndexError(MeshIndexError, TypeError):
+    """An index of a type nothing can be indexed with: NumPy says IndexError, Python TypeError."""
+
+
+def _rebuild(shape: Shape, values: np.ndarray) -> MeshArray:
+    return MeshArray._from_parts(shape, _Gathered(values))
+
+
+def _as_names(names: Any) -> list[str]:
+    if isinstance(names, str):
+        return [names]
+    try:
+        names = list(names)
+    except TypeError:
+        raise TypeError(f"names must be a str or a sequence of str, got {type(names).__name__}") from None
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(f"mesh dim names must be str, got {type(n).__name__}: {n!r}")
+    return names
+
+
+def _unique_names(names: list[str], shape: tuple[int, ...]) -> list[tuple[str, int]]:
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate mesh dim names in {tuple(names)}")
+    return list(zip(names, shape))
+
+
+def _wrap(shape: Shape, storage: Any) -> Any:
+    """A MeshArray, or the bare element when there is no axis left (as NumPy gives a scalar)."""
+    if shape.ndim == 0 and type(storage) is _Gathered and storage.array.ndim == 0:
+        return storage.array[()]
+    return MeshArray._from_parts(shape, storage)
+
+
+def _to_item(x: Any) -> Any:
+    """An element as Monarch's ValueMesh gives it: a Python scalar, the object, or a block."""
+    if isinstance(x, MeshArray):
+        return x.to_numpy()
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
+
+
+def _defers(x: Any) -> bool:
+    """Whether ``x`` wants to handle the ufunc itself (an array type NumPy does not own)."""
+    if isinstance(x, (np.ndarray, np.generic)):
+        return False
+    return hasattr(type(x), "__array_ufunc__")
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, MeshArray):
+        return x._values()
+    if isinstance(x, tuple):
+        return tuple(_plain(v) for v in x)
+    if isinstance(x, list):
+        return [_plain(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    return x
+
+
+def _infer_shape(old: tuple[int, ...], new: Sequence[Any]) -> tuple[int, ...]:
+    """``new`` with its one ``-1`` inferred, checked to hold as many elements as ``old``."""
+    for x in new:
+        if not isinstance(x, (numbers.Integral, np.integer)) or isinstance(x, (bool, np.bool_)):
+            raise TypeError(f"shape entries must be ints, got {type(x).__name__}: {x!r}")
+    dims = [int(x) for x in new]
+    total = math.prod(old)
+    unknown = [i for i, x in enumerate(dims) if x == -1]
+    known = math.prod(x for x in dims if x != -1)
+    if len(unknown) > 1 or any(x < -1 for x in dims):
+        raise ValueError(f"invalid local shape {tuple(dims)}: at most one -1 and no other negative size")
+    if unknown and known and total % known == 0:
+        dims[unknown[0]] = total // known
+    if unknown and dims[unknown[0]] == -1 or math.prod(dims) != total:
+        raise MeshShapeError(f"cannot reshape local shape {tuple(old)} into {tuple(int(x) for x in new)}")
+    return tuple(dims)
+
+
+def _kw(kwargs: dict, **extra: Any) -> dict:
+    out = dict(kwargs)
+    for k, v in extra.items():
+        if v is not None:
+            out[k] = v
+    return out
+
+
+def _no_out(out: Any, what: str) -> None:
+    if out is not None:
+        raise TypeError(f"{what}() of a MeshArray does not take out=; assign the result instead")
+
+
+def _single_axis(axis: Any, what: str) -> Any:
+    if isinstance(axis, (tuple, list)):
+        raise TypeError(f"{what}() takes one axis (an int or a mesh dim name) or None, got {axis!r}")
+    return axis
+
+
+def _axis_labels(a: MeshArray) -> tuple:
+    return tuple(a._shape.names) + tuple(f"local:{i}" for i in range(a.local_ndim))
+
+
+def _normalize_axes(axis: Any, a: MeshArray) -> tuple[int, ...] | None:
+    """``axis`` (int, name, tuple/list of either, or None) as sorted axes of the full shape."""
+    if axis is None:
+        return None
+    single = not isinstance(axis, (tuple, list))
+    items = (axis,) if single else tuple(axis)
+    names = tuple(a._shape.names)
+    ndim = a.ndim
+    out = []
+    for ax in items:
+        if isinstance(ax, str):
+            if ax not in names:
+                raise DimensionError(ax, names)
+            i = names.index(ax)
+        elif isinstance(ax, (numbers.Integral, np.integer)) and not isinstance(ax, (bool, np.bool_)):
+            i = int(ax)
+            if not -ndim <= i < ndim:
+                raise DimensionError(i, _axis_labels(a), what="array")
+            i %= ndim
+        else:
+            raise TypeError(f"axis must be an int, a mesh dim name or a tuple of them, got {type(ax).__name__}: {ax!r}")
+        out.append(i)
+    if len(set(out)) != len(out):
+        raise ValueError(f"duplicate value in 'axis': {axis!r}")
+    if single:
+        return (out[0],)
+    return tuple(sorted(out))
+
+
+# -- indexing --------------------------------------------------------------------------
+
+
+def _is_full_slice(k: Any) -> bool:
+    return isinstance(k, slice) and k.start is None and k.stop is None and k.step is None
+
+
+def _is_advanced(k: Any) -> bool:
+    return isinstance(k, np.ndarray)
+
+
+def _split_key(key: Any, mesh_ndim: int, local_ndim: int, a: MeshArray) -> tuple[tuple, tuple]:
+    """Split a NumPy index over ``mesh + local`` axes into the mesh part and the local part.
+
+    Array-likes become ndarrays (integer or boolean); ``...`` is expanded, so each
+    part is explicit. ``None`` (and scalar booleans) after the last mesh axis go
+    to the local part.
+    """
+    if not isinstance(key, tuple):
+        key = (key,)
+    items: list[Any] = []
+    consumed = 0
+    ellipsis_at = -1
+    for k in key:
+        if k is Ellipsis:
+            if ellipsis_at >= 0:
+                raise IndexError("an index can only have a single ellipsis ('...')")
+            ellipsis_at = len(items)
+            items.append(k)
+            continue
+        if k is None or isinstance(k, (bool, np.bool_)):
+            items.append(k)
+            continue
+        if isinstance(k, slice):
+            items.append(k)
+            consumed += 1
+            continue
+        if isinstance(k, (numbers.Integral, np.integer)):
+            items.append(int(k))
+            consumed += 1
+            continue
+        if isinstance(k, MeshArray):
+            k = _mask_values(k, a)
+        if isinstance(k, (list, tuple, np.ndarray)) or hasattr(k, "__array__"):
+            arr = np.asarray(k)
+            if arr.dtype == np.bool_:
+                consumed += arr.ndim
+            elif np.issubdtype(arr.dtype, np.integer) or (arr.size == 0 and arr.dtype == np.float64 and isinstance(k, list)):
+                arr = arr.astype(np.intp, copy=False)
+                consumed += 1
+            else:
+                raise IndexError(
+                    "arrays used as indices must be of integer (or boolean) type"
+                )
+            items.append(arr)
+            continue
+        raise _InvalidIndexError(
+            "only integers, slices (`:`), ellipsis (`...`), numpy.newaxis (`None`) and "
+            f"integer or boolean arrays are valid indices, got {type(k).__name__}: {k!r}"
+        )
+    ndim = mesh_ndim + local_ndim
+    if consumed > ndim:
+        raise IndexError(
+            f"too many indices for array: array is {ndim}-dimensional, but {consumed} were indexed"
+        )
+    fill = [slice(None)] * (ndim - consumed)
+    if ellipsis_at >= 0:
+        items[ellipsis_at : ellipsis_at + 1] = fill
+    else:
+        items.extend(fill)
+    mesh_key: list[Any] = []
+    local_key: list[Any] = []
+    axis = 0
+    for k in items:
+        width = k.ndim if isinstance(k, np.ndarray) and k.dtype == np.bool_ else (
+            0 if k is None or isinstance(k, (bool, np.bool_)) else 1
+        )
+        if width == 0:
+            (mesh_key if axis < mesh_ndim else local_key).append(k)
+        elif axis + width <= mesh_ndim:
+            mesh_key.append(k)
+        elif axis >= mesh_ndim:
+            local_key.append(k)
+        else:
+            raise IndexError(
+                f"a boolean index of {width} dims at axis {axis} spans both mesh axes "
+                f"(the first {mesh_ndim}) and local axes; index them separately"
+            )
+        axis += width
+    if any(_is_advanced(k) for k in mesh_key) and any(_is_advanced(k) for k in local_key):
+        raise IndexError(
+            "advanced (array) indices on both mesh axes and local axes cannot be combined "
+            "in one index; index the mesh axes and the local axes in two steps"
+        )
+    return tuple(mesh_key), tuple(local_key)
+
+
+def _mask_values(k: MeshArray, a: MeshArray) -> np.ndarray:
+    """A MeshArray used as an index: its values, with its mesh dims put in ``a``'s order."""
+    if set(k._shape.names) == set(a._shape.names) and k._shape.names != a._shape.names:
+        k = k.transpose(*a._shape.names)
+    return k._values()
+
+
+# -- broadcasting ------------------------------------------------------------------------
+
+
+class _Plan:
+    """Layout of an elementwise result, decided from shapes alone.
+
+    Attributes
+    ----------
+    names : tuple of str
+        Result mesh dims, in order.
+    sizes : tuple of int
+        Their sizes.
+    shape : Shape
+        The result's mesh Shape.
+    local_shape : tuple of int
+        The result's local shape (the broadcast of the operands' local shapes;
+        empty for a generalized ufunc, whose blocks have the shape it makes).
+
+    A plain (non-MeshArray) operand broadcasts positionally against
+    ``sizes + local_shape``; :meth:`layout` says how a MeshArray operand does.
+    """
+
+    __slots__ = ("names", "sizes", "shape", "local_shape")
+
+    def __init__(self, names: tuple[str, ...], sizes: tuple[int, ...], shape: Shape, local_shape: tuple[int, ...]) -> None:
+        self.names = names
+        self.sizes = sizes
+        self.shape = shape
+        self.local_shape = local_shape
+
+    def layout(self, a: MeshArray, pad_local: bool = True) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """How ``a`` lines up with the result, from shapes alone: ``(perm, target)``.
+
+        ``perm`` orders ``a``'s mesh axes as the result's names do (then its local
+        axes); ``target`` is the shape, with size-1 axes inserted for the result's
+        mesh dims ``a`` lacks (and, with ``pad_local``, for missing leading local
+        axes), that broadcasts positionally against the result's full shape.
+        """
+        src = tuple(a._shape.names)
+        m = len(src)
+        local = a.local_shape
+        present = [n for n in self.names if n in src]
+        perm = tuple(src.index(n) for n in present) + tuple(range(m, m + len(local)))
+        sizes = dict(zip(src, a._shape.sizes))
+        pad = (len(self.local_shape) - len(local)) if pad_local else 0
+        target = tuple(sizes.get(n, 1) for n in self.names) + (1,) * pad + local
+        return perm, target
+
+    def align(self, a: MeshArray, pad_local: bool = True) -> np.ndarray:
+        """``a``'s values as a view broadcastable (positionally) to the result's full shape."""
+        v = a._values()
+        if a._shape.names == self.names and (not pad_local or v.ndim - len(self.names) == len(self.local_shape)):
+            return v
+        perm, target = self.layout(a, pad_local)
+        if perm != tuple(range(v.ndim)):
+            v = v.transpose(perm)
+        return v.reshape(target) if target != v.shape else v
+
+
+def _fmt_mesh(a: MeshArray) -> str:
+    return str(a.mesh_sizes)
+
+
+def _plan(inputs: list, out: tuple, per_element: bool = False) -> _Plan:
+    """The result layout of an elementwise op; ``per_element`` for a generalized ufunc.
+
+    A generalized ufunc (``matmul``) maps local blocks to blocks of its own
+    shape, so only the mesh dims are broadcast; its local shape is left empty.
+    """
+    # fast path: MeshArrays of one layout and scalars (``a + 1``, ``a * b`` on one mesh)
+    first = None
+    for x in (*out, *inputs):
+        if isinstance(x, MeshArray):
+            if first is None:
+                first = x
+            elif (x._shape.names != first._shape.names or x._shape.sizes != first._shape.sizes
+                  or x.local_shape != first.local_shape):
+                break
+        elif not isinstance(x, _SCALAR_TYPES):
+            break
+    else:
+        if first is not None:
+            local = () if per_element else first.local_shape
+            return _Plan(first._shape.names, first._shape.sizes, first._shape, local)
+    arrays = [x for x in inputs if isinstance(x, MeshArray)]
+    outs = [x for x in out if isinstance(x, MeshArray)]
+    names: list[str] = []
+    for a in outs + arrays:
+        for n in a._shape.names:
+            if n not in names:
+                names.append(n)
+    every = outs + arrays
+    try:
+        sizes_by_name = broadcast_shapes(*[a._shape for a in arrays]) if arrays else {}
+    except MeshShapeError as e:
+        shapes = " and ".join(_fmt_mesh(a) for a in arrays)
+        raise MeshShapeError(f"mesh dims {shapes} do not broadcast") from e
+    sizes_by_name = dict(sizes_by_name)
+    if per_element:
+        sizes = tuple(sizes_by_name[n] for n in names)
+        return _Plan(tuple(names), sizes, _result_shape(every, names, sizes), ())
+    try:
+        local = tuple(np.broadcast_shapes(*[a.local_shape for a in arrays]))
+    except ValueError:
+        shapes = " and ".join(str(a.local_shape) for a in arrays)
+        raise MeshShapeError(
+            f"local shapes {shapes} do not broadcast (mesh dims {' and '.join(_fmt_mesh(a) for a in arrays)})"
+        ) from None
+    full = tuple(sizes_by_name.get(n, 1) for n in names) + local
+    for x in inputs:
+        if isinstance(x, MeshArray) or isinstance(x, (numbers.Number, np.generic)) or x is None:
+            continue
+        try:
+            xshape = np.shape(x)
+        except ValueError:  # a ragged sequence: NumPy treats it as an object scalar
+            continue
+        if len(xshape) > len(full):
+            raise MeshShapeError(
+                f"operand of shape {xshape} has more dims than the mesh array's shape {full} "
+                f"(mesh dims {dict(zip(names, full))} and local shape {local})"
+            )
+        try:
+            full = tuple(np.broadcast_shapes(full, xshape))
+        except ValueError:
+            raise MeshShapeError(
+                f"operand of shape {xshape} does not broadcast against the mesh array's shape {full} "
+                f"(mesh dims {dict(zip(names, full))} and local shape {local})"
+            ) from None
+    m = len(names)
+    sizes = full[:m]
+    local = full[m:]
+    for o in outs:
+        if tuple(o._shape.names) != tuple(names[: o._shape.ndim]) or o._shape.ndim != m or o.shape != full:
+            raise MeshShapeError(
+                f"output with mesh dims {_fmt_mesh(o)} and local shape {o.local_shape} cannot hold a result "
+                f"with mesh dims {dict(zip(names, sizes))} and local shape {local}"
+            )
+    return _Plan(tuple(names), tuple(sizes), _result_shape(every, names, sizes), tuple(local))
+
+
+def _result_shape(operands: list, names: list[str], sizes: tuple[int, ...]) -> Shape:
+    """The Shape of the first operand having every result dim at full size, else a dense one."""
+    want = dict(zip(names, sizes))
+    for a in operands:
+        if a._shape.ndim == len(names) and dict(zip(a._shape.names, a._shape.sizes)) == want:
+            return a._shape if tuple(a._shape.names) == tuple(names) else a._shape.transpose(*names)
+    return Shape(want)
+
+
+def _elementwise(ufunc: np.ufunc, inputs: list, kwargs: dict) -> Any:
+    out = kwargs.pop("out", ())
+    if out is None:
+        out = ()
+    where = kwargs.get("where")
+    plan = _plan(inputs + ([where] if isinstance(where, MeshArray) else []), tuple(out), ufunc.signature is not None)
+    storage_cls = _storage_class(inputs + list(out))
+    if out:
+        kwargs["out"] = tuple(out)
+    results = storage_cls.elementwise(ufunc, plan, inputs, kwargs)
+    wrapped = []
+    for i, r in enumerate(results):
+        if out and out[i] is not None:
+            # written in place: give back what the caller passed (NumPy returns `out`)
+            wrapped.append(out[i])
+        else:
+            wrapped.append(_wrap(plan.shape, r))
+    return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
+
+
+def _gufunc_per_element(ufunc: np.ufunc, plan: _Plan, inputs: list, kwargs: dict) -> tuple[np.ndarray, ...]:
+    """A generalized ufunc (``matmul``...) applied to each element's local block."""
+    if kwargs.get("out") is not None:
+        raise TypeError(f"{ufunc.__name__} of MeshArrays does not take out=; assign the result instead")
+    aligned = [plan.align(x, pad_local=False) if isinstance(x, MeshArray) else x for x in inputs]
+    m = len(plan.names)
+    results: list[list[Any]] = []
+    for pos in np.ndindex(*plan.sizes):
+        args = []
+        for x, orig in zip(aligned, inputs):
+            if isinstance(orig, MeshArray):
+                args.append(x[tuple(p if s > 1 else 0 for p, s in zip(pos, x.shape[:m]))])
+            else:
+                args.append(x)
+        r = ufunc(*args, **kwargs)
+        r = r if isinstance(r, tuple) else (r,)
+        if not results:
+            results = [[] for _ in r]
+        for acc, ri in zip(results, r):
+            acc.append(np.asarray(ri))
+    if not results:  # an empty mesh: run once on empty blocks to learn the result dtype
+        raise MeshShapeError(f"{ufunc.__name__} over an empty mesh {dict(zip(plan.names, plan.sizes))}")
+    out = []
+    for acc in results:
+        stacked = np.stack(acc)
+        out.append(stacked.reshape(plan.sizes + stacked.shape[1:]))
+    return tuple(out)
+
+
+# NumPy functions that dispatch to our reductions (``np.sum(a, axis="procs")``)
+_FUNCTIONS: dict[Any, str] = {
+    np.sum: "sum",
+    np.prod: "prod",
+    np.mean: "mean",
+    np.std: "std",
+    np.var: "var",
+    np.min: "min",
+    np.max: "max",
+    np.amin: "min",
+    np.amax: "max",
+    np.any: "any",
+    np.all: "all",
+    np.argmin: "argmin",
+    np.argmax: "argmax",
+}
+
+# NumPy functions whose same-shape result keeps the mesh (values computed elementwise)
+_SAME_SHAPE_FUNCTIONS = {np.round, np.around, np.clip, np.copy, np.nan_to_num, np.real, np.imag}
