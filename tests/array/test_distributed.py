@@ -186,3 +186,12 @@ def test_fetch_returns_gathered(procs):
     f = a.fetch()
     assert "distributed" not in repr(f) and f.names == a.names
     np.testing.assert_array_equal(f.to_numpy(), _np(a))
+
+
+def test_torch_engine_blocks(procs):
+    pytest.importorskip("torch")
+    a = procs.arange((4,), "float32", engine="torch")
+    b = (a * 2 + procs.rank_array(engine="torch")).sum(axis="procs")
+    expected = (np.arange(4.0) * 2)[None, None] * 1 + np.arange(4.0).reshape(2, 2, 1)
+    np.testing.assert_allclose(_np(b), expected.sum(axis=1))
+    assert _np(a.mean(axis=-1)).tolist() == [[1.5, 1.5], [1.5, 1.5]]

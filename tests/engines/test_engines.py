@@ -21,14 +21,22 @@ def _device_skip(kind):
     return eng
 
 
-ENGINES = ["numpy", "torch", "cuda", "rocm", "mps", "xla"]
+DEVICES = ["cuda", "rocm", "mps", "xla"]
+# every test below runs on each engine this machine has (GPU engines when a GPU is lent)
+ENGINES = ["numpy", "torch"] + [k for k in DEVICES if k in available_engines()]
 
 
 @pytest.fixture(params=ENGINES)
 def eng(request):
-    if request.param in ("numpy", "torch"):
-        return get_engine(request.param)
-    return _device_skip(request.param)
+    return get_engine(request.param)
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_device_engine(kind):
+    eng = _device_skip(kind)
+    assert eng.name == kind and eng.device != "cpu"
+    x = eng.from_numpy(np.arange(4.0))
+    assert eng.to_numpy(eng.reduce("sum", eng.elementwise("multiply", x, 2))) == 12.0
 
 
 def test_engine_protocol(eng):
