@@ -129,15 +129,31 @@ def _arg(a: Any, rank: int) -> Any:
     return a[1]
 
 
-def _group(members: tuple[int, ...], me: int, token: str, backend: str | None):
+def _torch_group(members: tuple[int, ...], me: int, torch_init: tuple):
+    import torch.distributed as dist
+
+    from .collectives.torch_dist import TorchCollective
+
+    init_method, world, all_groups, kind = torch_init
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if kind in ("cuda", "rocm") else "gloo", init_method=init_method,
+                                rank=me, world_size=world)
+    # new_group is collective over the whole world: every rank makes every group, in order
+    for grp in all_groups:
+        key = (tuple(grp), "torch")
+        if key not in _GROUPS:
+            pg = dist.new_group(list(grp)) if len(grp) < world else None
+            _GROUPS[key] = TorchCollective(group=pg)
+    return _GROUPS[(members, "torch")]
+
+
+def _group(members: tuple[int, ...], me: int, token: str, backend: str | None, torch_init: tuple = ()):
     key = (members, backend)
     g = _GROUPS.get(key)
     if g is not None:
         return g
     if backend == "torch":
-        from .collectives.torch_dist import TorchCollective
-
-        g = TorchCollective(group=None)
+        g = _torch_group(members, me, torch_init)
     else:
         mpi = None
         if backend in (None, "mpi"):
@@ -215,16 +231,19 @@ class _DataActor(Actor):
         return result
 
     def _collective(self, me: int, out: int, src: int, op: str, groups: list, backend: str | None,
-                    dtype: str) -> None:
+                    dtype: str, torch_init: tuple = ()) -> None:
         members = next(tuple(g) for g in groups if me in g)
         block = _block(src)
         eng = _engine_for(block)
-        g = _group(members, me, self.token, backend)
+        if eng.dtype_of(block) != np.dtype(dtype):
+            block = eng.astype(block, dtype)
         if backend == "torch":
-            res = g.allreduce(eng.astype(block, dtype).contiguous(), op=op)
+            g = _group(members, me, self.token, backend,
+                       torch_init[:2] + ([list(x) for x in groups], eng.name) if torch_init else ())
+            x = np.asarray(block, order="C") if isinstance(block, np.ndarray) else block.contiguous()
+            res = g.allreduce(x, op=op)
         else:
-            if eng.dtype_of(block) != np.dtype(dtype):
-                block = eng.astype(block, dtype)
+            g = _group(members, me, self.token, backend)
             host = np.asarray(eng.host_view(block), order="C")
             # the result goes into a recycled buffer: fresh 64 MiB allocations page-fault
             # on every first touch, which halves the bandwidth of a reduction
@@ -325,9 +344,21 @@ class _DataContext:
         self._refs: dict[int, int] = {}
         self._lock = threading.Lock()
         self._views: dict[tuple, Any] = {}
+        self._torch_init: str | None = None
 
     def new_id(self) -> int:
         return next(self._ids)
+
+    def torch_init_method(self) -> str:
+        """Rendezvous address of torch.distributed for ``collective="torch"`` (rank 0 hosts the store)."""
+        if self._torch_init is None:
+            import socket
+
+            # rank 0 listens here; the port is free now, and the store binds it at init
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                self._torch_init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        return self._torch_init
 
     def view(self, ranks: Sequence[int]):
         """The system actors of ``ranks`` (a flat actor mesh over exactly those ranks)."""
@@ -576,8 +607,18 @@ class DistributedStorage:
             # a rank at several positions of one group (an advanced-index view): reduce here
             return self._gathered_reduce(op, func, axes, keepdims, kwargs)
         out = self.ctx.new_id()
+        torch_init = ()
+        if self.collective == "torch":
+            world = self.ctx.shape.size
+            every = sorted(r for g in groups for r in g)
+            if every != list(range(world)):
+                raise ValueError(
+                    f"collective='torch' reduces over groups that cover the whole mesh (torch.distributed "
+                    f"makes groups collectively over every rank); these groups cover ranks {every} of {world}"
+                )
+            torch_init = (self.ctx.torch_init_method(), world)
         program.append(("coll", out, cur, _COLLECTIVE_OP[name], [list(g) for g in groups],
-                        self.collective, rdt_work.name))
+                        self.collective, rdt_work.name, torch_init))
         if cur != self.bid:
             program.append(("free", [cur]))
         members = sorted({r for g in groups for r in g})

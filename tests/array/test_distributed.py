@@ -195,3 +195,15 @@ def test_torch_engine_blocks(procs):
     expected = (np.arange(4.0) * 2)[None, None] * 1 + np.arange(4.0).reshape(2, 2, 1)
     np.testing.assert_allclose(_np(b), expected.sum(axis=1))
     assert _np(a.mean(axis=-1)).tolist() == [[1.5, 1.5], [1.5, 1.5]]
+
+
+@pytest.mark.timeout(90)
+def test_torch_distributed_gloo_backend():
+    pytest.importorskip("torch")
+    with ma.proc_mesh(hosts=1, procs=2) as procs:
+        src = np.arange(8.0).reshape(1, 2, 4)
+        a = procs.from_numpy(src, engine="torch", collective="torch")
+        np.testing.assert_allclose(_np(a.sum(axis="procs")), src.sum(axis=1))
+        np.testing.assert_allclose(_np(a.max(axis=("hosts", "procs"))), src.max(axis=(0, 1)))
+        with pytest.raises(ValueError, match="cover the whole mesh"):
+            a[:, :1].sum(axis="procs")
