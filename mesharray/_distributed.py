@@ -147,7 +147,8 @@ def _torch_group(members: tuple[int, ...], me: int, torch_init: tuple):
     return _GROUPS[(members, "torch")]
 
 
-def _group(members: tuple[int, ...], me: int, token: str, backend: str | None, torch_init: tuple = ()):
+def _group(members: tuple[int, ...], me: int, token: str, backend: str | None, torch_init: tuple = (),
+           pids: Sequence[int] | None = None):
     key = (members, backend)
     g = _GROUPS.get(key)
     if g is not None:
@@ -173,7 +174,7 @@ def _group(members: tuple[int, ...], me: int, token: str, backend: str | None, t
             digest = hashlib.sha1(repr(members).encode()).hexdigest()[:12]
             g = ShmCollective(f"ma-{token}-{digest}", members.index(me), len(members),
                               timeout=float(os.environ.get("MESHARRAY_COLLECTIVE_TIMEOUT", "60")),
-                              global_ranks=members)
+                              global_ranks=members, peer_pids=pids)
     _GROUPS[key] = g
     return g
 
@@ -231,7 +232,7 @@ class _DataActor(Actor):
         return result
 
     def _collective(self, me: int, out: int, src: int, op: str, groups: list, backend: str | None,
-                    dtype: str, torch_init: tuple = ()) -> None:
+                    dtype: str, torch_init: tuple = (), pids: dict | None = None) -> None:
         members = next(tuple(g) for g in groups if me in g)
         block = _block(src)
         eng = _engine_for(block)
@@ -243,7 +244,8 @@ class _DataActor(Actor):
             x = np.asarray(block, order="C") if isinstance(block, np.ndarray) else block.contiguous()
             res = g.allreduce(x, op=op)
         else:
-            g = _group(members, me, self.token, backend)
+            g = _group(members, me, self.token, backend,
+                       pids=[int((pids or {}).get(r) or 0) for r in members])
             host = np.asarray(eng.host_view(block), order="C")
             # the result goes into a recycled buffer: fresh 64 MiB allocations page-fault
             # on every first touch, which halves the bandwidth of a reduction
@@ -348,6 +350,18 @@ class _DataContext:
 
     def new_id(self) -> int:
         return next(self._ids)
+
+    def pids(self, groups: list) -> dict:
+        """Process ids of the ranks in ``groups`` (lets a collective notice a peer that never joins)."""
+        workers = getattr(self.root.controller, "workers", {})
+        out = {}
+        for g in groups:
+            for r in g:
+                try:
+                    out[r] = int(workers[r].pid or 0)
+                except (KeyError, IndexError, AttributeError, TypeError):
+                    out[r] = 0
+        return out
 
     def torch_init_method(self) -> str:
         """Rendezvous address of torch.distributed for ``collective="torch"`` (rank 0 hosts the store)."""
@@ -618,7 +632,7 @@ class DistributedStorage:
                 )
             torch_init = (self.ctx.torch_init_method(), world)
         program.append(("coll", out, cur, _COLLECTIVE_OP[name], [list(g) for g in groups],
-                        self.collective, rdt_work.name, torch_init))
+                        self.collective, rdt_work.name, torch_init, self.ctx.pids(groups)))
         if cur != self.bid:
             program.append(("free", [cur]))
         members = sorted({r for g in groups for r in g})

@@ -110,6 +110,10 @@ class ShmCollective:
         raises ``TimeoutError``. A dead peer is detected within milliseconds.
     global_ranks : sequence of int, optional
         The members' global ranks, used in error messages (default: 0..size-1).
+    peer_pids : sequence of int, optional
+        The members' process ids when the caller knows them (a runtime does):
+        a member that dies before it even attaches is then detected during
+        the join too, instead of after ``timeout``.
 
     Examples
     --------
@@ -123,7 +127,8 @@ class ShmCollective:
     """
 
     def __init__(self, name: str, rank: int, size: int, capacity: int = 4 << 20,
-                 timeout: float = 60.0, global_ranks: Sequence[int] | None = None) -> None:
+                 timeout: float = 60.0, global_ranks: Sequence[int] | None = None,
+                 peer_pids: Sequence[int] | None = None) -> None:
         if not isinstance(name, str) or not name or "/" in name:
             raise ValueError(f"segment name must be a non-empty str without '/', got {name!r}")
         for label, v in (("rank", rank), ("size", size), ("capacity", capacity)):
@@ -141,6 +146,9 @@ class ShmCollective:
         self.capacity = _round_up(int(capacity), _LINE)
         self.timeout = float(timeout)
         self.global_ranks = tuple(int(r) for r in (global_ranks if global_ranks is not None else range(size)))
+        self._peer_pids = tuple(int(p) for p in peer_pids) if peer_pids is not None else (0,) * self.size
+        if len(self._peer_pids) != self.size:
+            raise ValueError(f"peer_pids has {len(self._peer_pids)} entries for a group of size {size}")
         if len(self.global_ranks) != self.size:
             raise ValueError(f"global_ranks has {len(self.global_ranks)} entries for a group of size {size}")
         self._created = False
@@ -288,12 +296,11 @@ class ShmCollective:
             pending = wait_flags(base, _LINE, ranks, target, _POLL)
             if pending < 0:
                 return
-            dead = [j for j in range(self.size) if j != self.rank
-                    and not _pid_alive(atomic_load(self._flag(_PID, j)))]
+            dead = [j for j in range(self.size) if j != self.rank and not _pid_alive(self._pid(j))]
             if dead:
                 err = ActorDiedError(
                     ranks=[self.global_ranks[j] for j in dead],
-                    pid=atomic_load(self._flag(_PID, dead[0])),
+                    pid=self._pid(dead[0]),
                     reason=f"died during shared-memory {what} of group {self.name!r}",
                 )
                 self._broken = err
@@ -306,6 +313,9 @@ class ShmCollective:
                 self._broken = err
                 raise err
             ranks = ranks[ranks.index(pending):]
+
+    def _pid(self, j: int) -> int:
+        return atomic_load(self._flag(_PID, j)) or self._peer_pids[j]
 
     def _begin(self, what: str) -> int:
         if self._closed:

@@ -207,3 +207,18 @@ def test_torch_distributed_gloo_backend():
         np.testing.assert_allclose(_np(a.max(axis=("hosts", "procs"))), src.max(axis=(0, 1)))
         with pytest.raises(ValueError, match="cover the whole mesh"):
             a[:, :1].sum(axis="procs")
+
+
+@pytest.mark.timeout(60)
+def test_rank_dead_before_its_first_collective_does_not_block_survivors():
+    with ma.proc_mesh(hosts=1, procs=3) as procs:
+        a = procs.ones((4,))
+        np.asarray(a)  # blocks exist; no collective group made yet
+        os.kill(procs.pids[2], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(ActorDiedError) as info:
+            a.sum(axis="procs").fetch()
+        assert 2 in info.value.ranks
+        # the survivors left their (never completed) group at once: they serve a view without rank 2
+        np.testing.assert_array_equal(_np(a[:, :2].sum(axis="procs")), [[2.0] * 4])
+        assert time.monotonic() - t0 < 10
