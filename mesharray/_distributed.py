@@ -344,7 +344,11 @@ class _DataContext:
         self.actors = ProcMesh(root, root.shape).spawn("__mesharray_data__", _DataActor, self.token)
         self._ids = itertools.count(1)
         self._refs: dict[int, int] = {}
-        self._lock = threading.Lock()
+        # re-entrant: a garbage collection inside a locked section may run a finalizer
+        self._lock = threading.RLock()
+        self._pending: dict[int, set] = {}
+        self._pending_bytes = 0
+        self._timer: threading.Timer | None = None
         self._views: dict[tuple, Any] = {}
         self._torch_init: str | None = None
 
@@ -388,7 +392,8 @@ class _DataContext:
     def send(self, ranks: Sequence[int], program: list) -> None:
         """Fire-and-forget a program to ``ranks`` (ordered after earlier messages)."""
         if ranks:
-            self.view(sorted(set(int(r) for r in ranks))).run.broadcast(program)
+            ranks = sorted(set(int(r) for r in ranks))
+            self.view(ranks).run.broadcast(self._with_frees(ranks, program))
 
     def call(self, ranks: Sequence[int], program: list) -> Any:
         """Run a program on ``ranks`` and wait for every rank.
@@ -400,7 +405,7 @@ class _DataContext:
 
         ranks = sorted(set(int(r) for r in ranks))
         try:
-            return ranks, self.view(ranks).run.call(program).get()
+            return ranks, self.view(ranks).run.call(self._with_frees(ranks, program)).get()
         except ActorError as exc:
             if isinstance(exc.exception, ActorDiedError):
                 raise exc.exception from exc
@@ -415,18 +420,65 @@ class _DataContext:
         with self._lock:
             self._refs[bid] = self._refs.get(bid, 0) + 1
 
-    def decref(self, bid: int, ranks: tuple) -> None:
+    # Frees are batched: a loop of small ops would otherwise send one extra
+    # message per temporary. Pending frees ride along with the next program sent
+    # to their ranks, or go out after _FREE_DELAY seconds, or at once when they
+    # hold more than _FREE_BYTES of blocks.
+    _FREE_DELAY = 0.02
+    _FREE_BYTES = 64 << 20
+
+    def decref(self, bid: int, ranks: tuple, nbytes: int = 0) -> None:
         with self._lock:
             n = self._refs.get(bid, 0) - 1
             if n > 0:
                 self._refs[bid] = n
                 return
             self._refs.pop(bid, None)
-        if self.root.stopped:
+            if self.root.stopped or not ranks:
+                return
+            self._pending[bid] = set(ranks)
+            self._pending_bytes += nbytes
+            now = self._pending_bytes > self._FREE_BYTES or len(self._pending) > 512
+            if not now and self._timer is None:
+                self._timer = threading.Timer(self._FREE_DELAY, self.flush_frees)
+                self._timer.daemon = True
+                self._timer.start()
+        if now:
+            self.flush_frees()
+
+    def _with_frees(self, ranks: list, program: list) -> list:
+        if not self._pending:
+            return program
+        mine = set(ranks)
+        frees = []
+        with self._lock:
+            for bid, rs in list(self._pending.items()):
+                if rs & mine:
+                    frees.append(bid)
+                    rs -= mine
+                    if not rs:
+                        del self._pending[bid]
+            if not self._pending:
+                self._pending_bytes = 0
+        return [("free", frees)] + program if frees else program
+
+    def flush_frees(self) -> None:
+        """Send every pending free now."""
+        with self._lock:
+            pending, self._pending, self._pending_bytes = self._pending, {}, 0
+            timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+        if not pending or self.root.stopped:
             return
+        by_rank: dict[int, list] = {}
+        for bid, rs in pending.items():
+            for r in rs:
+                by_rank.setdefault(r, []).append(bid)
         try:
-            self.send(ranks, [("free", [bid])])
-        except Exception:  # the mesh is going away: nothing to free
+            bids = sorted({b for v in by_rank.values() for b in v})
+            self.view(sorted(by_rank)).run.broadcast([("free", bids)])
+        except Exception:  # the mesh is going away (or a rank died): nothing to free there
             pass
 
 
@@ -484,7 +536,8 @@ class DistributedStorage:
         self.collective = collective
         ctx.incref(bid)
         all_ranks = tuple(sorted(set(self.ranks.ravel().tolist()) | (set(holders.ravel().tolist()) if holders is not None else set())))
-        weakref.finalize(self, ctx.decref, bid, all_ranks)
+        nbytes = math.prod(self._local) * self._dtype.itemsize * max(1, len(all_ranks))
+        weakref.finalize(self, ctx.decref, bid, all_ranks, nbytes)
 
     def _derive(self, bid: int, ranks: np.ndarray | None = None, local: tuple | None = None, dtype: Any = None,
                 holders: Any = False) -> "DistributedStorage":
