@@ -8,7 +8,7 @@ per-rank blocks live in the workers (on the tensor engine ``engine``). See
 from __future__ import annotations
 
 import numbers
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
-import numbers
 import os
 import secrets
 import threading
