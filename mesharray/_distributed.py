@@ -85,10 +85,6 @@ def _pool_give(block: Any) -> None:
         free.append(base.reshape(-1).view(np.uint8))
 
 
-class _BlockLost(MeshArrayError):
-    """A block that failed to be made (its cause chained)."""
-
-
 def _engine_for(block: Any):
     from .engines import get_engine
 
@@ -107,7 +103,9 @@ def _engine_for(block: Any):
 
 def _block(bid: int) -> Any:
     if bid in _FAILED:
-        raise _BlockLost(f"block {bid} could not be made: {_FAILED[bid]}") from _FAILED[bid]
+        # the op that should have made this block failed: its original exception
+        # (type and traceback) is what the controller sees, wrapped in ActorError
+        raise _FAILED[bid]
     try:
         return _BLOCKS[bid]
     except KeyError:

@@ -222,3 +222,15 @@ def test_rank_dead_before_its_first_collective_does_not_block_survivors():
         # the survivors left their (never completed) group at once: they serve a view without rank 2
         np.testing.assert_array_equal(_np(a[:, :2].sum(axis="procs")), [[2.0] * 4])
         assert time.monotonic() - t0 < 10
+
+
+def _boom(x):
+    raise ZeroDivisionError("no way")
+
+
+def test_remote_failure_is_raised_with_its_type(procs):
+    a = procs.ones((2,))
+    with pytest.raises(ma.ActorError) as info:
+        procs.apply(_boom, a)
+    assert isinstance(info.value.exception, ZeroDivisionError)
+    assert "no way" in str(info.value) and "_boom" in info.value.traceback_text
