@@ -55,6 +55,9 @@ _LAZY = {
     "proc_mesh": "mesharray.proc",
     "this_host": "mesharray.proc",
     "Buffer": "mesharray.buffer",
+    "allgather": "mesharray._array_factory",
+    "broadcast_from": "mesharray._array_factory",
+    "reduce_scatter": "mesharray._array_factory",
 }
 
 __all__ = [

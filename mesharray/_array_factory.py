@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ArrayFactory"]
+__all__ = ["ArrayFactory", "allgather", "broadcast_from", "reduce_scatter"]
 
 
 def _local_shape(shape: Any) -> tuple[int, ...]:
@@ -144,3 +144,52 @@ class ArrayFactory:
         from ._distributed import apply
 
         return apply(self, fn, arrays)
+
+
+# --- collectives over mesh dims of distributed arrays (mesharray.allgather, ...) ---------
+
+
+def allgather(a: Any, dims: Any):
+    """Every rank gets the blocks of all ranks of its group over mesh ``dims``, stacked.
+
+    The result keeps ``a``'s mesh dims; its local shape is
+    ``(group size,) + a.local_shape`` (members in row-major order of ``dims``).
+    Runs one allgather per group of ``reduction_plan(a's shape, dims)``.
+
+    Examples
+    --------
+    >>> import mesharray as ma
+    >>> ma.allgather(procs.rank_array(), "procs").fetch().tolist()   # doctest: +SKIP
+    [[[0, 1], [0, 1]]]
+    """
+    from ._distributed import _group_op
+
+    return _group_op(a, dims, "allgather", None)
+
+
+def broadcast_from(a: Any, dims: Any, root: int = 0):
+    """Every rank gets the block of member ``root`` (negative counts from the end) of its group over ``dims``.
+
+    Examples
+    --------
+    >>> import mesharray as ma
+    >>> ma.broadcast_from(procs.rank_array(), "procs", root=1).fetch().tolist()   # doctest: +SKIP
+    [[1, 1]]
+    """
+    from ._distributed import _group_op
+
+    return _group_op(a, dims, "broadcast", root)
+
+
+def reduce_scatter(a: Any, dims: Any, op: str = "sum"):
+    """Reduce across each group over mesh ``dims``; member i keeps the i-th part of the first local axis.
+
+    Examples
+    --------
+    >>> import mesharray as ma
+    >>> ma.reduce_scatter(procs.ones((4,)), "procs").local_shape   # doctest: +SKIP
+    (2,)
+    """
+    from ._distributed import _group_op
+
+    return _group_op(a, dims, "reduce_scatter", op)

@@ -235,22 +235,51 @@ class _DataActor(Actor):
         eng = _engine_for(block)
         if eng.dtype_of(block) != np.dtype(dtype):
             block = eng.astype(block, dtype)
+        # op: a reduction ("sum", ...) for allreduce, or "allgather", "broadcast:ROOT",
+        # "reduce_scatter:OP"
+        kind, _, arg = op.partition(":")
+        n = len(members)
         if backend == "torch":
             g = _group(members, me, self.token, backend,
                        torch_init[:2] + ([list(x) for x in groups], eng.name) if torch_init else ())
             x = np.asarray(block, order="C") if isinstance(block, np.ndarray) else block.contiguous()
-            res = g.allreduce(x, op=op)
+            if kind == "allgather":
+                res = g.allgather(x)
+            elif kind == "broadcast":
+                res = g.broadcast(x.copy() if isinstance(x, np.ndarray) else x.clone(), root=int(arg))
+            elif kind == "reduce_scatter":
+                res = g.reduce_scatter(x.reshape(n, -1), op=arg).reshape((x.shape[0] // n,) + tuple(x.shape[1:]))
+            else:
+                res = g.allreduce(x, op=op)
         else:
             g = _group(members, me, self.token, backend,
                        pids=[int((pids or {}).get(r) or 0) for r in members])
             host = np.asarray(eng.host_view(block), order="C")
-            # the result goes into a recycled buffer: fresh 64 MiB allocations page-fault
-            # on every first touch, which halves the bandwidth of a reduction
-            res = _pool_take(host.shape, host.dtype)
-            if len(members) == 1:
+            # results go into recycled buffers: fresh 64 MiB allocations page-fault on
+            # every first touch, which halves the bandwidth of a collective
+            if kind == "allgather":
+                res = _pool_take((n,) + host.shape, host.dtype)
+                if n == 1:
+                    res[0] = host
+                else:
+                    g.allgather(host, out=res)
+            elif kind == "broadcast":
+                res = _pool_take(host.shape, host.dtype)
                 res[...] = host
+                if n > 1:
+                    g.broadcast(res, root=int(arg))
+            elif kind == "reduce_scatter":
+                res = _pool_take((host.shape[0] // n,) + host.shape[1:], host.dtype)
+                if n == 1:
+                    res[...] = host
+                else:
+                    g.reduce_scatter(host.reshape(n, -1), out=res, op=arg)
             else:
-                g.allreduce(host, out=res, op=op)
+                res = _pool_take(host.shape, host.dtype)
+                if n == 1:
+                    res[...] = host
+                else:
+                    g.allreduce(host, out=res, op=op)
             res = eng.from_numpy(res) if eng.name != "numpy" else res
         _BLOCKS[out] = res
         _FAILED.pop(out, None)
@@ -670,6 +699,20 @@ class DistributedStorage:
         if any(len(set(g)) != len(g) for g in groups):
             # a rank at several positions of one group (an advanced-index view): reduce here
             return self._gathered_reduce(op, func, axes, keepdims, kwargs)
+        out = self._send_collective(program, cur, _COLLECTIVE_OP[name], groups, rdt_work)
+        kept = tuple(i for i in range(m) if i not in mesh_axes)
+        sizes = tuple(self.ranks.shape[i] for i in kept)
+        if keepdims:
+            sizes = tuple(1 if i in mesh_axes else self.ranks.shape[i] for i in range(m))
+        ranks = np.asarray([g[0] for g in groups], dtype=np.int64).reshape(sizes)
+        holders = np.asarray(groups, dtype=np.int64).reshape(sizes + (len(groups[0]),))
+        res = DistributedStorage(self.ctx, out, ranks, new_local, rdt_work, self.engine, holders, self.collective)
+        if rdt_work != rdt:  # any/all computed as uint8 max/min
+            res = res.astype(rdt, copy=True)
+        return res
+
+    def _send_collective(self, program: list, cur: int, op: str, groups: list, dtype: np.dtype) -> int:
+        """Append the collective ``op`` over ``groups`` to ``program``, run it and wait; the new block id."""
         out = self.ctx.new_id()
         torch_init = ()
         if self.collective == "torch":
@@ -681,22 +724,41 @@ class DistributedStorage:
                     f"makes groups collectively over every rank); these groups cover ranks {every} of {world}"
                 )
             torch_init = (self.ctx.torch_init_method(), world)
-        program.append(("coll", out, cur, _COLLECTIVE_OP[name], [list(g) for g in groups],
-                        self.collective, rdt_work.name, torch_init, self.ctx.pids(groups)))
+        program.append(("coll", out, cur, op, [list(g) for g in groups],
+                        self.collective, dtype.name, torch_init, self.ctx.pids(groups)))
         if cur != self.bid:
             program.append(("free", [cur]))
         members = sorted({r for g in groups for r in g})
         self.ctx.call(members, program)  # waits: a dead member fails it here (ActorDiedError)
-        kept = tuple(i for i in range(m) if i not in mesh_axes)
-        sizes = tuple(self.ranks.shape[i] for i in kept)
-        if keepdims:
-            sizes = tuple(1 if i in mesh_axes else self.ranks.shape[i] for i in range(m))
-        ranks = np.asarray([g[0] for g in groups], dtype=np.int64).reshape(sizes)
-        holders = np.asarray(groups, dtype=np.int64).reshape(sizes + (len(groups[0]),))
-        res = DistributedStorage(self.ctx, out, ranks, new_local, rdt_work, self.engine, holders, self.collective)
-        if rdt_work != rdt:  # any/all computed as uint8 max/min
-            res = res.astype(rdt, copy=True)
-        return res
+        return out
+
+    def group_op(self, kind: str, mesh_axes: tuple[int, ...], arg: Any = None) -> "DistributedStorage":
+        """allgather / broadcast / reduce_scatter inside each group of ``mesh_axes``; same mesh layout."""
+        groups, _ = self._plan(mesh_axes)
+        if any(len(set(g)) != len(g) for g in groups):
+            raise MeshShapeError("a rank appears at several positions of one group (an advanced-index view); "
+                                 "collectives need each rank once per group")
+        n = len(groups[0]) if groups else 1
+        local = self._local
+        if kind == "allgather":
+            op, new_local = "allgather", (n,) + local
+        elif kind == "broadcast":
+            if not isinstance(arg, (int, np.integer)) or not -n <= arg < n:
+                raise IndexError(f"root {arg!r} is out of range for groups of {n} ranks")
+            op, new_local = f"broadcast:{int(arg) % n}", local
+        else:
+            if arg not in ("sum", "prod", "min", "max", "mean"):
+                raise ValueError(f"unknown reduction op {arg!r}; expected 'sum', 'prod', 'min', 'max' or 'mean'")
+            if not local or local[0] % n:
+                raise MeshShapeError(
+                    f"reduce_scatter splits the first local axis among the {n} ranks of each group; "
+                    f"local shape {local} does not divide"
+                )
+            if arg == "mean" and self._dtype.kind != "f":
+                raise TypeError(f"op 'mean' needs a floating dtype, got {self._dtype}; astype first")
+            op, new_local = f"reduce_scatter:{arg}", (local[0] // n,) + local[1:]
+        out = self._send_collective([], self.bid, op, groups, self._dtype)
+        return self._derive(out, local=new_local, holders=None)
 
     def _plan(self, mesh_axes: tuple[int, ...]) -> tuple[list[tuple[int, ...]], list[int]]:
         # the groups of reduction_plan, computed on this storage's rank layout
@@ -893,3 +955,30 @@ def apply(procs: Any, fn: Any, arrays: Sequence[Any]):
     shape = dist[0]._shape
     return MeshArray._from_parts(shape, DistributedStorage(ctx, bid, st0.ranks.copy(), tuple(local), dtype,
                                                            st0.engine, None, st0.collective))
+
+
+# ---------------------------------------------------------------------------------------
+# collectives over mesh dims of distributed arrays (public: mesharray.allgather, ...)
+# ---------------------------------------------------------------------------------------
+
+
+def _group_op(a: Any, dims: Any, kind: str, arg: Any):
+    from .array import MeshArray
+    from .errors import DimensionError
+
+    if not isinstance(a, MeshArray) or not isinstance(a._storage, DistributedStorage):
+        raise TypeError(f"{kind} needs a distributed MeshArray (made by a ProcMesh), got {type(a).__name__}")
+    names = tuple(a._shape.names)
+    items = (dims,) if isinstance(dims, (str, int, np.integer)) else tuple(dims)
+    axes = []
+    for d in items:
+        if isinstance(d, str):
+            if d not in names:
+                raise DimensionError(d, names)
+            axes.append(names.index(d))
+        elif isinstance(d, (int, np.integer)) and not isinstance(d, bool) and -len(names) <= d < len(names):
+            axes.append(int(d) % len(names))
+        else:
+            raise DimensionError(d, names)
+    st = a._storage.group_op(kind, tuple(sorted(set(axes))), arg)
+    return MeshArray._from_parts(a._shape, st)

@@ -234,3 +234,31 @@ def test_remote_failure_is_raised_with_its_type(procs):
         procs.apply(_boom, a)
     assert isinstance(info.value.exception, ZeroDivisionError)
     assert "no way" in str(info.value) and "_boom" in info.value.traceback_text
+
+
+def test_allgather_broadcast_reduce_scatter_over_mesh_dims(procs):
+    src = np.arange(16.0).reshape(2, 2, 4)
+    a = procs.from_numpy(src)
+    g = ma.allgather(a, "procs")
+    assert g.shape == (2, 2, 2, 4)
+    for h in range(2):
+        for p in range(2):
+            np.testing.assert_array_equal(_np(g)[h, p], src[h])
+    g2 = ma.allgather(a, ("hosts", "procs"))
+    np.testing.assert_array_equal(_np(g2)[1, 0], src.reshape(4, 4))
+    b = ma.broadcast_from(a, "hosts", root=-1)
+    np.testing.assert_array_equal(_np(b), np.broadcast_to(src[1:], src.shape))
+    r = ma.reduce_scatter(a, "procs")
+    assert r.local_shape == (2,)
+    s = src.sum(axis=1)  # (hosts, 4)
+    np.testing.assert_array_equal(_np(r), np.stack([s[:, :2], s[:, 2:]], axis=1))
+    np.testing.assert_allclose(_np(ma.reduce_scatter(a, "hosts", op="mean")),
+                               np.stack([src.mean(axis=0)[:, :2], src.mean(axis=0)[:, 2:]], axis=0))
+    with pytest.raises(MeshShapeError, match="does not divide"):
+        ma.reduce_scatter(procs.ones((3,)), "procs")
+    with pytest.raises(IndexError, match="root 5 is out of range"):
+        ma.broadcast_from(a, "procs", root=5)
+    with pytest.raises(ma.DimensionError, match="no dimension 'gpus'"):
+        ma.allgather(a, "gpus")
+    with pytest.raises(TypeError, match="needs a distributed MeshArray"):
+        ma.allgather(ma.MeshArray(np.arange(2), ["procs"]), "procs")
