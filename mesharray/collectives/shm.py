@@ -202,6 +202,11 @@ class ShmCollective:
                             )
                     finally:
                         os.close(fd)
+                if self._peer_pids[0] and not _pid_alive(self._peer_pids[0]):
+                    raise ActorDiedError(
+                        ranks=[self.global_ranks[0]], pid=self._peer_pids[0],
+                        reason=f"died before creating shared-memory group {self.name!r}",
+                    )
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"shared-memory segment {self.name!r} did not appear within {self.timeout} s "
@@ -239,9 +244,12 @@ class ShmCollective:
         atomic_store(self._flag(_PID, self.rank), os.getpid())
         try:
             self._wait(_PID, 1, range(self.size), "join")
-        finally:
-            if self.rank == 0 and self._broken is None:
-                self._unlink()
+        except BaseException:
+            # a failed join leaves nothing behind: no name in /dev/shm, no mapping
+            self.close()
+            raise
+        if self.rank == 0:
+            self._unlink()
 
     def _unlink(self) -> None:
         if not self._created:

@@ -222,6 +222,28 @@ def test_rank_dead_before_its_first_collective_does_not_block_survivors():
         # the survivors left their (never completed) group at once: they serve a view without rank 2
         np.testing.assert_array_equal(_np(a[:, :2].sum(axis="procs")), [[2.0] * 4])
         assert time.monotonic() - t0 < 10
+        # the creator of the failed group removed its segment
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith("ma-") and n.endswith(_digest((0, 1, 2)))]
+
+
+def _digest(members):
+    import hashlib
+
+    return hashlib.sha1(repr(members).encode()).hexdigest()[:12]
+
+
+@pytest.mark.timeout(60)
+def test_group_creator_dead_before_creating_fails_fast():
+    with ma.proc_mesh(hosts=1, procs=3) as procs:
+        a = procs.ones((4,))
+        np.asarray(a)
+        os.kill(procs.pids[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(ActorDiedError) as info:
+            a.sum(axis="procs").fetch()
+        assert 0 in info.value.ranks
+        np.testing.assert_array_equal(_np(a[:, 1:].sum(axis="procs")), [[2.0] * 4])
+        assert time.monotonic() - t0 < 10
 
 
 def _boom(x):
