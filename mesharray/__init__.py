@@ -54,6 +54,8 @@ _LAZY = {
     "ProcMesh": "mesharray.proc",
     "proc_mesh": "mesharray.proc",
     "this_host": "mesharray.proc",
+    "HostMesh": "mesharray.proc",
+    "Endpoint": "mesharray.actor",
     "Buffer": "mesharray.buffer",
     "allgather": "mesharray._array_factory",
     "broadcast_from": "mesharray._array_factory",

@@ -63,6 +63,16 @@ def reduction_plan(
 
 # --- _frame.pxi ---
 
+FRAME_HEADER_SIZE: int
+FRAME_MAGIC: int
+
+def pack_header(
+    kind: int, flags: int, length: int, msg_id: int = 0, target: int = 0, view: int = 0
+) -> bytes: ...
+def unpack_header(
+    data: bytes | bytearray | memoryview, limit: int, offset: int = 0
+) -> tuple[int, int, int, int, int, int]: ...
+
 # --- _kernels.pxi ---
 
 REDUCE_OPS: tuple[str, ...]

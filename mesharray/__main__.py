@@ -1,0 +1,336 @@
+"""``python -m mesharray`` (also the ``mesharray`` command).
+
+Usage::
+
+    python -m mesharray script.py [args...]     # run a script (any rank of a job)
+    python -m mesharray -m module [args...]     # run a module, like python -m
+    python -m mesharray -c "code" [args...]     # run a string, like python -c
+    python -m mesharray run script.py [args...] # the same, for a script named "info"
+    python -m mesharray info [--json]           # version, engines, transports, launcher
+
+Running through ``python -m mesharray`` adds one guarantee to a launch such as
+``mpirun -n 4 python -m mesharray train.py``: an unhandled exception (or a
+non-zero ``sys.exit``) on *any* rank aborts the whole MPI job with a non-zero
+exit status, instead of leaving the other ranks waiting forever — what
+``python -m mpi4py`` does. Without a launcher it behaves like ``python``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import runpy
+import sys
+import traceback
+from typing import Any, Sequence
+
+__all__ = ["main", "info", "run_path", "run_module", "run_command"]
+
+USAGE = """\
+usage: python -m mesharray script.py [args...]
+       python -m mesharray -m module [args...]
+       python -m mesharray -c command [args...]
+       python -m mesharray run script.py [args...]
+       python -m mesharray info [--json]
+       python -m mesharray --version
+
+Runs a script so that an unhandled exception on any MPI rank aborts the
+whole job (non-zero exit) instead of hanging the others; `info` prints the
+version, the engines and transports available and the detected launcher."""
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _abort_job(code: int) -> None:
+    """Abort every rank of an MPI job this process belongs to (no-op otherwise)."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None:
+        # MPI never initialized here: exiting non-zero is enough, launchers
+        # end the job when a process exits non-zero
+        return
+    try:
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            _flush()
+            MPI.COMM_WORLD.Abort(code)
+    except Exception:  # pragma: no cover - a broken MPI: exit non-zero anyway
+        pass
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+
+
+def _exit_code(exc: SystemExit) -> int:
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    # sys.exit("message"): python prints it and exits 1
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _guarded(run: Any) -> int:
+    try:
+        run()
+    except SystemExit as exc:
+        code = _exit_code(exc)
+    except BaseException:
+        # print like the interpreter would, without this module's frames
+        kind, value, tb = sys.exc_info()
+        skip = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
+        while tb is not None and (tb.tb_frame.f_code.co_filename in skip
+                                  or os.path.abspath(tb.tb_frame.f_code.co_filename) in skip):
+            tb = tb.tb_next
+        traceback.print_exception(kind, value, tb)
+        code = 1
+    else:
+        return 0
+    if code != 0:
+        _abort_job(code if 0 < code < 256 else 1)
+    return code
+
+
+def run_path(path: str, args: Sequence[str] = ()) -> int:
+    """Run a script as ``__main__`` with abort-on-failure semantics; return its exit code.
+
+    Parameters
+    ----------
+    path : str
+        The script.
+    args : sequence of str
+        Its arguments (``sys.argv[1:]`` inside it).
+
+    Returns
+    -------
+    int
+        0, or the non-zero status (after ``MPI_Abort`` when MPI is up).
+
+    Examples
+    --------
+    >>> import tempfile, os
+    >>> from mesharray.__main__ import run_path
+    >>> with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+    ...     _ = f.write("import sys; sys.exit(3)")
+    >>> run_path(f.name)
+    3
+    >>> os.unlink(f.name)
+    """
+    if not os.path.exists(path):
+        print(f"mesharray: can't open file {path!r}: no such file", file=sys.stderr)
+        _abort_job(2)
+        return 2
+    sys.argv[:] = [path, *args]
+    # like `python script.py`: the script's directory comes first on sys.path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    return _guarded(lambda: runpy.run_path(path, run_name="__main__"))
+
+
+def run_module(module: str, args: Sequence[str] = ()) -> int:
+    """Run a module as ``__main__`` (like ``python -m``) with abort-on-failure semantics."""
+    sys.argv[:] = [module, *args]
+    sys.path.insert(0, os.getcwd())
+    return _guarded(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
+
+
+def run_command(command: str, args: Sequence[str] = ()) -> int:
+    """Run a string of code (like ``python -c``) with abort-on-failure semantics."""
+    sys.argv[:] = ["-c", *args]
+    sys.path.insert(0, "")
+    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+    return _guarded(lambda: exec(compile(command, "<string>", "exec"), namespace))
+
+
+# --------------------------------------------------------------------------- info
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _has(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _mpi_library() -> str | None:
+    """The MPI library's version string, read without initializing MPI."""
+    if "mpi4py.MPI" in sys.modules:
+        MPI = sys.modules["mpi4py.MPI"]
+    else:
+        try:
+            import mpi4py
+
+            # MPI_Get_library_version may be called before MPI_Init; not
+            # initializing keeps `info` fast and safe outside a launcher
+            mpi4py.rc.initialize = False
+            mpi4py.rc.finalize = False
+            from mpi4py import MPI
+        except Exception:
+            return None
+    try:
+        return MPI.Get_library_version().splitlines()[0].split(",")[0].strip()
+    except Exception:
+        return None
+
+
+def info() -> dict[str, Any]:
+    """What this installation can do, without importing torch or starting MPI.
+
+    Returns
+    -------
+    dict
+        ``version``, ``python``, ``engines`` and ``transports`` (name -> a short
+        description, or None when unavailable), ``launcher`` (or None) and
+        ``bootstrap`` (what ``proc_mesh()`` would use here).
+
+    Examples
+    --------
+    >>> from mesharray.__main__ import info
+    >>> info()["engines"]["numpy"] is not None
+    True
+    """
+    import mesharray
+    from mesharray.bootstrap._detect import detect_launcher, resolve_bootstrap
+
+    engines: dict[str, str | None] = {}
+    numpy_version = _version("numpy")
+    engines["numpy"] = f"numpy {numpy_version}" if numpy_version else None
+    torch_version = _version("torch") if _has("torch") else None
+    # device probing needs `import torch` (seconds); report what is installed
+    engines["torch"] = f"torch {torch_version}" if torch_version else None
+    engines["xla"] = f"torch_xla {_version('torch_xla')}" if _has("torch_xla") else None
+
+    transports: dict[str, str | None] = {"tcp": "tcp (loopback unless told otherwise)"}
+    transports["unix"] = "unix sockets" if hasattr(__import__("socket"), "AF_UNIX") else None
+    transports["shm"] = "shared memory" if os.name == "posix" else None
+    transports["ucx"] = f"ucxx {_version('ucxx-cu12') or _version('ucxx') or ''}".strip() \
+        if _has("ucxx") else None
+    if _has("mpi4py"):
+        library = _mpi_library()
+        transports["mpi"] = f"mpi4py {_version('mpi4py')}" + (f" ({library})" if library else "")
+    else:
+        transports["mpi"] = None
+
+    launcher = detect_launcher()
+    try:
+        bootstrap = resolve_bootstrap("auto")
+    except ValueError as exc:
+        bootstrap = f"invalid: {exc}"
+    from mesharray.bootstrap.mpi import find_mpirun
+
+    mpirun = find_mpirun()
+    return {
+        "version": mesharray.__version__,
+        "python": sys.version.split()[0],
+        "executable": sys.executable,
+        "engines": engines,
+        "transports": transports,
+        "launcher": None if launcher is None else {
+            "name": launcher.name, "rank": launcher.rank, "size": launcher.size,
+            "local_rank": launcher.local_rank, "local_size": launcher.local_size,
+            "description": launcher.describe(),
+        },
+        "bootstrap": bootstrap,
+        "mpirun": mpirun,
+    }
+
+
+_HINTS = {"torch": "pip install 'mesharray[torch]'", "xla": "pip install torch_xla",
+          "ucx": "pip install 'mesharray[ucx]'", "mpi": "pip install 'mesharray[mpi]'"}
+
+
+def _print_info(data: dict[str, Any]) -> None:
+    print(f"mesharray {data['version']} (python {data['python']}, {data['executable']})")
+    for section in ("engines", "transports"):
+        print(f"{section}:")
+        for name, descr in data[section].items():
+            text = descr if descr else f"unavailable ({_HINTS.get(name, 'not installed')})"
+            print(f"  {name:<6} {text}")
+    launcher = data["launcher"]
+    print(f"launcher: {launcher['description'] if launcher else 'none (plain process)'}")
+    print(f"bootstrap: {data['bootstrap']}  (what proc_mesh() uses here)")
+    print(f"mpirun: {data['mpirun'] or 'not found'}")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m mesharray`` and the ``mesharray`` command.
+
+    Parameters
+    ----------
+    argv : sequence of str, optional
+        Arguments after the program name; ``sys.argv[1:]`` by default.
+
+    Returns
+    -------
+    int
+        The exit status.
+
+    Examples
+    --------
+    >>> from mesharray.__main__ import main
+    >>> main(["-c", "print('hi')"])
+    hi
+    0
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        print(USAGE, file=sys.stderr)
+        return 2
+    first = args[0]
+    if first in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    if first == "--version":
+        import mesharray
+
+        print(f"mesharray {mesharray.__version__}")
+        return 0
+    if first == "info":
+        extra = args[1:]
+        unknown = [a for a in extra if a != "--json"]
+        if unknown:
+            print(f"mesharray info: unknown arguments {unknown}; expected [--json]", file=sys.stderr)
+            return 2
+        data = info()
+        if "--json" in extra:
+            print(json.dumps(data, indent=2))
+        else:
+            _print_info(data)
+        return 0
+    if first == "run":
+        args = args[1:]
+        if not args:
+            print("mesharray run: missing the script to run\n\n" + USAGE, file=sys.stderr)
+            return 2
+        first = args[0]
+    if first in ("-m", "-c"):
+        if len(args) < 2:
+            print(f"mesharray: argument expected for the {first} option", file=sys.stderr)
+            return 2
+        runner = run_module if first == "-m" else run_command
+        return runner(args[1], args[2:])
+    if first.startswith("-"):
+        print(f"mesharray: unknown option {first!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return run_path(first, args[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,14 @@
+"""Bootstraps: how the processes of a mesh are started or found.
+
+- :mod:`.local` — worker processes on this host, forked from a zygote (the default).
+- :mod:`.mpi`   — the world of an ``mpirun``-launched script, through mpi4py
+  (``proc_mesh(bootstrap="auto")`` picks it when
+  :func:`~mesharray.bootstrap._detect.detect_launcher` sees a launcher).
+
+A bootstrap starts (or finds) the workers, each running
+:func:`mesharray.runtime.worker.run_worker`, and lets a
+:class:`mesharray.runtime.controller.Controller` adopt them; it may give the
+controller ``exit_status`` and ``kill`` hooks.
+"""
+
+__all__ = ["local", "mpi"]

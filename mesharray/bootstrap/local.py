@@ -1,0 +1,277 @@
+"""The ``local`` bootstrap: worker processes on this host, forked from a zygote.
+
+Starting a Python process that imports NumPy costs ~100 ms of CPU; 16 of them
+on 2 cores would take a second. So the controller starts **one** clean
+process, the *zygote* (``python -c ...`` with the controller's ``sys.path``),
+which imports the worker's modules once and then ``fork()``\\s one worker per
+rank on request: a fork costs about a millisecond and shares the imported
+modules copy-on-write. The controller itself is never forked (it has threads).
+
+The zygote is single-threaded. It reads commands from its stdin (the job
+secret travels there, never on argv), reports ``(rank, pid)`` after each fork
+and ``(rank, pid, status)`` when it reaps a worker (``SIGCHLD`` through a
+wake-up fd) on a separate pipe. When its stdin closes (the controller stopped
+or died) it kills its workers and exits; each worker also has
+``PR_SET_PDEATHSIG`` on the zygote and exits on EOF of its controller
+connection, so no process outlives its controller.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+from ..errors import BootstrapError
+
+__all__ = ["LocalBootstrap", "start_local"]
+
+_LEN = struct.Struct("<I")
+
+
+def _write_msg(fd: int, obj) -> None:
+    data = pickle.dumps(obj)
+    os.write(fd, _LEN.pack(len(data)) + data)
+
+
+def _read_exact(fd: int, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = os.read(fd, n - len(out))
+        if not chunk:
+            raise EOFError
+        out += chunk
+    return out
+
+
+def _read_msg(fd: int):
+    (n,) = _LEN.unpack(_read_exact(fd, 4))
+    return pickle.loads(_read_exact(fd, n))
+
+
+class LocalBootstrap:
+    """A zygote and the workers it forked, as seen from the controller."""
+
+    def __init__(self, controller, nprocs: int, forward_logs: bool = True, listen: str = "unix") -> None:
+        self.controller = controller
+        self.nprocs = nprocs
+        self.pids: dict[int, int] = {}
+        self.status: dict[int, tuple] = {}
+        self._cond = threading.Condition()
+        r, w = os.pipe()
+        cmd = [sys.executable, "-c", "from mesharray.bootstrap.local import _zygote_main; _zygote_main()",
+               str(w)]
+        env = dict(os.environ)
+        env.pop("PYTHONSTARTUP", None)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(w,), env=env, close_fds=True)
+        os.close(w)
+        self._report_fd = r
+        cfg = {
+            "sys_path": list(sys.path),
+            "secret": controller.secret,
+            "address": controller.address,
+            "forward_logs": forward_logs,
+            "listen": listen,
+        }
+        self._send(cfg)
+        self._send(("fork", list(range(nprocs))))
+        self._reader = threading.Thread(target=self._read_reports, name="mesharray-zygote", daemon=True)
+        self._reader.start()
+        controller.exit_status = self.exit_status
+        controller.kill = self.kill
+
+    def _send(self, obj) -> None:
+        data = pickle.dumps(obj)
+        self.proc.stdin.write(_LEN.pack(len(data)) + data)
+        self.proc.stdin.flush()
+
+    def _read_reports(self) -> None:
+        fd = self._report_fd
+        try:
+            while True:
+                msg = _read_msg(fd)
+                with self._cond:
+                    if msg[0] == "forked":
+                        self.pids[msg[1]] = msg[2]
+                    elif msg[0] == "exit":
+                        self.status[msg[1]] = (msg[2], msg[3])
+                    self._cond.notify_all()
+        except (EOFError, OSError):
+            pass
+        finally:
+            os.close(fd)
+            with self._cond:
+                self._zygote_gone = True
+                self._cond.notify_all()
+
+    _zygote_gone = False
+
+    def exit_status(self, rank: int, timeout: float):
+        """``(exitcode, signal)`` of a dead worker, waiting at most ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while rank not in self.status and not self._zygote_gone:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+            st = self.status.get(rank)
+        if st is None:
+            return None
+        code = os.waitstatus_to_exitcode(st[1])
+        return (None, -code) if code < 0 else (code, None)
+
+    def kill(self, rank: int) -> None:
+        pid = self.pids.get(rank)
+        if pid is not None and rank not in self.status:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def check(self) -> None:
+        """Raise :class:`BootstrapError` if the zygote or a worker died while starting."""
+        if self.proc.poll() is not None:
+            raise BootstrapError(f"the zygote process exited with code {self.proc.returncode} while "
+                                 f"starting {self.nprocs} workers")
+        with self._cond:
+            for rank, st in self.status.items():
+                if rank not in self.controller.workers:
+                    code = os.waitstatus_to_exitcode(st[1])
+                    raise BootstrapError(f"worker rank {rank} (pid {self.pids.get(rank)}) exited with "
+                                         f"{'signal ' + str(-code) if code < 0 else 'code ' + str(code)} "
+                                         f"before joining")
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Close the zygote's stdin (it kills what is left of its workers) and reap it."""
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._reader.join(2.0)
+
+
+def start_local(controller, nprocs: int, forward_logs: bool = True, timeout: float = 60.0,
+                progress: bool = True) -> LocalBootstrap:
+    """Fork ``nprocs`` workers and let ``controller`` adopt them."""
+    boot = LocalBootstrap(controller, nprocs, forward_logs=forward_logs)
+    try:
+        controller.adopt(nprocs, timeout=timeout, progress=progress, check=boot.check)
+    except BaseException:
+        controller.stop(timeout=0.5)
+        boot.close()
+        raise
+    return boot
+
+
+# --------------------------------------------------------------------------- zygote
+def _zygote_main() -> None:
+    report_fd = int(sys.argv[1])
+    stdin_fd = sys.stdin.fileno()
+    cfg = _read_msg(stdin_fd)
+    sys.path[:] = cfg["sys_path"]
+    # import once, here, what every worker needs: forks then share it copy-on-write
+    import asyncio  # noqa: F401
+    import selectors
+
+    import cloudpickle  # noqa: F401
+    import numpy  # noqa: F401
+
+    from ..runtime import worker as worker_mod
+    from .. import actor, telemetry  # noqa: F401
+
+    children: dict[int, int] = {}  # pid -> rank
+    rfd, wfd = os.pipe()
+    os.set_blocking(rfd, False)
+    os.set_blocking(wfd, False)
+    signal.set_wakeup_fd(wfd)
+    signal.signal(signal.SIGCHLD, lambda *a: None)
+    sel = selectors.DefaultSelector()
+    sel.register(stdin_fd, selectors.EVENT_READ, "cmd")
+    sel.register(rfd, selectors.EVENT_READ, "chld")
+
+    def reap() -> None:
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            rank = children.pop(pid, None)
+            if rank is not None:
+                try:
+                    _write_msg(report_fd, ("exit", rank, pid, status))
+                except OSError:
+                    pass
+
+    def fork(rank: int) -> None:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                sel.close()
+                for fd in (rfd, wfd, report_fd):
+                    os.close(fd)
+                devnull = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(devnull, stdin_fd)
+                os.close(devnull)
+                worker_mod.run_worker(cfg["address"], cfg["secret"], rank, listen=cfg["listen"],
+                                      forward_logs=cfg["forward_logs"], exit_process=True)
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                os._exit(70)
+        children[pid] = rank
+        _write_msg(report_fd, ("forked", rank, pid))
+
+    try:
+        while True:
+            for key, _ in sel.select():
+                if key.data == "chld":
+                    try:
+                        while os.read(rfd, 512):
+                            pass
+                    except BlockingIOError:
+                        pass
+                    reap()
+                else:
+                    try:
+                        msg = _read_msg(stdin_fd)
+                    except EOFError:
+                        raise SystemExit
+                    if msg[0] == "fork":
+                        for rank in msg[1]:
+                            fork(rank)
+    except SystemExit:
+        pass
+    # the controller is gone or done: no worker may outlive it
+    deadline = time.monotonic() + 0.5  # the controller already waited for them to stop
+    while children and time.monotonic() < deadline:
+        reap()
+        time.sleep(0.01)
+    for pid in list(children):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    while children:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        children.pop(pid, None)
+    os._exit(0)

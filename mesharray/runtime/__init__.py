@@ -1,0 +1,12 @@
+"""The actor runtime: controller and worker loops, calls, futures, supervision.
+
+- :mod:`.protocol`   — message kinds and the hand-packed parts of messages.
+- :mod:`.future`     — the one :class:`Future` type.
+- :mod:`.router`     — sends calls to actors (by worker address) and resolves replies;
+                       one per process, used by the controller and by actors alike.
+- :mod:`.worker`     — :func:`run_worker`, the loop every worker runs.
+- :mod:`.controller` — :class:`Controller`: listener, adoption of workers,
+                       supervision (EOF + exit status, heartbeats), stop.
+"""
+
+__all__ = ["protocol", "future", "router", "worker", "controller"]

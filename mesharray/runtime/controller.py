@@ -1,0 +1,295 @@
+"""The controller: one listener, the workers that joined it, and their supervision.
+
+A :class:`Controller` serves one root process mesh. It does not start
+processes: a bootstrap does (``bootstrap.local`` forks them from a zygote,
+``bootstrap.mpi`` finds them under ``mpirun``), and the controller *adopts*
+whatever workers say HELLO with a rank (:meth:`Controller.adopt`). A bootstrap
+may give the controller two hooks: ``exit_status(rank, timeout)`` (the exit
+code or signal of a dead worker, from ``waitpid``) and ``kill(rank)`` (to end
+a hung one).
+
+Supervision
+-----------
+- **EOF** on a worker's connection: the worker is dead. The controller asks
+  the bootstrap for its exit status (waiting at most 0.5 s), builds
+  :class:`ActorDiedError` (rank, pid, exit code or signal) and fails every
+  pending call on that worker and every later one. Other workers are
+  untouched, so views that exclude the dead rank keep working.
+- **Heartbeats**: every worker sends one every ``heartbeat_interval`` seconds
+  (from a thread of its own, so a long-running endpoint is not "hung"). A
+  worker silent for ``heartbeat_timeout`` seconds (default 5) is declared dead
+  (``reason="no heartbeat for ..."``) and killed through the bootstrap.
+- Failure hooks (``on_failure``) get a :class:`MeshFailure` for each death;
+  ``ProcMesh`` uses them to call an owner's ``__supervise__``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import threading
+import time
+
+from ..errors import ActorDiedError, BootstrapError, MeshFailure, MeshStoppedError
+from ..telemetry import Counters, LogSink
+from ..transport.connection import Connection, Listener
+from . import protocol as P
+from .router import get_router
+
+__all__ = ["Controller", "WorkerInfo"]
+
+log = logging.getLogger("mesharray.controller")
+
+
+class WorkerInfo:
+    """What the controller knows about one worker."""
+
+    __slots__ = ("rank", "pid", "host", "address", "conn", "last_seen", "error")
+
+    def __init__(self, rank, pid, host, address, conn) -> None:
+        self.rank = rank
+        self.pid = pid
+        self.host = host
+        self.address = address
+        self.conn = conn
+        self.last_seen = time.monotonic()
+        self.error: BaseException | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None
+
+    def __repr__(self) -> str:
+        return f"WorkerInfo(rank={self.rank}, pid={self.pid}, host={self.host!r}, alive={self.alive})"
+
+
+class Controller:
+    """Listener + adopted workers + supervision for one root process mesh.
+
+    Parameters
+    ----------
+    listen : {"unix", "tcp"}
+        Kind of listener: unix sockets for workers on this host, TCP otherwise.
+    host : str
+        Interface of a TCP listener (default 127.0.0.1: loopback only).
+    heartbeat_interval, heartbeat_timeout : float
+        Workers send a heartbeat every ``heartbeat_interval`` s; one silent for
+        ``heartbeat_timeout`` s is declared hung and killed.
+    name : str
+        Name used in log prefixes and failure reports.
+    """
+
+    def __init__(self, *, listen: str = "unix", host: str = "127.0.0.1", heartbeat_interval: float = 0.5,
+                 heartbeat_timeout: float = 5.0, name: str = "procs") -> None:
+        if heartbeat_timeout <= 0 or heartbeat_interval <= 0:
+            raise ValueError(f"heartbeat interval and timeout must be > 0, got "
+                             f"{heartbeat_interval} and {heartbeat_timeout}")
+        self.router = get_router()
+        self.secret = self.router.secret
+        self.name = name
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = max(heartbeat_timeout, 2 * heartbeat_interval)
+        self.workers: dict[int, WorkerInfo] = {}
+        self.labels: dict[int, str] = {}
+        self.exit_status = None
+        self.kill = None
+        self.on_failure: list = []
+        self.sink = LogSink()
+        self.counters = Counters()
+        self.stopping = False
+        self.stopped = False
+        self._cond = threading.Condition()
+        self._conns: set[Connection] = set()
+        self.listener = Listener(self.secret, self._on_socket, kind=listen, host=host)
+        self.address = self.listener.address
+        self._monitor = threading.Thread(target=self._monitor_loop, name="mesharray-supervisor", daemon=True)
+        self._monitor_stop = threading.Event()
+        self._monitor.start()
+
+    # -- connections ------------------------------------------------------
+    def _on_socket(self, sock) -> None:
+        conn = Connection(sock, handler=self._on_frame, on_close=self._on_close, name="worker")
+        with self._cond:
+            self._conns.add(conn)
+        conn.start_polled()
+
+    def _on_frame(self, conn, kind, flags, msg_id, target, view, payload) -> None:
+        if kind == P.REPLY:
+            self.counters.replies += 1
+            if target != P.OK:
+                self.counters.errors += 1
+            cb = conn.pending.pop(msg_id, None)
+            if cb is not None:
+                cb(target, payload)
+        elif kind == P.HEARTBEAT:
+            info = conn.peer.get("info")
+            if info is not None:
+                info.last_seen = time.monotonic()
+        elif kind == P.LOG:
+            self.counters.log_bytes += len(payload)
+            rank = conn.peer.get("rank")
+            self.sink.write(self.labels.get(rank, f"rank={rank}"), target, bytes(payload))
+        elif kind == P.HELLO:
+            hello = pickle.loads(payload)
+            if hello.get("role") != "worker":
+                log.warning("controller: unexpected hello %r", hello)
+                return
+            rank = int(hello["rank"])
+            info = WorkerInfo(rank, hello.get("pid"), hello.get("host"), hello.get("address"), conn)
+            conn.name = f"rank {rank}"
+            conn.peer.update(rank=rank, ranks=(rank,), pid=info.pid, address=info.address, info=info)
+            with self._cond:
+                if rank in self.workers and self.workers[rank].alive:
+                    log.warning("controller: duplicate hello for rank %d (pid %s); ignoring", rank, info.pid)
+                    return
+                self.workers[rank] = info
+                self._cond.notify_all()
+        else:
+            log.warning("controller: ignoring frame of kind %d from %s", kind, conn.name)
+
+    def _on_close(self, conn, exc) -> None:
+        with self._cond:
+            self._conns.discard(conn)
+            self._cond.notify_all()
+        info = conn.peer.get("info")
+        if info is None or info.error is not None:
+            if info is not None:
+                self.router.mark_dead(info.address, conn, info.error)
+            return
+        if self.stopping:
+            err = MeshStoppedError(f"process mesh {self.name!r} was stopped")
+            info.error = err
+            self.router.mark_dead(info.address, conn, err)
+            return
+        exitcode = signal = None
+        if self.exit_status is not None:
+            try:
+                status = self.exit_status(info.rank, 0.5)
+            except Exception:
+                status = None
+            if status is not None:
+                exitcode, signal = status
+        reason = "" if (exitcode is not None or signal is not None) else "connection lost"
+        if exc is not None and not reason:
+            reason = f"connection lost: {exc}"
+        self._fail(info, ActorDiedError((info.rank,), info.pid, exitcode, signal, reason), conn)
+
+    def _fail(self, info: WorkerInfo, err: BaseException, conn=None) -> None:
+        with self._cond:
+            if info.error is not None:
+                return
+            info.error = err
+            self._cond.notify_all()
+        self.counters.deaths += 1
+        self.router.mark_dead(info.address, conn or info.conn, err)
+        if not self.stopping and self.on_failure:
+            # hooks run in a thread of their own: one may stop the mesh, which waits
+            # for connections that the thread reporting this failure would close
+            failure = MeshFailure(self.name, (info.rank,), err)
+            threading.Thread(target=self._run_hooks, args=(failure,), name="mesharray-supervise",
+                             daemon=True).start()
+
+    def _run_hooks(self, failure: MeshFailure) -> None:
+        for hook in list(self.on_failure):
+            try:
+                hook(failure)
+            except Exception:
+                log.exception("failure hook raised")
+
+    def _monitor_loop(self) -> None:
+        period = min(self.heartbeat_interval, self.heartbeat_timeout / 4)
+        while not self._monitor_stop.wait(period):
+            if self.stopping:
+                continue
+            now = time.monotonic()
+            for info in list(self.workers.values()):
+                if info.error is None and now - info.last_seen > self.heartbeat_timeout:
+                    silent = now - info.last_seen
+                    err = ActorDiedError((info.rank,), info.pid, reason=f"no heartbeat for {silent:.1f} s")
+                    self._fail(info, err)
+                    if self.kill is not None:
+                        try:
+                            self.kill(info.rank)
+                        except Exception:
+                            log.exception("could not kill hung rank %d", info.rank)
+                    info.conn.close(join=False)
+
+    # -- adoption ------------------------------------------------------------
+    def adopt(self, n: int, timeout: float = 60.0, progress: bool = True, check=None) -> list[WorkerInfo]:
+        """Wait for HELLOs of ranks ``0..n-1`` and configure them.
+
+        ``check()`` is called while waiting (a bootstrap raises there when a
+        process it started died early). Prints a progress line on stderr when
+        it takes more than a second. Raises :class:`BootstrapError` on timeout.
+        """
+        t0 = time.monotonic()
+        shown = False
+        next_note = t0 + 1.0
+        with self._cond:
+            while True:
+                have = sum(1 for r in range(n) if r in self.workers)
+                if have == n:
+                    break
+                now = time.monotonic()
+                if now - t0 > timeout:
+                    missing = [r for r in range(n) if r not in self.workers]
+                    raise BootstrapError(f"only {have} of {n} workers joined within {timeout} s; "
+                                         f"missing ranks {missing[:16]}")
+                if progress and now >= next_note:
+                    print(f"mesharray: {have}/{n} processes started ({now - t0:.1f} s)",
+                          file=sys.stderr, flush=True)
+                    shown = True
+                    next_note = now + 1.0
+                self._cond.wait(0.1)
+                if check is not None:
+                    self._cond.release()
+                    try:
+                        check()
+                    finally:
+                        self._cond.acquire()
+        cfg_base = {"heartbeat_interval": self.heartbeat_interval, "pid": os.getpid()}
+        infos = [self.workers[r] for r in range(n)]
+        for info in infos:
+            info.last_seen = time.monotonic()
+            self.router.register(info.address, info.conn)
+            cfg = dict(cfg_base, label=self.labels.get(info.rank))
+            info.conn.send(P.CONFIG, parts=[pickle.dumps(cfg)])
+        if shown:
+            print(f"mesharray: {n}/{n} processes started ({time.monotonic() - t0:.1f} s)",
+                  file=sys.stderr, flush=True)
+        return infos
+
+    # -- stop -------------------------------------------------------------------
+    def stop(self, timeout: float = 3.0) -> None:
+        """Ask every live worker to exit and wait for their connections to end."""
+        if self.stopped:
+            return
+        self.stopping = True
+        for info in list(self.workers.values()):
+            if info.error is None:
+                try:
+                    info.conn.send(P.STOP)
+                except ConnectionError:
+                    pass
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._conns and time.monotonic() < deadline:
+                self._cond.wait(0.02)
+        for conn in list(self._conns):
+            conn.close(join=False)
+        for info in self.workers.values():
+            if info.error is None:
+                info.error = MeshStoppedError(f"process mesh {self.name!r} was stopped")
+                self.router.mark_dead(info.address, info.conn, info.error)
+        self.sink.flush()
+        self._monitor_stop.set()
+        if self._monitor is not threading.current_thread():
+            self._monitor.join(2.0)
+        self.listener.close()
+        self.stopped = True
+
+    def close_connections(self, timeout: float = 2.0) -> None:
+        for c in list(self._conns):
+            c.close(join=False)

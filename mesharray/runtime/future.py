@@ -1,0 +1,186 @@
+"""The one :class:`Future` of mesharray: ``get``, ``await``, callbacks.
+
+A future is completed exactly once, usually by a connection's reader thread.
+Waiting uses a raw lock that is held until completion (the cheapest wake-up
+CPython has: no Condition, no event loop). ``await`` works inside any running
+event loop without blocking it: the completion is handed to the loop with
+``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import _thread
+import asyncio
+from time import monotonic as _monotonic
+
+__all__ = ["Future"]
+
+_cb_lock = _thread.allocate_lock()
+_PENDING = object()
+
+
+class Future:
+    """The result of an actor call, available later.
+
+    Futures are made by the runtime (``call()``, ``call_one()``, ...); there is
+    no public constructor.
+
+    Examples
+    --------
+    >>> import mesharray as ma
+    >>> with ma.proc_mesh(hosts=1, procs=1) as procs:   # doctest: +SKIP
+    ...     fut = procs.spawn("e", Echo).echo.call_one(3)
+    ...     fut.get(timeout=5)
+    3
+    """
+
+    __slots__ = ("_lock", "_value", "_exc", "_callbacks", "_conn", "__weakref__")
+
+    def __init__(self) -> None:
+        raise TypeError("Future has no public constructor; futures come from endpoint adverbs")
+
+    @classmethod
+    def _new(cls) -> "Future":
+        f = object.__new__(cls)
+        f._lock = _thread.allocate_lock()
+        f._lock.acquire()
+        f._value = _PENDING
+        f._exc = None
+        f._callbacks = None
+        f._conn = None  # the polled connection its reply comes on, when only one
+        return f
+
+    @classmethod
+    def _completed(cls, value=None, exc: BaseException | None = None) -> "Future":
+        f = cls._new()
+        if exc is not None:
+            f._set_exception(exc)
+        else:
+            f._set_result(value)
+        return f
+
+    # -- completion (runtime side) ----------------------------------------
+    def _set_result(self, value) -> bool:
+        with _cb_lock:
+            if self._value is not _PENDING:
+                return False
+            self._value = value
+            cbs, self._callbacks = self._callbacks, None
+        self._lock.release()
+        if cbs:
+            self._run(cbs)
+        return True
+
+    def _set_exception(self, exc: BaseException) -> bool:
+        with _cb_lock:
+            if self._value is not _PENDING:
+                return False
+            self._exc = exc
+            self._value = None
+            cbs, self._callbacks = self._callbacks, None
+        self._lock.release()
+        if cbs:
+            self._run(cbs)
+        return True
+
+    def _run(self, cbs) -> None:
+        for cb in cbs:
+            try:
+                cb(self)
+            except Exception:  # a user's callback must not break the runtime
+                import logging
+
+                logging.getLogger("mesharray").exception("future callback failed")
+
+    # -- public API -------------------------------------------------------
+    def done(self) -> bool:
+        """Whether the result (or an exception) is available."""
+        return self._value is not _PENDING
+
+    def _wait(self, timeout) -> None:
+        if self._value is not _PENDING:
+            return
+        _flush_all()
+        conn = self._conn
+        if conn is not None:
+            # read the reply ourselves rather than be woken by the poller thread
+            if timeout is not None and timeout < 0:
+                raise ValueError(f"timeout must be >= 0, got {timeout}")
+            deadline = None if timeout is None else _monotonic() + timeout
+            if conn.read_until(self, deadline) and self._value is _PENDING and deadline is not None:
+                timeout = max(0.0, deadline - _monotonic())
+        if timeout is None:
+            ok = self._lock.acquire()
+        else:
+            if timeout < 0:
+                raise ValueError(f"timeout must be >= 0, got {timeout}")
+            ok = self._lock.acquire(True, timeout)
+        if not ok:
+            raise TimeoutError(f"future not done after {timeout} s")
+        self._lock.release()  # let other waiters through
+
+    def get(self, timeout: float | None = None):
+        """Block until done and return the value (or raise the remote error).
+
+        Raises the builtin ``TimeoutError`` if not done within ``timeout`` seconds;
+        the remote work goes on.
+        """
+        self._wait(timeout)
+        if self._exc is not None:
+            raise self._exc
+        return self._value
+
+    def result(self, timeout: float | None = None):
+        """Same as :meth:`get` (``concurrent.futures`` spelling)."""
+        return self.get(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Block until done; return the exception, or ``None`` on success."""
+        self._wait(timeout)
+        return self._exc
+
+    def add_done_callback(self, fn) -> None:
+        """Call ``fn(future)`` when done (at once, in this thread, if already done)."""
+        with _cb_lock:
+            if self._value is _PENDING:
+                if self._callbacks is None:
+                    self._callbacks = [fn]
+                else:
+                    self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def __await__(self):
+        if self._value is _PENDING:
+            _flush_all()
+            loop = asyncio.get_running_loop()
+            waiter = loop.create_future()
+
+            def wake(_f, loop=loop, waiter=waiter):
+                loop.call_soon_threadsafe(_wake, waiter)
+
+            self.add_done_callback(wake)
+            yield from waiter.__await__()
+        if self._exc is not None:
+            raise self._exc
+        return self._value
+
+    def __repr__(self) -> str:
+        if self._value is _PENDING:
+            state = "pending"
+        elif self._exc is not None:
+            state = f"raised {type(self._exc).__name__}"
+        else:
+            state = "done"
+        return f"<mesharray.Future {state}>"
+
+
+def _flush_all() -> None:
+    from .router import flush_all
+
+    flush_all()
+
+
+def _wake(waiter) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

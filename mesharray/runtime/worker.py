@@ -1,0 +1,454 @@
+"""The worker loop: :func:`run_worker`, what every worker process runs.
+
+A worker connects to its controller, authenticates, says HELLO (rank, pid,
+host, its own listener's address) and serves frames until the controller goes
+away. It runs in its own process (``bootstrap.local``, or ``mpirun`` for ranks
+1..N-1) or in a thread of the controller process (rank 0 under MPI):
+``exit_process`` says which.
+
+Execution model
+---------------
+- Each inbound connection (the controller's, and one per peer that calls this
+  worker's actors) has its own reader thread. Frames from one sender are
+  handled in order by that thread.
+- An actor whose endpoints are all synchronous runs them **inline in the
+  reader thread**, under the actor's lock (so two senders never run one
+  actor's code at the same time). No thread hop: this is what keeps a call
+  round trip in the tens of microseconds.
+- An actor with any ``async`` endpoint gets a mailbox on the worker's asyncio
+  loop (one thread, started on first need); its messages run one at a time in
+  arrival order (sync endpoints of such an actor too), except endpoints
+  declared ``@endpoint(concurrent=True)``, which start as their own task.
+- Replies go back on the connection that carried the call.
+- Heartbeats go to the controller every ``heartbeat_interval`` seconds from a
+  thread of their own; the controller declares a worker hung when they stop.
+- When the controller connection ends (EOF: the controller died or stopped
+  us), the worker exits; on Linux, ``PR_SET_PDEATHSIG`` also kills it when its
+  parent process dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import pickle
+import socket
+import sys
+import threading
+import time
+import traceback
+
+from ..transport import framing
+from ..transport.connection import Connection, Listener, connect
+from . import protocol as P
+from .context import Context, current
+from .router import set_secret
+
+__all__ = ["run_worker", "Worker", "error_record"]
+
+log = logging.getLogger("mesharray.worker")
+
+_EMPTY_OK = framing.encode(framing.dumps(None))
+_names: dict[bytes, str] = {}  # u8 n + method name -> name
+
+
+def _set_pdeathsig() -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            import signal
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except Exception:  # pragma: no cover - best effort
+            pass
+
+
+def _pickle_exc(exc: BaseException):
+    try:
+        data = pickle.dumps(exc, protocol=5)
+        pickle.loads(data)
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
+
+
+def error_record(exc: BaseException, actor_name: str, coords, host: str, pid: int) -> dict:
+    """The picklable description of an exception raised by user code in an actor."""
+    chain = []
+    seen = {id(exc)}
+    e = exc
+    while len(chain) < 16:
+        if e.__cause__ is not None:
+            nxt, is_cause = e.__cause__, True
+        elif e.__context__ is not None and not e.__suppress_context__:
+            nxt, is_cause = e.__context__, False
+        else:
+            break
+        if id(nxt) in seen:
+            break
+        seen.add(id(nxt))
+        chain.append((_pickle_exc(nxt), is_cause))
+        e = nxt
+    return {
+        "exc": _pickle_exc(exc),
+        "chain": chain,
+        "tb": "".join(traceback.format_exception(exc)),
+        "rank": coords,
+        "actor": actor_name,
+        "host": host,
+        "pid": pid,
+    }
+
+
+def _error_parts(rec: dict) -> list:
+    try:
+        return framing.encode(framing.dumps(rec))
+    except Exception:
+        rec = dict(rec, exc=RuntimeError(repr(rec["exc"])), chain=[])
+        return framing.encode(framing.dumps(rec))
+
+
+class _Slot:
+    """One actor hosted by this worker."""
+
+    __slots__ = ("actor_id", "name", "obj", "shape", "lock", "is_async", "failure", "queue",
+                 "concurrent", "endpoints", "ctx", "bound")
+
+    def __init__(self, actor_id, name, shape) -> None:
+        self.actor_id = actor_id
+        self.name = name
+        self.obj = None
+        self.shape = shape
+        self.lock = threading.Lock()
+        self.is_async = False
+        self.failure = None  # error record when the constructor raised
+        self.queue = None
+        self.concurrent: set[str] = set()
+        self.endpoints: set[str] = set()
+        self.ctx: Context | None = None
+        self.bound: dict = {}
+
+
+class Worker:
+    """State of one worker: its actors, its connections, its event loop."""
+
+    def __init__(self, rank: int, secret: bytes, exit_process: bool) -> None:
+        self.rank = rank
+        self.secret = secret
+        self.exit_process = exit_process
+        self.host = socket.gethostname()
+        self.pid = os.getpid()
+        self.actors: dict[int, _Slot] = {}
+        self.done = threading.Event()
+        self.controller: Connection | None = None
+        self.listener: Listener | None = None
+        self.inbound: set[Connection] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
+        self._loop_lock = threading.Lock()
+        self.heartbeat_interval = 0.5
+        self.exitcode = 0
+
+    # -- connections ------------------------------------------------------
+    def on_peer_socket(self, sock) -> None:
+        conn = Connection(sock, handler=self.on_frame, on_close=self._peer_closed, name="peer")
+        self.inbound.add(conn)
+        conn.start()
+
+    def _peer_closed(self, conn, exc) -> None:
+        self.inbound.discard(conn)
+
+    def on_controller_closed(self, conn, exc) -> None:
+        self.done.set()
+
+    # -- the event loop for async actors ------------------------------------
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            with self._loop_lock:
+                if self._loop is None:
+                    loop = asyncio.new_event_loop()
+                    t = threading.Thread(target=loop.run_forever, name="mesharray-actor-loop", daemon=True)
+                    t.start()
+                    self._loop_thread = t
+                    self._loop = loop
+        return self._loop
+
+    # -- frames -------------------------------------------------------------
+    def on_frame(self, conn, kind, flags, msg_id, target, view, payload) -> None:
+        if kind == P.CALL:
+            self._call(conn, flags, msg_id, target, view, payload)
+        elif kind == P.VIEW:
+            conn.views_in[target] = pickle.loads(payload)
+        elif kind == P.SPAWN:
+            self._spawn(conn, msg_id, target, payload)
+        elif kind == P.HELLO:
+            conn.peer.update(pickle.loads(payload))
+        elif kind == P.CONFIG:
+            cfg = pickle.loads(payload)
+            conn.peer["pid"] = cfg.get("pid")
+            self.heartbeat_interval = cfg.get("heartbeat_interval", self.heartbeat_interval)
+            from .. import telemetry
+
+            telemetry.set_worker_label(cfg.get("label"))
+        elif kind == P.STOP_ACTOR:
+            slot = self.actors.pop(target, None)
+            if slot is not None and slot.queue is not None:
+                self.loop().call_soon_threadsafe(slot.queue.put_nowait, None)
+        elif kind == P.STOP:
+            if flags & P.F_REPLY:
+                conn.send(P.REPLY, 0, msg_id, P.OK, 0, _EMPTY_OK)
+            self.done.set()
+        else:
+            log.warning("worker %d: ignoring frame of unknown kind %d", self.rank, kind)
+
+    def _spawn(self, conn, msg_id, actor_id, payload) -> None:
+        name, cls, args, kwargs, shape = None, None, (), {}, None
+        try:
+            name, cls, args, kwargs, shape = framing.decode(payload)
+        except BaseException as exc:
+            rec = error_record(exc, name or "?", None, self.host, self.pid)
+            conn.send(P.REPLY, 0, msg_id, P.ERR, 0, _error_parts(rec))
+            return
+        slot = _Slot(actor_id, name, shape)
+        eps = getattr(cls, "_mesharray_endpoints", None) or {}
+        slot.endpoints = set(eps)
+        slot.concurrent = {n for n, opts in eps.items() if opts.get("concurrent")}
+        slot.is_async = any(inspect.iscoroutinefunction(getattr(cls, n, None)) for n in eps)
+        ctx = Context(name, None, shape, None, self.rank, self.host, self.pid)
+        token = current.set(ctx)
+        try:
+            obj = cls(*args, **kwargs)
+            ctx.actor = obj
+            slot.obj = obj
+            slot.ctx = ctx
+        except BaseException as exc:
+            slot.failure = error_record(exc, name, _coords(shape, self.rank), self.host, self.pid)
+        finally:
+            current.reset(token)
+        self.actors[actor_id] = slot
+        if slot.is_async and slot.failure is None:
+            loop = self.loop()
+            ready = threading.Event()
+
+            def start():
+                slot.queue = asyncio.Queue()
+                loop.create_task(self._mailbox(slot))
+                ready.set()
+
+            loop.call_soon_threadsafe(start)
+            ready.wait()
+        if msg_id:
+            if slot.failure is not None:
+                conn.send(P.REPLY, 0, msg_id, P.ERR, 0, _error_parts(slot.failure))
+            else:
+                conn.send(P.REPLY, 0, msg_id, P.OK, 0, _EMPTY_OK)
+
+    def _call(self, conn, flags, msg_id, actor_id, view, payload) -> None:
+        slot = self.actors.get(actor_id)
+        reply = flags & P.F_REPLY
+        if slot is None or slot.failure is not None:
+            if slot is None:
+                exc = RuntimeError(f"no actor with id {actor_id} on rank {self.rank} (stopped?)")
+                rec = error_record(exc, "?", None, self.host, self.pid)
+            else:
+                rec = slot.failure
+            if reply:
+                conn.send(P.REPLY, 0, msg_id, P.ERR, 0, _error_parts(rec))
+            return
+        n = payload[0]
+        key = bytes(payload[:1 + n])
+        method = _names.get(key)
+        if method is None:
+            method = _names[key] = key[1:].decode()
+        vshape = conn.views_in.get(view) if view else None
+        if slot.is_async:
+            self.loop().call_soon_threadsafe(slot.queue.put_nowait,
+                                             (conn, msg_id, reply, method, payload, n, vshape))
+            return
+        with slot.lock:
+            ctx = slot.ctx  # one per actor: sync endpoints of an actor never overlap
+            ctx._view = vshape
+            token = current.set(ctx)
+            try:
+                args, kwargs = framing.decode(memoryview(payload)[1 + n:])
+                fn = slot.bound.get(method) or self._endpoint(slot, method)
+                result = fn(*args, **kwargs)
+            except BaseException as exc:
+                self._fail(conn, msg_id, reply, slot, exc)
+                return
+            finally:
+                current.reset(token)
+        if reply:
+            self._reply(conn, msg_id, slot, method, result, cork=True)
+
+    def _endpoint(self, slot, method):
+        if method not in slot.endpoints:
+            raise AttributeError(f"actor {slot.name!r} ({type(slot.obj).__name__}) has no endpoint {method!r}")
+        fn = slot.bound[method] = getattr(slot.obj, method)
+        return fn
+
+    def _reply(self, conn, msg_id, slot, method, result, cork=False) -> None:
+        # cork=True in a reader thread: the reader flushes before it blocks again
+        if result is None:
+            parts = _EMPTY_OK
+        else:
+            try:
+                parts = framing.encode_one(framing.dumps(result), conn.same_host, conn.peer.get("pid"))
+            except Exception as exc:
+                err = TypeError(f"endpoint {method!r} returned a value of type {type(result).__name__} "
+                                f"that cannot be pickled: {exc}")
+                self._fail(conn, msg_id, True, slot, err)
+                return
+        try:
+            conn.send(P.REPLY, 0, msg_id, P.OK, 0, parts, cork=cork)
+        except ConnectionError:
+            pass  # the caller is gone
+
+    def _fail(self, conn, msg_id, reply, slot, exc) -> None:
+        rec = error_record(exc, slot.name, _coords(slot.shape, self.rank), self.host, self.pid)
+        if reply:
+            try:
+                conn.send(P.REPLY, 0, msg_id, P.ERR, 0, _error_parts(rec))
+            except ConnectionError:
+                pass
+        else:
+            print(f"broadcast to actor {slot.name!r} raised:\n{rec['tb']}", file=sys.stderr, flush=True)
+
+    async def _mailbox(self, slot) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            item = await slot.queue.get()
+            if item is None:
+                return
+            if item[3] in slot.concurrent:
+                loop.create_task(self._run_async(slot, *item))
+            else:
+                await self._run_async(slot, *item)
+
+    async def _run_async(self, slot, conn, msg_id, reply, method, payload, n, vshape) -> None:
+        ctx = Context(slot.name, slot.obj, slot.shape, vshape, self.rank, self.host, self.pid)
+        token = current.set(ctx)
+        try:
+            args, kwargs = framing.decode(memoryview(payload)[1 + n:])
+            result = self._endpoint(slot, method)(*args, **kwargs)
+            if inspect.isawaitable(result):
+                result = await result
+        except BaseException as exc:
+            self._fail(conn, msg_id, reply, slot, exc)
+            return
+        finally:
+            current.reset(token)
+        if reply:
+            self._reply(conn, msg_id, slot, method, result)
+
+    # -- life ---------------------------------------------------------------
+    def heartbeat_loop(self) -> None:
+        conn = self.controller
+        while not self.done.wait(self.heartbeat_interval):
+            try:
+                conn.send(P.HEARTBEAT)
+            except ConnectionError:
+                return
+
+    def shutdown(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+        for c in list(self.inbound):
+            c.close(join=False)
+        if self.controller is not None:
+            self.controller.close(join=False)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop_thread.join(2.0)
+            if not self._loop.is_running():
+                self._loop.close()
+
+
+def _coords(shape, rank):
+    try:
+        return shape.coordinates(rank)
+    except Exception:
+        return {"rank": rank}
+
+
+def run_worker(controller_address: str, secret: bytes, rank: int, *, listen: str = "unix",
+               listen_host: str = "127.0.0.1", exit_process: bool = True, forward_logs: bool = True,
+               ready: threading.Event | None = None) -> int:
+    """Run a worker until its controller goes away (or stops it).
+
+    Parameters
+    ----------
+    controller_address : str
+        The controller listener's address (``"unix:PATH"`` or ``"tcp:HOST:PORT"``).
+    secret : bytes
+        The job secret (never pass it on a command line: argv is world-readable).
+    rank : int
+        This worker's global rank in the root process mesh.
+    listen : {"unix", "tcp"}
+        The kind of this worker's own listener (actor-to-actor calls come here);
+        use ``"tcp"`` when callers may live on other hosts.
+    listen_host : str
+        Interface of a TCP listener (default 127.0.0.1).
+    exit_process : bool
+        True when the worker owns its process: it sets ``PR_SET_PDEATHSIG``,
+        forwards its stdout/stderr to the controller (if ``forward_logs``) and
+        calls ``os._exit`` at the end. False to run in a thread of another
+        program (rank 0 of an MPI job runs in the controller's process).
+    forward_logs : bool
+        Send this process's stdout/stderr/logging to the controller, where they
+        are printed prefixed by the rank.
+    ready : threading.Event, optional
+        Set once the worker has said hello (useful when running in a thread).
+
+    Returns
+    -------
+    int
+        The exit code (when ``exit_process`` is False).
+
+    Examples
+    --------
+    >>> import threading
+    >>> from mesharray.runtime.worker import run_worker
+    >>> t = threading.Thread(target=run_worker, args=(ctl.address, secret, 0),   # doctest: +SKIP
+    ...                      kwargs={"exit_process": False}, daemon=True)
+    """
+    if exit_process:
+        _set_pdeathsig()
+    set_secret(secret)
+    w = Worker(rank, secret, exit_process)
+    w.listener = Listener(secret, w.on_peer_socket, kind=listen, host=listen_host)
+    from .router import get_router
+
+    get_router().identity = {"role": "peer", "rank": rank, "pid": w.pid, "host": w.host}
+    sock = connect(controller_address, secret)
+    conn = Connection(sock, handler=w.on_frame, on_close=w.on_controller_closed, name="controller")
+    w.controller = conn
+    if exit_process and forward_logs:
+        from .. import telemetry
+
+        telemetry.forward_process_output(conn)
+    hello = {"role": "worker", "rank": rank, "pid": w.pid, "host": w.host,
+             "address": w.listener.address, "forward_logs": forward_logs}
+    conn.send(P.HELLO, parts=[pickle.dumps(hello)])
+    conn.start()
+    if ready is not None:
+        ready.set()
+    hb = threading.Thread(target=w.heartbeat_loop, name="mesharray-heartbeat", daemon=True)
+    hb.start()
+    w.done.wait()
+    w.shutdown()
+    hb.join(1.0)
+    if exit_process:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except Exception:
+            pass
+        from .. import telemetry
+
+        telemetry.flush_forwarding()
+        os._exit(w.exitcode)
+    return w.exitcode

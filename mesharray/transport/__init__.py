@@ -1,0 +1,13 @@
+"""Transport: framing, authentication, sockets and the same-host data plane.
+
+- :mod:`.framing`    — the frame header (packed by ``_core``) and the payload
+                       codec (pickle protocol 5 with out-of-band buffers).
+- :mod:`.auth`       — the mutual HMAC-SHA256 challenge run on every new
+                       connection before a single byte is unpickled.
+- :mod:`.connection` — :class:`Connection` (one socket, a send lock, a reader
+                       thread) and :class:`Listener` (unix or TCP).
+- :mod:`.shm`        — shared-memory segments that carry large buffers between
+                       processes of one host.
+"""
+
+__all__ = ["framing", "auth", "connection", "shm"]

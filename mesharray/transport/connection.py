@@ -1,0 +1,608 @@
+"""Connections and listeners: one authenticated socket per peer pair and direction.
+
+Addresses are strings: ``"unix:@name"`` (same host, the default on Linux: an
+abstract socket, so a killed process leaves no file behind), ``"unix:/path"``
+(same host elsewhere; unix sockets have ~60% of TCP's loopback latency) or
+``"tcp:host:port"`` (other hosts; listeners bind 127.0.0.1 unless told
+otherwise).
+
+Design, for latency:
+
+- **Sending happens in the caller's thread**, under one lock per connection:
+  no hop to an I/O thread or event loop. Small frames are joined and written
+  with one ``sendall``; large ones with ``sendmsg`` (scatter/gather, no copy).
+  Small frames may be *corked* (queued and written together later, see
+  :meth:`Connection.send`).
+- Reading, two modes. **Thread mode** (:meth:`Connection.start`; workers'
+  inbound connections, whose handlers run actor code): one reader thread per
+  connection does blocking ``recv_into`` into a reused buffer, parses every
+  complete frame in it and calls the handler inline for each. **Poll mode**
+  (:meth:`Connection.start_polled`; callers' connections, whose handlers only
+  resolve futures): one :class:`Poller` thread per process reads them all, and
+  a caller blocked on one reply reads its connection itself.
+- A frame longer than the receive buffer gets a buffer of exactly its length,
+  allocated only after the length passed the limit check.
+- A malformed header or an oversized length is a :class:`FrameError`: it is
+  logged and the connection is dropped; the listener keeps serving others.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+
+from .._core import pack_header, unpack_header
+from ..errors import AuthenticationError, BrokenTransportError, ClosedTransportError, FrameError
+from . import auth, framing
+
+__all__ = ["Connection", "Listener", "Poller", "connect", "default_poller", "parse_address"]
+
+log = logging.getLogger("mesharray.transport")
+
+_RECV_BUF = 1 << 18
+_SMALL = 1 << 14
+_CORK_MAX = 1 << 16  # flush corked frames once this many bytes are queued
+_CORK_AGE = 0.0005  # ... or once the oldest has waited this long while handling a batch
+
+
+def parse_address(address: str):
+    """Split an address string into ``(family, sockaddr)``."""
+    if not isinstance(address, str):
+        raise TypeError(f"address must be a str, got {type(address).__name__}")
+    if address.startswith("unix:@"):  # Linux abstract namespace: no file, nothing to leak
+        return socket.AF_UNIX, "\0" + address[6:]
+    if address.startswith("unix:"):
+        return socket.AF_UNIX, address[5:]
+    if address.startswith("tcp:"):
+        host, _, port = address[4:].rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"bad tcp address {address!r}; expected 'tcp:host:port'")
+        return socket.AF_INET, (host.strip("[]"), int(port))
+    raise ValueError(f"bad address {address!r}; expected 'unix:PATH' or 'tcp:HOST:PORT'")
+
+
+class Connection:
+    """One authenticated socket: thread-safe ``send``; frames go to ``handler``.
+
+    ``handler(conn, kind, flags, msg_id, target, view, payload)`` runs in the
+    reader thread; ``on_close(conn, exc)`` runs once when the connection ends
+    (``exc`` is ``None`` for a clean EOF or a local close).
+    """
+
+    def __init__(self, sock: socket.socket, handler=None, on_close=None, name: str = "",
+                 limit: int | None = None) -> None:
+        self.sock = sock
+        self.handler = handler
+        self.on_close = on_close
+        self.name = name
+        self.limit = framing.max_frame_size if limit is None else limit
+        self.same_host = sock.family == socket.AF_UNIX
+        self._send_lock = threading.Lock()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.closed_error: BaseException | None = None
+        self.died: BaseException | None = None  # set by the runtime when the peer is known dead
+        # per-connection state used by the runtime (pending calls, view ids)
+        self.pending: dict = {}
+        self.views_out: dict = {}
+        self.views_in: dict = {}
+        self.peer: dict = {}
+        self.bytes_out = 0
+        self.frames_out = 0
+        self._out: list = []  # corked frames
+        self._out_n = 0
+        self._out_t0 = 0.0
+        self.on_cork = None  # called when the queue of corked frames becomes non-empty
+        if sock.family != socket.AF_UNIX:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    # -- sending ---------------------------------------------------------
+    def send(self, kind: int, flags: int = 0, msg_id: int = 0, target: int = 0, view: int = 0,
+             parts=(), cork: bool = False) -> None:
+        """Send one frame; ``parts`` is a list of bytes-like objects (the payload).
+
+        ``cork=True`` queues a small frame instead of writing it: queued frames
+        go out in order, in one write, at the next :meth:`flush` or uncorked
+        send (the runtime flushes before anyone blocks waiting for a reply).
+        """
+        n = 0
+        for p in parts:
+            n += p.nbytes if isinstance(p, memoryview) else len(p)
+        hdr = pack_header(kind, flags, n, msg_id, target, view)
+        if self._closed:
+            raise ClosedTransportError(f"connection {self.name} is closed")
+        self.bytes_out += n + 24
+        self.frames_out += 1
+        try:
+            if n <= _SMALL:
+                data = hdr + b"".join(parts) if parts else hdr
+                with self._send_lock:
+                    out = self._out
+                    if cork:
+                        out.append(data)
+                        self._out_n += len(data)
+                        if len(out) == 1:
+                            self._out_t0 = time.perf_counter()
+                            first = True
+                        else:
+                            first = False
+                            if self._out_n >= _CORK_MAX:
+                                self._flush_locked()
+                    elif out:
+                        out.append(data)
+                        self._flush_locked()
+                        return
+                    else:
+                        self.sock.sendall(data)
+                        return
+                if first and self.on_cork is not None:
+                    self.on_cork(self)
+            else:
+                with self._send_lock:
+                    if self._out:
+                        self._flush_locked()
+                    self._sendmsg([hdr, *parts])
+        except OSError as exc:
+            raise BrokenTransportError(f"connection {self.name} broke while sending: {exc}") from exc
+
+    def _flush_locked(self) -> None:
+        data = b"".join(self._out)
+        self._out.clear()
+        self._out_n = 0
+        self.sock.sendall(data)
+
+    def flush(self) -> None:
+        """Write the queued (corked) frames now; errors are left to the reader to report."""
+        if not self._out:
+            return
+        with self._send_lock:
+            if self._out:
+                try:
+                    self._flush_locked()
+                except OSError:
+                    self._out.clear()
+
+    def _sendmsg(self, parts) -> None:
+        views = [memoryview(p).cast("B") if not isinstance(p, bytes) else memoryview(p) for p in parts]
+        while views:
+            sent = self.sock.sendmsg(views[:512])
+            while sent:
+                v = views[0]
+                if sent >= v.nbytes:
+                    sent -= v.nbytes
+                    views.pop(0)
+                else:
+                    views[0] = v[sent:]
+                    sent = 0
+
+    # -- receiving -------------------------------------------------------
+    def start(self) -> None:
+        """Start the reader thread."""
+        self._thread = threading.Thread(target=self._read_loop, name=f"mesharray-recv-{self.name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _read_loop(self) -> None:
+        sock, limit, handler = self.sock, self.limit, self.handler
+        buf = bytearray(_RECV_BUF)
+        view = memoryview(buf)
+        start = end = 0
+        exc: BaseException | None = None
+        try:
+            while True:
+                while end - start >= 24:
+                    try:
+                        kind, flags, length, msg_id, target, vw = unpack_header(view, limit, start)
+                    except ValueError as e:
+                        raise FrameError(f"bad frame from {self.name}: {e}") from None
+                    total = 24 + length
+                    if end - start >= total:
+                        payload = bytearray(view[start + 24:start + total]) if length else b""
+                        start += total
+                        handler(self, kind, flags, msg_id, target, vw, payload)
+                        if self._out and time.perf_counter() - self._out_t0 > _CORK_AGE:
+                            self.flush()
+                    elif total > len(buf):
+                        payload = bytearray(length)
+                        have = end - start - 24
+                        payload[:have] = view[start + 24:end]
+                        pv = memoryview(payload)
+                        while have < length:
+                            n = sock.recv_into(pv[have:])
+                            if n == 0:
+                                raise EOFError
+                            have += n
+                        pv.release()
+                        start = end = 0
+                        handler(self, kind, flags, msg_id, target, vw, payload)
+                    else:
+                        break
+                if self._out:
+                    self.flush()  # replies queued while handling this batch
+                if start == end:
+                    start = end = 0
+                elif start and len(buf) - end < 65536:
+                    view[0:end - start] = view[start:end]
+                    end -= start
+                    start = 0
+                n = sock.recv_into(view[end:])
+                if n == 0:
+                    break
+                end += n
+        except EOFError:
+            pass
+        except FrameError as e:
+            log.warning("%s; dropping the connection", e)
+            exc = e
+        except OSError as e:
+            if not self._closed:
+                exc = BrokenTransportError(f"connection {self.name} broke: {e}")
+        except BaseException as e:  # a bug in a handler must not kill silently
+            log.exception("reader of connection %s failed", self.name)
+            exc = e
+        finally:
+            view.release()
+            self._finish(exc)
+
+    # -- poll mode: one thread reads many connections ---------------------------
+    def start_polled(self, poller: "Poller | None" = None) -> None:
+        """Let ``poller`` (default: the process's) read this connection instead of a thread.
+
+        For connections whose handler never blocks (the caller side: replies
+        resolve futures): one reader thread for all peers means one wake-up
+        for the replies of a whole ``call()``.
+        """
+        self._pbuf = bytearray(_RECV_BUF)
+        self._pview = memoryview(self._pbuf)
+        self._pstart = self._pend = 0
+        self._big = None
+        self._polled = threading.Event()
+        self._rlock = threading.Lock()
+        (poller or default_poller()).add(self)
+
+    def read_until(self, fut, deadline: float | None) -> bool:
+        """Read this (polled) connection in the calling thread until ``fut`` is done.
+
+        Returns False at once if another thread is reading it. Stops at
+        ``deadline`` (``time.monotonic()``), or when the connection ends.
+        """
+        if not self._rlock.acquire(False):
+            return False
+        ok = True
+        self._poller.disarm(self)  # keep the poller thread asleep while we read
+        try:
+            import select
+
+            p = select.poll()
+            p.register(self._fd, select.POLLIN)
+            while not fut.done():
+                if deadline is None:
+                    ms = None
+                else:
+                    ms = int(max(0.0, deadline - time.monotonic()) * 1000)
+                if p.poll(ms):
+                    ok = self._poll_read()
+                    if not ok:
+                        break
+                elif deadline is not None and time.monotonic() >= deadline:
+                    break
+        finally:
+            self._rlock.release()
+            if ok:
+                self._poller.rearm(self)
+            else:
+                self._poller.discard(self)
+                self._poll_done()
+        return True
+
+    def _poll_read(self) -> bool:
+        """Read what is there and handle complete frames; False once the connection ended."""
+        sock, view = self.sock, self._pview
+        try:
+            if self._big is not None:
+                payload, pv, have, hdr = self._big
+                n = sock.recv_into(pv[have:], 0, socket.MSG_DONTWAIT)
+                if n == 0:
+                    raise EOFError
+                have += n
+                if have < len(payload):
+                    self._big = (payload, pv, have, hdr)
+                    return True
+                self._big = None
+                pv.release()
+                self.handler(self, *hdr, payload)
+                return True
+            start, end = self._pstart, self._pend
+            n = sock.recv_into(view[end:], 0, socket.MSG_DONTWAIT)
+            if n == 0:
+                raise EOFError
+            end += n
+            limit, handler = self.limit, self.handler
+            while end - start >= 24:
+                try:
+                    kind, flags, length, msg_id, target, vw = unpack_header(view, limit, start)
+                except ValueError as e:
+                    raise FrameError(f"bad frame from {self.name}: {e}") from None
+                total = 24 + length
+                if end - start >= total:
+                    payload = bytearray(view[start + 24:start + total]) if length else b""
+                    start += total
+                    handler(self, kind, flags, msg_id, target, vw, payload)
+                elif total > len(self._pbuf):
+                    payload = bytearray(length)
+                    have = end - start - 24
+                    payload[:have] = view[start + 24:end]
+                    self._big = (payload, memoryview(payload), have, (kind, flags, msg_id, target, vw))
+                    start = end = 0
+                    break
+                else:
+                    break
+            if start == end:
+                start = end = 0
+            elif start and len(self._pbuf) - end < 65536:
+                view[0:end - start] = view[start:end]
+                end -= start
+                start = 0
+            self._pstart, self._pend = start, end
+            return True
+        except (BlockingIOError, InterruptedError):
+            return True
+        except EOFError:
+            exc = None
+        except FrameError as e:
+            log.warning("%s; dropping the connection", e)
+            exc = e
+        except OSError as e:
+            exc = None if self._closed else BrokenTransportError(f"connection {self.name} broke: {e}")
+        except BaseException as e:
+            log.exception("reader of connection %s failed", self.name)
+            exc = e
+        self._poll_exc = exc
+        return False
+
+    def _poll_done(self) -> None:
+        self._pview.release()
+        if self._big is not None:
+            self._big[1].release()
+            self._big = None
+        try:
+            self._finish(self._poll_exc)
+        finally:
+            self._polled.set()
+
+    def _finish(self, exc) -> None:
+        self._closed = True
+        if self.closed_error is None:
+            self.closed_error = exc
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        cb, self.on_close = self.on_close, None  # the close handler runs once
+        if cb is not None:
+            try:
+                cb(self, exc)
+            except Exception:
+                log.exception("close handler of %s failed", self.name)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self, join: bool = True) -> None:
+        """Close the socket; the reader thread sees EOF and ends."""
+        if not self._closed:
+            self._closed = True
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        t = self._thread
+        polled = getattr(self, "_polled", None)
+        if polled is not None:
+            if join and not polled.is_set() and threading.current_thread() is not _poller_thread():
+                polled.wait(5.0)
+            return
+        if t is None:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+            cb, self.on_close = self.on_close, None
+            if cb is not None:
+                cb(self, None)
+        elif join and t is not threading.current_thread():
+            t.join(5.0)
+
+
+class Poller:
+    """One thread that reads many connections (epoll); see :meth:`Connection.start_polled`.
+
+    Each connection is armed one-shot and has a read lock. Whoever holds the
+    lock reads: normally the poller thread, but a caller blocked on the reply
+    of a single call reads its connection itself (:meth:`Connection.read_until`),
+    which saves one thread wake-up per round trip; the lock holder re-arms the
+    connection when done.
+    """
+
+    def __init__(self) -> None:
+        import select
+
+        self._ep = select.epoll()
+        self._flags = select.EPOLLIN | select.EPOLLONESHOT
+        self._conns: dict[int, Connection] = {}
+        self.thread = threading.Thread(target=self._loop, name="mesharray-poller", daemon=True)
+        self.thread.start()
+
+    def add(self, conn: Connection) -> None:
+        fd = conn.sock.fileno()
+        conn._poller = self
+        conn._fd = fd
+        self._conns[fd] = conn
+        self._ep.register(fd, self._flags)
+
+    def rearm(self, conn: Connection) -> None:
+        try:
+            self._ep.modify(conn._fd, self._flags)
+        except (OSError, ValueError):
+            pass
+
+    def disarm(self, conn: Connection) -> None:
+        try:
+            self._ep.modify(conn._fd, 0)
+        except (OSError, ValueError):
+            pass
+
+    def discard(self, conn: Connection) -> None:
+        if self._conns.get(conn._fd) is conn:
+            del self._conns[conn._fd]
+            try:
+                self._ep.unregister(conn._fd)
+            except (OSError, ValueError):
+                pass
+
+    def _loop(self) -> None:
+        while True:
+            for fd, _ in self._ep.poll():
+                conn = self._conns.get(fd)
+                if conn is None:  # discarded by a caller that saw it end
+                    continue
+                if not conn._rlock.acquire(False):
+                    continue  # a caller is reading it; it re-arms when done
+                try:
+                    ok = conn._poll_read()
+                finally:
+                    conn._rlock.release()
+                if ok:
+                    self.rearm(conn)
+                else:
+                    self.discard(conn)
+                    conn._poll_done()
+
+
+_poller: Poller | None = None
+_poller_lock = threading.Lock()
+
+
+def default_poller() -> Poller:
+    """The process's poller (started on first use, recreated after fork)."""
+    global _poller
+    p = _poller
+    if p is None or not p.thread.is_alive():
+        with _poller_lock:
+            if _poller is None or not _poller.thread.is_alive():
+                _poller = Poller()
+            p = _poller
+    return p
+
+
+def _poller_thread():
+    p = _poller
+    return p.thread if p is not None else None
+
+
+def connect(address: str, secret: bytes, timeout: float = 10.0) -> socket.socket:
+    """Open and authenticate a socket to ``address`` (raises :class:`AuthenticationError`)."""
+    family, sockaddr = parse_address(address)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(sockaddr)
+        auth.client_handshake(sock, secret)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class Listener:
+    """Accepts connections on a unix or TCP address; authenticates each one.
+
+    ``on_connection(sock)`` receives every authenticated socket (in a short
+    handshake thread). A peer that fails the challenge, or stays silent, is
+    logged and dropped; the listener goes on serving others.
+    """
+
+    def __init__(self, secret: bytes, on_connection, kind: str = "unix", host: str = "127.0.0.1",
+                 path: str | None = None, port: int = 0) -> None:
+        self.secret = secret
+        self.on_connection = on_connection
+        self.refused = 0
+        if kind == "unix":
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            if path is None and sys.platform.startswith("linux"):
+                # abstract socket: no file is left behind by a killed process; the
+                # HMAC challenge, not file permissions, keeps strangers out
+                name = f"mesharray-{os.getpid()}-{os.urandom(6).hex()}"
+                self.sock.bind("\0" + name)
+                self.address = "unix:@" + name
+                self._path = None
+            else:
+                if path is None:
+                    import tempfile
+
+                    path = os.path.join(tempfile.mkdtemp(prefix="mesharray-"), "sock")
+                self._dir = os.path.dirname(path)
+                self.sock.bind(path)
+                self.address = "unix:" + path
+                self._path = path
+        elif kind == "tcp":
+            self._path = None
+            self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.sock.bind((host, port))
+            h, p = self.sock.getsockname()[:2]
+            self.address = f"tcp:{h}:{p}"
+        else:
+            raise ValueError(f"listener kind must be 'unix' or 'tcp', got {kind!r}")
+        self.sock.listen(512)
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept_loop, name="mesharray-accept", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                s, _ = self.sock.accept()
+            except OSError:
+                if self._closed:
+                    return
+                continue
+            threading.Thread(target=self._handshake, args=(s,), daemon=True,
+                             name="mesharray-handshake").start()
+
+    def _handshake(self, s: socket.socket) -> None:
+        try:
+            auth.server_handshake(s, self.secret)
+        except (AuthenticationError, OSError, BrokenTransportError) as exc:
+            self.refused += 1
+            log.warning("refused a connection on %s: %s", self.address, exc)
+            s.close()
+            return
+        try:
+            self.on_connection(s)
+        except Exception:
+            log.exception("connection handler failed on %s", self.address)
+            s.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        if self._thread is not threading.current_thread():
+            self._thread.join(2.0)
+        if self._path is not None:
+            try:
+                os.unlink(self._path)
+                os.rmdir(self._dir)
+            except OSError:
+                pass

@@ -1,0 +1,170 @@
+"""Frames and payloads of the wire protocol.
+
+A frame is a 24-byte header packed and parsed by ``mesharray._core``
+(``_frame.pxi``: magic, kind, flags, payload length, msg_id, target, view)
+followed by ``length`` payload bytes. The length is checked against
+:data:`max_frame_size` before anything is allocated for the payload.
+
+The envelope (who, what, which call) lives in the header and in a few
+hand-packed bytes; only user values (arguments, results) are pickled, with
+pickle protocol 5 and out-of-band buffers. A *pickled payload* is::
+
+    u32 pickle_len | u16 nbufs | u16 0 | nbufs * 36-byte buffer descriptors
+    | pickle bytes | inline buffer bytes
+
+A descriptor says where a buffer is: inline (offset into the inline region)
+or in a shared-memory segment of the sender (:mod:`.shm`). Buffers below
+:data:`SHM_THRESHOLD` bytes, or going to another host, travel inline.
+
+``cloudpickle`` is used only when plain pickle cannot do the job: when it fails,
+or when the pickle refers to ``__main__`` (classes and functions defined in the
+user's script do not exist under that name in a worker).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+
+from .._core import FRAME_HEADER_SIZE, pack_header, unpack_header
+from ..errors import SerializationError
+from . import shm
+
+__all__ = [
+    "FRAME_HEADER_SIZE",
+    "pack_header",
+    "unpack_header",
+    "max_frame_size",
+    "dumps",
+    "Payload",
+    "encode",
+    "decode",
+    "SHM_THRESHOLD",
+    "encode_one",
+    "write_shm",
+]
+
+#: default bound on one frame's payload; MESHARRAY_MAX_FRAME overrides it
+max_frame_size = int(os.environ.get("MESHARRAY_MAX_FRAME", 1 << 31))
+#: buffers at least this large go through shared memory between same-host processes
+SHM_THRESHOLD = 1 << 16
+
+_PREFIX = struct.Struct("<IHH")
+_DESC = struct.Struct("<BxHIIQQQ")  # kind, slot, pid, fd, serial, offset, length
+_INLINE, _SHM = 0, 1
+_EMPTY_PREFIX_CACHE: dict[int, bytes] = {}
+
+
+class Payload:
+    """A value pickled once, ready to be encoded for one or many receivers."""
+
+    __slots__ = ("pickled", "buffers", "big")
+
+    def __init__(self, pickled: bytes, buffers: list) -> None:
+        self.pickled = pickled
+        self.buffers = buffers
+        self.big = sum(memoryview(b).nbytes for b in buffers) >= SHM_THRESHOLD if buffers else False
+
+
+def dumps(obj) -> Payload:
+    """Pickle ``obj`` (protocol 5, out-of-band buffers); :class:`SerializationError` if impossible."""
+    buffers: list = []
+    try:
+        data = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+        if b"__main__" not in data:
+            return Payload(data, buffers)
+    except Exception:
+        pass
+    buffers = []
+    try:
+        import cloudpickle
+
+        data = cloudpickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    except Exception as exc:
+        raise SerializationError(f"cannot pickle {type(obj).__name__} for sending: {exc}") from exc
+    return Payload(data, buffers)
+
+
+def encode(p: Payload, use_shm: bool = False, seg=None, placed=None, slot: int = 0) -> list:
+    """Payload bytes (a list of buffer-like parts) for one receiver.
+
+    ``seg``/``placed``: the buffers already written to a shared-memory segment
+    (by the caller, once for all receivers of a message); ``slot`` is this
+    receiver's busy byte in it.
+    """
+    if not p.buffers:
+        return [_PREFIX.pack(len(p.pickled), 0, 0), p.pickled]
+    descs = []
+    if seg is not None:
+        pid = shm.pool().pid
+        for off, n in placed:
+            descs.append(_DESC.pack(_SHM, slot, pid, seg.fd, seg.serial, off, n))
+        return [_PREFIX.pack(len(p.pickled), len(descs), 0), *descs, p.pickled]
+    inline = []
+    off = 0
+    for b in p.buffers:
+        raw = memoryview(b)
+        n = raw.nbytes
+        descs.append(_DESC.pack(_INLINE, 0, 0, 0, 0, off, n))
+        inline.append(raw.cast("B") if raw.ndim != 1 or raw.format != "B" else raw)
+        off += n
+    return [_PREFIX.pack(len(p.pickled), len(descs), 0), *descs, p.pickled, *inline]
+
+
+def encode_one(p: Payload, same_host: bool, dest_pid: int | None = None) -> list:
+    """Payload bytes for one receiver: large buffers via shared memory when it is on this host.
+
+    A buffer that lives in a segment ``dest_pid`` sent us goes back as a
+    reference to it (no copy); the others are copied into our own segment.
+    """
+    if not (p.big and same_host and shm.available()):
+        return encode(p)
+    descs: list = [None] * len(p.buffers)
+    copy = []
+    for i, b in enumerate(p.buffers):
+        ref = shm.back_reference(b, dest_pid) if dest_pid is not None else None
+        if ref is None:
+            copy.append(i)
+        else:
+            fd, serial, slot, off, n = ref
+            descs[i] = _DESC.pack(_SHM, slot, dest_pid, fd, serial, off, n)
+    if copy:
+        pool = shm.pool()
+        seg, placed = pool.write([p.buffers[i] for i in copy], 1)
+        for i, (off, n) in zip(copy, placed):
+            descs[i] = _DESC.pack(_SHM, 0, pool.pid, seg.fd, seg.serial, off, n)
+    return [_PREFIX.pack(len(p.pickled), len(descs), 0), *descs, p.pickled]
+
+
+def write_shm(p: Payload, nreceivers: int):
+    """Copy a payload's buffers into shared memory once for ``nreceivers``."""
+    return shm.pool().write(p.buffers, nreceivers)
+
+
+def decode(payload):
+    """Unpickle a payload received in a frame (bytes, bytearray or memoryview)."""
+    plen, nbufs, _ = _PREFIX.unpack_from(payload, 0)
+    if nbufs == 0:
+        return pickle.loads(memoryview(payload)[8:8 + plen])
+    mv = memoryview(payload)
+    base = 8 + nbufs * _DESC.size
+    inline_base = base + plen
+    bufs = []
+    shm_groups: dict = {}
+    for i in range(nbufs):
+        kind, slot, pid, fd, serial, off, n = _DESC.unpack_from(payload, 8 + i * _DESC.size)
+        if kind == _INLINE:
+            if inline_base + off + n > len(mv):
+                raise ValueError("inline buffer extends past the end of the frame")
+            bufs.append(mv[inline_base + off:inline_base + off + n])
+        elif kind == _SHM:
+            shm_groups.setdefault((pid, fd, serial, slot), []).append((i, off, n))
+            bufs.append(None)
+        else:
+            raise ValueError(f"bad buffer descriptor kind {kind}")
+    for (pid, fd, serial, slot), items in shm_groups.items():
+        views = shm.attach(pid, fd, serial, slot, [(o, n) for _, o, n in items])
+        for (i, _, _), v in zip(items, views):
+            bufs[i] = v
+    return pickle.loads(mv[base:base + plen], buffers=bufs)
