@@ -58,6 +58,9 @@ _LAZY = {
     "HostMesh": "mesharray.proc",
     "Endpoint": "mesharray.actor",
     "Buffer": "mesharray.buffer",
+    "allgather": "mesharray._array_factory",
+    "broadcast_from": "mesharray._array_factory",
+    "reduce_scatter": "mesharray._array_factory",
 }
 
 __all__ = [

@@ -455,6 +455,19 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         v = self._values()
         return v.copy() if copy else v
 
+    def fetch(self) -> MeshArray:
+        """The values brought to the controller: a gathered MeshArray (itself if already gathered).
+
+        Examples
+        --------
+        >>> import mesharray as ma
+        >>> ma.MeshArray([1, 2], ["procs"]).fetch().tolist()
+        [1, 2]
+        """
+        if self._storage.kind == "gathered":
+            return self
+        return MeshArray._from_parts(self._shape, _Gathered(self._storage.to_numpy()))
+
     def tolist(self) -> Any:
         """Nested Python lists (Python scalars as leaves), like ``ndarray.tolist``."""
         return self._values().tolist()
@@ -476,6 +489,9 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         return MeshArray._from_parts(self._shape, _Gathered(_copy.deepcopy(self._values(), memo)))
 
     def __reduce__(self) -> tuple:
+        if self._storage.kind != "gathered":
+            # sent to an endpoint, a distributed array arrives as the worker's own block
+            return self._storage.__reduce__()
         return (_rebuild, (self._shape, self._values()))
 
     def reshape_local(self, *shape: Any) -> MeshArray:
