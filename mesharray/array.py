@@ -818,6 +818,10 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         return head + "\n" + np.array2string(self._values(), separator=" ")
 
     def __str__(self) -> str:
+        # Printing must not gather: a distributed array may be gigabytes spread
+        # over many workers. Its str is its repr; fetch() shows the values.
+        if self._storage.kind != "gathered":
+            return repr(self) + " (fetch() to see the values)"
         return str(self._values())
 
 

@@ -188,6 +188,15 @@ def test_fetch_returns_gathered(procs):
     np.testing.assert_array_equal(f.to_numpy(), _np(a))
 
 
+def test_printing_does_not_gather(procs):
+    x = procs.ones((1 << 16,), dtype="float32")
+    before = procs.stats()["replies"]
+    text = str(x)
+    assert text.startswith("MeshArray(hosts=2, procs=2, local=(65536,)") and "fetch()" in text
+    assert repr(x) in text
+    assert procs.stats()["replies"] == before  # nothing came back from the workers
+
+
 def test_torch_engine_blocks(procs):
     pytest.importorskip("torch")
     a = procs.arange((4,), "float32", engine="torch")
