@@ -101,8 +101,8 @@ class NumpyEngine:
         if op not in REDUCTIONS:
             raise ValueError(f"unknown reduction {op!r}; expected one of {sorted(REDUCTIONS)}")
         fn = getattr(np, op)
-        if op in ("argmin", "argmax"):
-            return np.asarray(fn(block, axis=axis, keepdims=keepdims))
+        if op in ("argmin", "argmax") and isinstance(axis, tuple):
+            raise TypeError(f"{op} takes one axis, got {axis}")
         return np.asarray(fn(block, axis=axis, keepdims=keepdims))
 
     def matmul(self, a: Any, b: Any) -> np.ndarray:

@@ -204,7 +204,7 @@ class TorchEngine:
         t = block
         if op in ("argmin", "argmax"):
             if isinstance(axis, tuple):
-                raise ValueError(f"{op} takes one axis, got {axis}")
+                raise TypeError(f"{op} takes one axis, got {axis}")
             return fn(t, dim=axis, keepdim=keepdims)
         if op in ("std", "var"):
             # NumPy's default is the population variance (ddof=0)
