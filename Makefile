@@ -32,6 +32,7 @@ install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(PY) examples/quickstart.py
+	$(PY) examples/linreg.py
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest tests --ignore=tests/mpi -q -p no:cacheprovider

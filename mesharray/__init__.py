@@ -25,6 +25,7 @@ from .errors import (
     DimensionError,
     EngineUnavailableError,
     FrameError,
+    InvalidIndexError,
     MeshArrayError,
     MeshFailure,
     MeshIndexError,
@@ -57,6 +58,9 @@ _LAZY = {
     "HostMesh": "mesharray.proc",
     "Endpoint": "mesharray.actor",
     "Buffer": "mesharray.buffer",
+    "allgather": "mesharray._array_factory",
+    "broadcast_from": "mesharray._array_factory",
+    "reduce_scatter": "mesharray._array_factory",
 }
 
 __all__ = [
@@ -71,6 +75,7 @@ __all__ = [
     "DimensionError",
     "EngineUnavailableError",
     "FrameError",
+    "InvalidIndexError",
     "MeshArrayError",
     "MeshFailure",
     "MeshIndexError",

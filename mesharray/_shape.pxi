@@ -23,7 +23,7 @@ from collections.abc import Mapping as _Mapping
 
 import numpy as _np
 
-from mesharray.errors import DimensionError, MeshIndexError, MeshShapeError
+from mesharray.errors import DimensionError, InvalidIndexError, MeshIndexError, MeshShapeError
 
 cnp.import_array()
 
@@ -49,14 +49,6 @@ cdef object _INT64 = _np.dtype(_np.int64)
 _INVALID_INDEX = ("only integers, slices (`:`), ellipsis (`...`), numpy.newaxis (`None`) "
                   "and integer or boolean arrays are valid indices")
 _ONE_ELLIPSIS = "an index can only have a single ellipsis ('...')"
-
-
-class _InvalidIndexError(MeshIndexError, TypeError):
-    """An index of a type a mesh cannot be indexed with (a float, a str, ...).
-
-    NumPy raises ``IndexError`` for these and Python convention says
-    ``TypeError``; this is both, so either ``except`` clause catches it.
-    """
 
 
 cdef inline object _fresh_name(int pos, object used):
@@ -152,6 +144,8 @@ cdef class Shape:
     cdef const int64_t* _bptr  # data of _base
     cdef object _sizes_t       # cached tuple
     cdef Py_hash_t _hash       # 0 = not yet computed
+    cdef tuple _names_cache    # names of the last basic-index result (see _basic)
+    cdef unsigned long long _names_cache_mask  # which input dims it kept
 
     def __init__(self, extent=None, /, **sizes):
         if extent is not None:
@@ -502,8 +496,9 @@ cdef class Shape:
 
         Naming of dims that no input dim names:
 
-        - ``None`` (and a 0-d bool that is the only advanced index) makes a
-          size-1 dim named ``"_<p>"``, ``p`` its position in the result.
+        - ``None`` makes a size-1 dim named ``"_<p>"``, ``p`` its position in
+          the result; so are named the dims of advanced indices that consume
+          no dim (0-d bools, with ints only).
         - The dims of the broadcast advanced indices take the names of the dims
           the index arrays/masks consume, joined with ``"_"`` (one array on
           ``procs`` → ``procs``; arrays or a 2-d mask on ``hosts`` and
@@ -591,7 +586,7 @@ cdef class Shape:
             except ValueError:
                 raise DimensionError(name, self._names) from None
             if v is None or v is _ELLIPSIS:
-                raise _InvalidIndexError(
+                raise InvalidIndexError(
                     f"index of dimension {name!r} must be an int, a slice, an integer array or a "
                     f"boolean mask, not {v!r}")
             items[d] = v
@@ -624,6 +619,7 @@ cdef class Shape:
         cdef Py_ssize_t v, size, start, stop, step, length
         cdef Py_ssize_t offset = self._offset
         cdef int nint = 0
+        cdef unsigned long long kept = 0
         cdef PyObject* names_buf[MAX_DIMS]
         cdef tuple names = self._names
         for i in range(n):
@@ -652,6 +648,7 @@ cdef class Shape:
                 if length > 0:
                     offset += start * self._strides[dim]
                 names_buf[out] = PyTuple_GET_ITEM(names, dim)
+                kept |= (<unsigned long long>1) << dim
                 out += 1
                 dim += 1
             elif o is None:
@@ -668,6 +665,7 @@ cdef class Shape:
                     r._sizes[out] = self._sizes[dim]
                     r._strides[out] = self._strides[dim]
                     names_buf[out] = PyTuple_GET_ITEM(names, dim)
+                    kept |= (<unsigned long long>1) << dim
                     out += 1
                     dim += 1
         while dim < self._ndim:
@@ -676,6 +674,7 @@ cdef class Shape:
             r._sizes[out] = self._sizes[dim]
             r._strides[out] = self._strides[dim]
             names_buf[out] = PyTuple_GET_ITEM(names, dim)
+            kept |= (<unsigned long long>1) << dim
             out += 1
             dim += 1
         r._ndim = out
@@ -686,7 +685,14 @@ cdef class Shape:
         if nint == 0 and nnew == 0 and out == self._ndim:
             r._names = names
         elif nnew == 0:
-            r._names = _names_tuple(names_buf, out)
+            # one-entry cache: indexing the same dims away again (mesh[i] in a
+            # loop) reuses the names tuple instead of building a new one
+            if self._names_cache is not None and self._names_cache_mask == kept:
+                r._names = self._names_cache
+            else:
+                r._names = _names_tuple(names_buf, out)
+                self._names_cache = r._names
+                self._names_cache_mask = kept
         else:
             used = set()
             for k in range(out):
@@ -742,17 +748,20 @@ cdef class Shape:
                         items.append(a); kinds.append("m"); consumed += a.ndim
                     advanced = True
                     continue
-                if a.size == 0 and a.dtype.kind in "fO":
-                    a = a.astype(_np.intp)
+                if a.size == 0 and a.dtype.kind in "fO" and not isinstance(o, _np.ndarray):
+                    a = a.astype(_np.intp)  # ``[]`` is an empty integer index, as in NumPy
                 if a.dtype.kind not in "iu":
-                    raise _InvalidIndexError(
+                    raise InvalidIndexError(
                         f"arrays used as indices must be of integer (or boolean) type, not {a.dtype}")
+                if a.dtype.kind == "u" and a.size and int(a.max()) > 0x7FFFFFFFFFFFFFFF:
+                    # would wrap to a negative int64 below; no mesh is that large
+                    raise MeshIndexError(f"index {int(a.max())} is out of bounds for the mesh")
                 if a.ndim == 0:
                     items.append(int(a)); kinds.append("i"); consumed += 1
                 else:
                     items.append(a); kinds.append("a"); consumed += 1; advanced = True
             else:
-                raise _InvalidIndexError(f"{_INVALID_INDEX}; got {type(o).__name__} {o!r}")
+                raise InvalidIndexError(f"{_INVALID_INDEX}; got {type(o).__name__} {o!r}")
         if consumed > self._ndim:
             raise _too_many(self._ndim, consumed)
         # bounds (NumPy's messages, with the dim's name) and mask shapes
@@ -783,7 +792,73 @@ cdef class Shape:
         if not advanced:
             t = tuple(items)
             return self._basic(PySequence_Fast_ITEMS(t), len(items))
+        # One 1-d array (or 1-d mask) among basic items: its dim stays in place
+        # and keeps its name, so it is a basic view with that dim gathered.
+        cdef int n_adv = 0, which = -1
+        for j in range(len(kinds)):
+            k = kinds[j]
+            if k == "a" or k == "m":
+                n_adv += 1
+                which = j
+            elif k == "i" or k == "b":
+                n_adv += 2
+        if n_adv == 1 and items[which].ndim == 1:
+            return self._one_array(items, kinds, which, consumed)
         return self._advanced(items, kinds, consumed)
+
+    cdef Shape _one_array(self, list items, list kinds, int which, int consumed):
+        a = items[which]
+        pos = _np.flatnonzero(a) if kinds[which] == "m" else a
+        cdef int p = 0, j, dim = 0
+        for j in range(which):
+            k = kinds[j]
+            if k == "s" or k == "n":
+                p += 1
+            elif k == "e":
+                p += self._ndim - consumed
+            if k == "s" or k == "i":
+                dim += 1
+            elif k == "e":
+                dim += self._ndim - consumed
+            elif k == "m":
+                dim += items[j].ndim
+        items2 = list(items)
+        items2[which] = _FULL
+        t = tuple(items2)
+        cdef Shape v = self._basic(PySequence_Fast_ITEMS(t), len(items2))
+        cdef Py_ssize_t size = v._sizes[p]
+        pos = _np.array(pos, dtype=_np.int64, copy=True)   # ours to normalise in place
+        cdef int64_t* pv = <int64_t*>cnp.PyArray_DATA(pos)
+        cdef Py_ssize_t n = pos.shape[0], q, step
+        for q in range(n):
+            if pv[q] < 0:
+                pv[q] += size
+            if pv[q] < 0 or pv[q] >= size:
+                raise _out_of_bounds(int(a[q]) if kinds[which] == "a" else pv[q], dim, self._names[dim], size)
+        cdef bint progression = True
+        step = pv[1] - pv[0] if n > 1 else 1
+        for q in range(2, n):
+            if pv[q] - pv[q - 1] != step:
+                progression = False
+                break
+        if progression:
+            if n:
+                v._offset += pv[0] * v._strides[p]
+            v._strides[p] *= step
+            v._sizes[p] = n
+            v._sizes_t = None
+            v._finish()
+            return v
+        # not a progression: gather in C straight into the new rank list
+        v._sizes[p] = n
+        v._sizes_t = None
+        v._finish()
+        cdef cnp.npy_intp total = v._size
+        out = cnp.PyArray_EMPTY(1, &total, cnp.NPY_INT64, 0)
+        if total:
+            _fill_gather(v._ndim, v._sizes, v._strides, v._offset, v._bptr, p, pv,
+                         <int64_t*>cnp.PyArray_DATA(out))
+        return _from_ranks(v._names, list(v.sizes), out, True)
 
     cdef _array_bounds(self, list items, list kinds, int consumed):
         # Raise our message (with the dim's name) for an out-of-range index array.
@@ -1223,7 +1298,7 @@ cdef Py_ssize_t _check_size(object size, object name) except -1:
     return v
 
 
-cdef Shape _from_ranks(tuple names, list sizes, object arr):
+cdef Shape _from_ranks(tuple names, list sizes, object arr, bint owned=False):
     # ``arr``: contiguous int64, len == prod(sizes), non-negative.  Strided
     # when the ranks are, else explicit over a read-only copy.
     cdef int n = len(names), d
@@ -1248,7 +1323,7 @@ cdef Shape _from_ranks(tuple names, list sizes, object arr):
     if total == 0 or _matches(s, p):
         return s
     # explicit: a row-major contiguous view over its own copy
-    base = _np.array(arr, dtype=_np.int64, copy=True)
+    base = arr if owned else _np.array(arr, dtype=_np.int64, copy=True)
     base.flags.writeable = False
     s._base = base
     s._bptr = <const int64_t*>cnp.PyArray_DATA(base)
@@ -1337,6 +1412,36 @@ cdef void _fill(int ndim, const Py_ssize_t* sizes_in, const Py_ssize_t* strides_
             d -= 1
         if d < 0:
             return
+
+
+cdef void _fill_gather(int ndim, const Py_ssize_t* sizes, const Py_ssize_t* strides,
+                       Py_ssize_t offset, const int64_t* base, int p, const int64_t* pos,
+                       int64_t* out) noexcept nogil:
+    # Like _fill, but dim ``p`` (size == len(pos)) visits positions ``pos``
+    # instead of 0..size-1: the rank list of ``view[..., pos, ...]``.
+    cdef Py_ssize_t idx[MAX_DIMS]
+    cdef Py_ssize_t cur = offset + pos[0] * strides[p], k = 0, total = 1, j
+    cdef int d
+    for d in range(ndim):
+        idx[d] = 0
+        total *= sizes[d]
+    for k in range(total):
+        out[k] = base[cur] if base != NULL else cur
+        d = ndim - 1
+        while d >= 0:
+            idx[d] += 1
+            if idx[d] < sizes[d]:
+                if d == p:
+                    cur += (pos[idx[d]] - pos[idx[d] - 1]) * strides[d]
+                else:
+                    cur += strides[d]
+                break
+            if d == p:
+                cur -= (pos[sizes[d] - 1] - pos[0]) * strides[d]
+            else:
+                cur -= strides[d] * (sizes[d] - 1)
+            idx[d] = 0
+            d -= 1
 
 
 # ---------------------------------------------------------------------- functions

@@ -30,7 +30,7 @@ import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from ._core import Shape, broadcast_shapes
-from .errors import DimensionError, MeshIndexError, MeshShapeError
+from .errors import DimensionError, InvalidIndexError, MeshIndexError, MeshShapeError
 from .mesh import MeshTrait, _mesh_size
 
 __all__ = ["MeshArray"]
@@ -455,6 +455,19 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         v = self._values()
         return v.copy() if copy else v
 
+    def fetch(self) -> MeshArray:
+        """The values brought to the controller: a gathered MeshArray (itself if already gathered).
+
+        Examples
+        --------
+        >>> import mesharray as ma
+        >>> ma.MeshArray([1, 2], ["procs"]).fetch().tolist()
+        [1, 2]
+        """
+        if self._storage.kind == "gathered":
+            return self
+        return MeshArray._from_parts(self._shape, _Gathered(self._storage.to_numpy()))
+
     def tolist(self) -> Any:
         """Nested Python lists (Python scalars as leaves), like ``ndarray.tolist``."""
         return self._values().tolist()
@@ -476,6 +489,9 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         return MeshArray._from_parts(self._shape, _Gathered(_copy.deepcopy(self._values(), memo)))
 
     def __reduce__(self) -> tuple:
+        if self._storage.kind != "gathered":
+            # sent to an endpoint, a distributed array arrives as the worker's own block
+            return self._storage.__reduce__()
         return (_rebuild, (self._shape, self._values()))
 
     def reshape_local(self, *shape: Any) -> MeshArray:
@@ -802,6 +818,10 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         return head + "\n" + np.array2string(self._values(), separator=" ")
 
     def __str__(self) -> str:
+        # Printing must not gather: a distributed array may be gigabytes spread
+        # over many workers. Its str is its repr; fetch() shows the values.
+        if self._storage.kind != "gathered":
+            return repr(self) + " (fetch() to see the values)"
         return str(self._values())
 
 
@@ -811,10 +831,6 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
 
 _NUMBER_TYPES = (bool, int, float, complex)
 _SCALAR_TYPES = (bool, int, float, complex, np.generic)
-
-
-class _InvalidIndexError(MeshIndexError, TypeError):
-    """An index of a type nothing can be indexed with: NumPy says IndexError, Python TypeError."""
 
 
 def _rebuild(shape: Shape, values: np.ndarray) -> MeshArray:
@@ -1001,7 +1017,7 @@ def _split_key(key: Any, mesh_ndim: int, local_ndim: int, a: MeshArray) -> tuple
                 )
             items.append(arr)
             continue
-        raise _InvalidIndexError(
+        raise InvalidIndexError(
             "only integers, slices (`:`), ellipsis (`...`), numpy.newaxis (`None`) and "
             f"integer or boolean arrays are valid indices, got {type(k).__name__}: {k!r}"
         )

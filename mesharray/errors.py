@@ -15,6 +15,7 @@ from __future__ import annotations
 __all__ = [
     "MeshArrayError",
     "MeshIndexError",
+    "InvalidIndexError",
     "MeshShapeError",
     "DimensionError",
     "EngineUnavailableError",
@@ -40,6 +41,14 @@ class MeshArrayError(Exception):
 
 class MeshIndexError(MeshArrayError, IndexError):
     """An index that is out of range or malformed for a mesh or MeshArray."""
+
+
+class InvalidIndexError(MeshIndexError, TypeError):
+    """An index of a type nothing can be indexed with (a float, a str, an object).
+
+    NumPy raises ``IndexError`` for these and Python's convention is ``TypeError``;
+    this is both, so either ``except`` clause catches it.
+    """
 
 
 class MeshShapeError(MeshArrayError, ValueError):

@@ -9,12 +9,25 @@ from __future__ import annotations
 import os
 import time
 
+import warnings
+
 import pytest
 
 try:
     import psutil
 except ImportError:  # pragma: no cover - psutil is in the [test] extra
     psutil = None
+
+# When a hypothesis test fails, its pytest plugin imports hypothesis.extra._patching
+# (→ libcst → mypy_extensions, which warns DeprecationWarning at import).  Under
+# pytest's -W error that import turns a plain test failure into an INTERNALERROR
+# that hides the falsifying example, so import it once here with the warning muted.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    try:
+        import hypothesis.extra._patching  # noqa: F401
+    except ImportError:  # libcst not installed: the plugin skips the patch too
+        pass
 
 
 def _children() -> set[int]:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import mesharray
 
@@ -18,7 +20,10 @@ def test_import_does_not_import_heavy_packages():
         "import json, sys; import mesharray; from mesharray import Shape; Shape(a=2)[0]; "
         f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         check=True, cwd=root, env=env)
     assert json.loads(out.stdout) == []
 
 

@@ -259,7 +259,17 @@ def test_index_errors(s, idx, msg):
     assert msg in str(info.value)
 
 
-@pytest.mark.parametrize("idx", [1.0, "procs", (0, "a"), [1.0], (0, object()), slice("a")])
+def test_empty_sequences_are_integer_indices_but_empty_float_arrays_are_not(s):
+    assert s[[]].sizes == (0, 4)
+    assert s[[], []].sizes == (0,)
+    assert s[[[]]].sizes == (1, 0, 4)
+    with pytest.raises(IndexError, match="must be of integer"):
+        s[np.array([])]
+
+
+@pytest.mark.parametrize(
+    "idx", [1.0, "procs", (0, "a"), [1.0], (0, object()), slice("a"), np.array(1.0), [slice(None), 0]]
+)
 def test_index_type_errors(s, idx):
     with pytest.raises(TypeError) as info:
         s[idx]
@@ -407,3 +417,11 @@ def test_docstring_examples_run():
     result = doctest.testmod(_core, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 20
     assert result.failed == 0
+
+
+def test_repeated_basic_indexing_of_one_shape_keeps_names_right():
+    t = Shape(a=2, b=3, c=4)
+    seq = [(0,), (slice(None), 0), (0,), (Ellipsis, 1), (0, 0), (None, 0), (0,), (slice(None), 1, 1)]
+    expected = [("b", "c"), ("a", "c"), ("b", "c"), ("a", "b"), ("c",), ("_0", "b", "c"), ("b", "c"), ("a",)]
+    for _ in range(2):
+        assert [t[i].names for i in seq] == expected

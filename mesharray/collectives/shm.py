@@ -1,0 +1,545 @@
+"""The built-in shared-memory collective backend, for ranks on one host.
+
+N processes map one POSIX shared-memory segment (named by the caller) made of
+a control area, one *slot* per rank and a result area. Every operation runs in
+numbered *rounds* (a message larger than a slot is cut into several rounds);
+each rank only ever writes its own flags (single writer, so plain atomic
+loads and stores with acquire/release ordering suffice — no locks, no futex):
+
+- ``arrive[r] = k``  rank r has written its slot for round k;
+- ``reduced[r] = k`` rank r has reduced its share of round k into the result area;
+- ``done[r] = k``    rank r no longer reads anybody's slot or the result area of round k.
+
+A rank starts round k only once every rank is done with round k-1, so slots
+and the result area are reused without copies or page faults (the segment is
+mapped once, at the group's creation, and pre-faulted). An allreduce is a
+reduce-scatter into the result area (each rank reduces 1/N of the elements
+with the nogil kernels of ``_core``) followed by an allgather of the result
+area — two barriers per round; small messages skip the second barrier (every
+rank reduces everything itself).
+
+Waiting spins, then yields the core (ranks may outnumber cores), and returns
+to Python every few milliseconds to check that the peers it waits for are
+alive: a dead peer fails the operation on every survivor with
+:class:`~mesharray.errors.ActorDiedError` instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import secrets
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from .._core import atomic_load, atomic_store, buffer_address, copy_bytes, reduce_addresses, wait_flags
+from ..errors import ActorDiedError, MeshArrayError, SupervisionError
+
+__all__ = ["ShmCollective", "unique_segment_name", "REDUCE_OPS"]
+
+REDUCE_OPS = ("sum", "prod", "min", "max", "mean")
+
+_MAGIC = 0x4D41534852454431  # "MASHRED1"
+_PAGE = 4096
+_LINE = 64
+# control lines per rank: arrive, reduced, done, pid
+_ARRIVE, _REDUCED, _DONE, _PID = 0, 1, 2, 3
+_NFLAGS = 4
+_SMALL = 64 * 1024  # bytes under which every rank reduces the whole round itself
+_POLL = 0.005  # seconds between liveness checks while waiting
+
+_DTYPES = {np.dtype(t): np.dtype(t).name for t in (
+    "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")}
+
+
+def unique_segment_name(prefix: str = "mesharray") -> str:
+    """A fresh segment name that no other job on this host uses.
+
+    Examples
+    --------
+    >>> unique_segment_name("job").startswith("job-")
+    True
+    """
+    return f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not registered yet: nothing to say
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        # the state follows the parenthesised command name
+        return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] not in (b"Z", b"X")
+    except (OSError, ValueError):
+        return True
+
+
+class ShmCollective:
+    """A group of ``size`` processes on one host doing collectives through shared memory.
+
+    Every member constructs it with the same ``name``, ``size`` and
+    ``capacity`` and its own ``rank``; the constructor returns once every member
+    has attached (then the name is unlinked, so nothing is left in ``/dev/shm``
+    even if a member crashes later). Members must call the same collectives in
+    the same order with matching shapes and dtypes.
+
+    Parameters
+    ----------
+    name : str
+        Segment name shared by the members (see :func:`unique_segment_name`).
+    rank, size : int
+        This member's index in ``0..size-1`` and the number of members.
+    capacity : int
+        Bytes per slot; larger messages are pipelined through it in rounds.
+    timeout : float
+        Seconds an operation (or the join) may wait for a live peer before it
+        raises ``TimeoutError``. A dead peer is detected within milliseconds.
+    global_ranks : sequence of int, optional
+        The members' global ranks, used in error messages (default: 0..size-1).
+    peer_pids : sequence of int, optional
+        The members' process ids when the caller knows them (a runtime does):
+        a member that dies before it even attaches is then detected during
+        the join too, instead of after ``timeout``.
+
+    Examples
+    --------
+    A group of one (more members are separate processes):
+
+    >>> import numpy as np
+    >>> g = ShmCollective(unique_segment_name(), rank=0, size=1)
+    >>> g.allreduce(np.arange(3.0)).tolist()
+    [0.0, 1.0, 2.0]
+    >>> g.close()
+    """
+
+    def __init__(self, name: str, rank: int, size: int, capacity: int = 4 << 20,
+                 timeout: float = 60.0, global_ranks: Sequence[int] | None = None,
+                 peer_pids: Sequence[int] | None = None) -> None:
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ValueError(f"segment name must be a non-empty str without '/', got {name!r}")
+        for label, v in (("rank", rank), ("size", size), ("capacity", capacity)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+                raise TypeError(f"{label} must be an int, got {type(v).__name__}")
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        if not 0 <= rank < size:
+            raise ValueError(f"rank must be in [0, {size}), got {rank}")
+        if capacity < _LINE:
+            raise ValueError(f"capacity must be >= {_LINE} bytes, got {capacity}")
+        self.name = name
+        self.rank = int(rank)
+        self.size = int(size)
+        self.capacity = _round_up(int(capacity), _LINE)
+        self.timeout = float(timeout)
+        self.global_ranks = tuple(int(r) for r in (global_ranks if global_ranks is not None else range(size)))
+        self._peer_pids = tuple(int(p) for p in peer_pids) if peer_pids is not None else (0,) * self.size
+        if len(self._peer_pids) != self.size:
+            raise ValueError(f"peer_pids has {len(self._peer_pids)} entries for a group of size {size}")
+        if len(self.global_ranks) != self.size:
+            raise ValueError(f"global_ranks has {len(self.global_ranks)} entries for a group of size {size}")
+        self._created = False
+        self._seq = 0
+        self._broken: BaseException | None = None
+        self._closed = False
+        self._ctrl = _round_up(_PAGE + self.size * _NFLAGS * _LINE, _PAGE)
+        self._slot_bytes = _round_up(self.capacity, _PAGE)
+        self._nbytes = self._ctrl + (self.size + 1) * self._slot_bytes
+        self._path = f"/dev/shm/{name}" if os.path.isdir("/dev/shm") else None
+        self._mm = None
+        self._arr = None
+        self._open()
+        self._join()
+
+    # --- segment lifecycle -----------------------------------------------------------
+
+    def _open(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        if self._path is None:  # pragma: no cover - non-Linux
+            raise OSError("shared-memory collectives need /dev/shm (Linux)")
+        if self.rank == 0:
+            try:
+                fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                raise FileExistsError(
+                    f"shared-memory segment {self.name!r} already exists; another group uses "
+                    f"the name, or a crashed job left it behind (remove {self._path})"
+                ) from None
+            self._created = True
+            try:
+                os.ftruncate(fd, self._nbytes)
+                mm = mmap.mmap(fd, self._nbytes)
+            finally:
+                os.close(fd)
+        else:
+            while True:
+                try:
+                    fd = os.open(self._path, os.O_RDWR)
+                except FileNotFoundError:
+                    fd = -1
+                if fd >= 0:
+                    try:
+                        if os.fstat(fd).st_size == self._nbytes:
+                            mm = mmap.mmap(fd, self._nbytes)
+                            break
+                        if os.fstat(fd).st_size > 0:
+                            raise ValueError(
+                                f"segment {self.name!r} has {os.fstat(fd).st_size} bytes but this member "
+                                f"expects {self._nbytes}: members disagree on size or capacity"
+                            )
+                    finally:
+                        os.close(fd)
+                if self._peer_pids[0] and not _pid_alive(self._peer_pids[0]):
+                    raise ActorDiedError(
+                        ranks=[self.global_ranks[0]], pid=self._peer_pids[0],
+                        reason=f"died before creating shared-memory group {self.name!r}",
+                    )
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"shared-memory segment {self.name!r} did not appear within {self.timeout} s "
+                        f"(rank 0 of the group never created it)"
+                    )
+                time.sleep(0.001)
+        self._mm = mm
+        self._arr = np.frombuffer(mm, dtype=np.uint8)
+        self._base = int(self._arr.ctypes.data)
+        self._slots = [self._arr[self._slot_off(j):self._slot_off(j) + self.capacity] for j in range(self.size)]
+        self._result = self._arr[self._slot_off(self.size):self._slot_off(self.size) + self.capacity]
+        self._slot_addr = [self._base + self._slot_off(j) for j in range(self.size)]
+        self._res_addr = self._base + self._slot_off(self.size)
+        self._all = list(range(self.size))
+        if self.rank == 0:
+            atomic_store(self._base, _MAGIC)
+        else:
+            while atomic_load(self._base) != _MAGIC:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"shared-memory segment {self.name!r} was never initialised by rank 0")
+                time.sleep(0.0005)
+        # pre-fault our slot and our share of the result area: page faults during
+        # the first collective would otherwise halve its bandwidth
+        self._slots[self.rank][::_PAGE] = 0
+        lo, hi = self._share(self.capacity, self.rank)
+        self._result[lo:hi:_PAGE] = 0
+
+    def _slot_off(self, j: int) -> int:
+        return self._ctrl + j * self._slot_bytes
+
+    def _flag(self, kind: int, j: int) -> int:
+        return self._base + _PAGE + (kind * self.size + j) * _LINE
+
+    def _join(self) -> None:
+        atomic_store(self._flag(_PID, self.rank), os.getpid())
+        try:
+            self._wait(_PID, 1, range(self.size), "join")
+        except BaseException:
+            # a failed join leaves nothing behind: no name in /dev/shm, no mapping
+            self.close()
+            raise
+        if self.rank == 0:
+            self._unlink()
+
+    def _unlink(self) -> None:
+        if not self._created:
+            return
+        try:
+            os.unlink(self._path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        """Unmap the segment (idempotent); the group cannot be used afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        self._unlink()
+        self._slots = []
+        self._result = None
+        self._arr = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:  # a caller still holds a view; the mapping goes with it
+                pass
+            self._mm = None
+
+    def __enter__(self) -> "ShmCollective":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            if hasattr(self, "_closed"):
+                self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"ShmCollective(name={self.name!r}, rank={self.rank}, size={self.size}, capacity={self.capacity})"
+
+    # --- synchronisation ---------------------------------------------------------------
+
+    def _wait(self, kind: int, target: int, ranks, what: str) -> None:
+        base = self._flag(kind, 0)
+        pending = wait_flags(base, _LINE, ranks, target, _POLL)
+        if pending < 0:
+            return
+        ranks = list(ranks)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            pending = wait_flags(base, _LINE, ranks, target, _POLL)
+            if pending < 0:
+                return
+            dead = [j for j in range(self.size) if j != self.rank and not _pid_alive(self._pid(j))]
+            if dead:
+                err = ActorDiedError(
+                    ranks=[self.global_ranks[j] for j in dead],
+                    pid=self._pid(dead[0]),
+                    reason=f"died during shared-memory {what} of group {self.name!r}",
+                )
+                self._broken = err
+                raise err
+            if time.monotonic() > deadline:
+                err = TimeoutError(
+                    f"shared-memory {what} timed out after {self.timeout} s waiting for rank "
+                    f"{self.global_ranks[pending]} of group {self.name!r}"
+                )
+                self._broken = err
+                raise err
+            ranks = ranks[ranks.index(pending):]
+
+    def _pid(self, j: int) -> int:
+        return atomic_load(self._flag(_PID, j)) or self._peer_pids[j]
+
+    def _begin(self, what: str) -> int:
+        if self._closed:
+            raise MeshArrayError(f"shared-memory group {self.name!r} is closed")
+        if self._broken is not None:
+            raise SupervisionError(
+                f"shared-memory group {self.name!r} is broken by an earlier failure: {self._broken}"
+            )
+        k = self._seq + 1
+        if k > 1:
+            self._wait(_DONE, k - 1, self._all, what)
+        self._seq = k
+        return k
+
+    def _end(self, k: int) -> None:
+        atomic_store(self._flag(_DONE, self.rank), k)
+
+    def _share(self, count: int, j: int) -> tuple[int, int]:
+        # element range [lo, hi) of `count` that rank j reduces, split evenly
+        per, extra = divmod(count, self.size)
+        lo = j * per + min(j, extra)
+        return lo, lo + per + (1 if j < extra else 0)
+
+    # --- argument checks -----------------------------------------------------------------
+
+    @staticmethod
+    def _as_array(x: Any, label: str) -> np.ndarray:
+        if not isinstance(x, np.ndarray):
+            if hasattr(x, "__array_interface__") or hasattr(x, "__array__") or isinstance(x, memoryview):
+                x = np.asarray(x)
+            else:
+                raise TypeError(f"{label} must be a NumPy array or a buffer, got {type(x).__name__}")
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{label} must be C-contiguous")
+        return x
+
+    def _out(self, out: Any, shape: tuple, dtype: np.dtype) -> np.ndarray:
+        if out is None:
+            return np.empty(shape, dtype=dtype)
+        out = self._as_array(out, "out")
+        if out.dtype != dtype or out.size != math.prod(shape):
+            raise ValueError(f"out has dtype {out.dtype} and {out.size} elements; expected {dtype} and shape {shape}")
+        if not out.flags.writeable:
+            raise ValueError("out is read-only")
+        return out
+
+    @staticmethod
+    def _kernel_dtype(dtype: np.dtype, op: str) -> str:
+        if op not in REDUCE_OPS:
+            raise ValueError(f"unknown reduction op {op!r}; expected one of {REDUCE_OPS}")
+        name = _DTYPES.get(dtype)
+        if name is None:
+            raise TypeError(f"shared-memory reductions support {sorted(set(_DTYPES.values()))}; got {dtype}")
+        if op == "mean" and dtype.kind != "f":
+            raise TypeError(f"op 'mean' needs a floating dtype, got {dtype}; cast first")
+        return name
+
+    # --- collectives ---------------------------------------------------------------------
+
+    def barrier(self) -> None:
+        """Return once every member has entered the barrier."""
+        k = self._begin("barrier")
+        atomic_store(self._flag(_ARRIVE, self.rank), k)
+        self._wait(_ARRIVE, k, range(self.size), "barrier")
+        self._end(k)
+
+    def allreduce(self, send: Any, out: Any = None, op: str = "sum") -> np.ndarray:
+        """Reduce ``send`` elementwise across members; every member gets the result.
+
+        ``out`` may be ``send`` (in place). Floating sums are bit-identical to
+        ``np.sum(np.stack(all_sends), axis=0)`` (members added in rank order).
+        """
+        send = self._as_array(send, "send")
+        kdt = self._kernel_dtype(send.dtype, op)
+        out = self._out(out, send.shape, send.dtype)
+        self._reduce_rounds(send, out, "sum" if op == "mean" else op, kdt, root=None)
+        if op == "mean":
+            np.divide(out, self.size, out=out)
+        return out
+
+    def reduce(self, send: Any, out: Any = None, op: str = "sum", root: int = 0) -> np.ndarray | None:
+        """Reduce ``send`` across members into ``out`` on ``root``; others get ``None``."""
+        send = self._as_array(send, "send")
+        kdt = self._kernel_dtype(send.dtype, op)
+        self._check_root(root)
+        if self.rank == root:
+            out = self._out(out, send.shape, send.dtype)
+        else:
+            out = None
+        self._reduce_rounds(send, out, "sum" if op == "mean" else op, kdt, root=root)
+        if op == "mean" and out is not None:
+            np.divide(out, self.size, out=out)
+        return out
+
+    def _check_root(self, root: int) -> None:
+        if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
+            raise ValueError(f"root must be a rank in [0, {self.size}), got {root!r}")
+
+    def _reduce_rounds(self, send: np.ndarray, out: np.ndarray | None, op: str, kdt: str, root: int | None) -> None:
+        isz = send.dtype.itemsize
+        src, total_bytes = buffer_address(send)
+        dst = buffer_address(out, True)[0] if out is not None else 0
+        total = send.size
+        per_round = max(1, self.capacity // isz)
+        slot_addrs = self._slot_addr
+        mine = slot_addrs[self.rank]
+        everyone = self._all
+        start = 0
+        while True:
+            count = min(per_round, total - start)
+            nb = count * isz
+            off = start * isz
+            k = self._begin("reduction")
+            copy_bytes(mine, src + off, nb)
+            atomic_store(self._flag(_ARRIVE, self.rank), k)
+            self._wait(_ARRIVE, k, everyone, "reduction")
+            if nb <= _SMALL or self.size == 1:
+                if dst:
+                    # every member reduces the whole (small) round itself: one barrier
+                    reduce_addresses(dst + off, slot_addrs, count, kdt, op)
+            else:
+                lo, hi = self._share(count, self.rank)
+                if hi > lo:
+                    reduce_addresses(self._res_addr + lo * isz, [a + lo * isz for a in slot_addrs], hi - lo, kdt, op)
+                atomic_store(self._flag(_REDUCED, self.rank), k)
+                if dst:
+                    self._wait(_REDUCED, k, everyone, "reduction")
+                    copy_bytes(dst + off, self._res_addr, nb)
+            self._end(k)
+            start += count
+            if start >= total:
+                return
+
+    def broadcast(self, buf: Any, root: int = 0) -> np.ndarray:
+        """Copy ``buf`` of ``root`` into ``buf`` of every member (in place); returns ``buf``."""
+        buf = self._as_array(buf, "buf")
+        self._check_root(root)
+        if self.rank != root and not buf.flags.writeable:
+            raise ValueError("buf is read-only")
+        data = buf.reshape(-1).view(np.uint8)
+        total = data.size
+        start = 0
+        while True:
+            nb = min(self.capacity, total - start)
+            k = self._begin("broadcast")
+            if self.rank == root:
+                self._slots[root][:nb] = data[start:start + nb]
+                atomic_store(self._flag(_ARRIVE, self.rank), k)
+            else:
+                atomic_store(self._flag(_ARRIVE, self.rank), k)
+                self._wait(_ARRIVE, k, [root], "broadcast")
+                data[start:start + nb] = self._slots[root][:nb]
+            self._end(k)
+            start += nb
+            if start >= total:
+                return buf
+
+    def allgather(self, send: Any, out: Any = None) -> np.ndarray:
+        """Gather every member's ``send`` into ``out`` of shape ``(size, *send.shape)`` on every member."""
+        send = self._as_array(send, "send")
+        out = self._out(out, (self.size,) + send.shape, send.dtype)
+        src = send.reshape(-1).view(np.uint8)
+        dst = out.reshape(self.size, -1).view(np.uint8)
+        total = src.size
+        start = 0
+        while True:
+            nb = min(self.capacity, total - start)
+            k = self._begin("allgather")
+            self._slots[self.rank][:nb] = src[start:start + nb]
+            atomic_store(self._flag(_ARRIVE, self.rank), k)
+            self._wait(_ARRIVE, k, range(self.size), "allgather")
+            for j in range(self.size):
+                dst[j, start:start + nb] = self._slots[j][:nb]
+            self._end(k)
+            start += nb
+            if start >= total:
+                return out
+
+    def reduce_scatter(self, send: Any, out: Any = None, op: str = "sum") -> np.ndarray:
+        """Reduce ``send`` across members and give member r the r-th of ``size`` equal parts.
+
+        ``send`` has shape ``(size, *rest)`` (or a 1-D length divisible by
+        ``size``); ``out`` gets shape ``rest`` (or ``len // size``).
+        """
+        send = self._as_array(send, "send")
+        kdt = self._kernel_dtype(send.dtype, op)
+        if send.ndim >= 1 and send.shape[0] == self.size and send.ndim > 1:
+            part_shape = send.shape[1:]
+        elif send.size % self.size == 0:
+            part_shape = (send.size // self.size,)
+        else:
+            raise ValueError(f"reduce_scatter needs send of shape ({self.size}, ...) or a size divisible by {self.size}; got shape {send.shape}")
+        out = self._out(out, part_shape, send.dtype)
+        kop = "sum" if op == "mean" else op
+        isz = send.dtype.itemsize
+        part = send.size // self.size
+        src = send.reshape(self.size, part)
+        dst = out.reshape(-1)
+        per_round = max(1, self.capacity // isz // self.size)
+        slot_addrs = [self._base + self._slot_off(j) for j in range(self.size)]
+        start = 0
+        while True:
+            count = min(per_round, part - start)
+            k = self._begin("reduce_scatter")
+            # slot layout of one round: size pieces of `count` elements, piece j for member j
+            mine = self._slots[self.rank][:count * self.size * isz].view(send.dtype).reshape(self.size, count)
+            mine[...] = src[:, start:start + count]
+            atomic_store(self._flag(_ARRIVE, self.rank), k)
+            self._wait(_ARRIVE, k, range(self.size), "reduce_scatter")
+            if count:
+                off = self.rank * count * isz
+                reduce_addresses(int(dst[start:].ctypes.data), [a + off for a in slot_addrs], count, kdt, kop)
+            self._end(k)
+            start += count
+            if start >= part:
+                break
+        if op == "mean":
+            np.divide(out, self.size, out=out)
+        return out

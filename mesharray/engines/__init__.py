@@ -1,0 +1,34 @@
+"""Tensor engines: what a rank's block *is* and where it lives.
+
+An :class:`Engine` allocates blocks, moves them to and from host memory, runs
+elementwise operations and reductions on them, exports them (DLPack / buffer
+protocol) and names the collective backend it prefers. Engines load lazily:
+``import mesharray`` never imports torch, and asking for an engine whose package
+or device is missing raises :class:`~mesharray.errors.EngineUnavailableError`
+naming what to install.
+
+>>> from mesharray.engines import get_engine
+>>> eng = get_engine("numpy")
+>>> eng.to_numpy(eng.full((2,), 3.0, "float32")).tolist()
+[3.0, 3.0]
+"""
+
+from __future__ import annotations
+
+from ._registry import (
+    ENGINE_NAMES,
+    Engine,
+    available_engines,
+    get_engine,
+    register_engine,
+    resolve_engine_name,
+)
+
+__all__ = [
+    "ENGINE_NAMES",
+    "Engine",
+    "available_engines",
+    "get_engine",
+    "register_engine",
+    "resolve_engine_name",
+]

@@ -1,0 +1,133 @@
+"""The NumPy engine: blocks are ``numpy.ndarray`` in host memory (no torch needed)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+__all__ = ["NumpyEngine", "ELEMENTWISE_OPS", "REDUCTIONS"]
+
+# ufunc names the engines agree on (what MeshArray's operators map to)
+ELEMENTWISE_OPS = frozenset({
+    "add", "subtract", "multiply", "true_divide", "divide", "floor_divide", "remainder", "mod",
+    "power", "negative", "positive", "absolute", "abs", "sqrt", "exp", "log", "log1p", "expm1",
+    "sin", "cos", "tan", "tanh", "sign", "square", "reciprocal", "maximum", "minimum",
+    "equal", "not_equal", "less", "less_equal", "greater", "greater_equal",
+    "logical_and", "logical_or", "logical_not", "logical_xor",
+    "bitwise_and", "bitwise_or", "bitwise_xor", "invert", "left_shift", "right_shift",
+    "floor", "ceil", "trunc", "rint", "arctan2", "hypot", "fmod", "isnan", "isinf", "isfinite",
+    "where", "clip",
+})
+REDUCTIONS = frozenset({"sum", "prod", "min", "max", "mean", "any", "all", "argmin", "argmax", "std", "var"})
+
+
+def _check_op(op: str) -> None:
+    if op not in ELEMENTWISE_OPS:
+        raise ValueError(f"unknown elementwise op {op!r}; expected a NumPy ufunc name such as 'add'")
+
+
+class NumpyEngine:
+    """Blocks are NumPy arrays on the CPU; collectives go through shared memory.
+
+    Examples
+    --------
+    >>> eng = NumpyEngine()
+    >>> eng.elementwise("add", eng.ones((2,), "int64"), 2).tolist()
+    [3, 3]
+    """
+
+    name = "numpy"
+    device = "cpu"
+    collective_backend = "shm"
+
+    def __repr__(self) -> str:
+        return "NumpyEngine(device='cpu')"
+
+    def __reduce__(self):
+        return (NumpyEngine, ())
+
+    # allocation
+    def empty(self, shape: Sequence[int], dtype: Any) -> np.ndarray:
+        return np.empty(tuple(shape), dtype=np.dtype(dtype))
+
+    def zeros(self, shape: Sequence[int], dtype: Any) -> np.ndarray:
+        return np.zeros(tuple(shape), dtype=np.dtype(dtype))
+
+    def ones(self, shape: Sequence[int], dtype: Any) -> np.ndarray:
+        return np.ones(tuple(shape), dtype=np.dtype(dtype))
+
+    def full(self, shape: Sequence[int], value: Any, dtype: Any) -> np.ndarray:
+        return np.full(tuple(shape), value, dtype=np.dtype(dtype))
+
+    def arange(self, n: int, dtype: Any) -> np.ndarray:
+        return np.arange(n, dtype=np.dtype(dtype))
+
+    def rand(self, shape: Sequence[int], dtype: Any, seed: int | None = None) -> np.ndarray:
+        dt = np.dtype(dtype)
+        rng = np.random.default_rng(seed)
+        if dt.kind == "f":
+            return rng.random(tuple(shape), dtype=dt if dt in (np.float32, np.float64) else np.float64).astype(dt, copy=False)
+        raise TypeError(f"rand needs a floating dtype, got {dt}")
+
+    # host transfer
+    def from_numpy(self, array: Any) -> np.ndarray:
+        return np.asarray(array, order="C")
+
+    def to_numpy(self, block: Any) -> np.ndarray:
+        return np.asarray(block)
+
+    def is_block(self, obj: Any) -> bool:
+        return isinstance(obj, np.ndarray)
+
+    def dtype_of(self, block: Any) -> np.dtype:
+        return np.asarray(block).dtype
+
+    def shape_of(self, block: Any) -> tuple:
+        return tuple(np.shape(block))
+
+    # compute
+    def elementwise(self, op: str, *args: Any) -> Any:
+        _check_op(op)
+        if op == "where":
+            return np.where(*args)
+        if op == "clip":
+            return np.clip(*args)
+        if op == "reciprocal":
+            return np.reciprocal(*args)
+        return getattr(np, op)(*args)
+
+    def reduce(self, op: str, block: Any, axis: Any = None, keepdims: bool = False) -> Any:
+        if op not in REDUCTIONS:
+            raise ValueError(f"unknown reduction {op!r}; expected one of {sorted(REDUCTIONS)}")
+        fn = getattr(np, op)
+        if op in ("argmin", "argmax") and isinstance(axis, tuple):
+            raise TypeError(f"{op} takes one axis, got {axis}")
+        return np.asarray(fn(block, axis=axis, keepdims=keepdims))
+
+    def matmul(self, a: Any, b: Any) -> np.ndarray:
+        return np.matmul(a, b)
+
+    def astype(self, block: Any, dtype: Any) -> np.ndarray:
+        return np.asarray(block).astype(np.dtype(dtype))
+
+    def reshape(self, block: Any, shape: Sequence[int]) -> np.ndarray:
+        return np.reshape(block, tuple(shape))
+
+    def getitem(self, block: Any, index: Any) -> np.ndarray:
+        return np.asarray(np.asarray(block)[index])
+
+    # export
+    def host_view(self, block: Any) -> np.ndarray:
+        """A C-contiguous host array sharing memory with ``block`` when possible."""
+        return np.asarray(block, order="C")
+
+    def to_dlpack(self, block: Any) -> Any:
+        # np.ndarray implements __dlpack__ itself; consumers call from_dlpack on it
+        return np.asarray(block, order="C")
+
+    def from_dlpack(self, obj: Any) -> np.ndarray:
+        return np.from_dlpack(obj)
+
+    def synchronize(self) -> None:
+        return None

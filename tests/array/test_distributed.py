@@ -1,0 +1,295 @@
+"""Distributed MeshArrays: blocks in real worker processes, ops on the workers, collectives."""
+
+import gc
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import mesharray as ma
+from mesharray.errors import ActorDiedError, MeshShapeError
+
+proc_mod = pytest.importorskip("mesharray.proc", reason="needs the runtime (ProcMesh)")
+if not hasattr(proc_mod.ProcMesh, "zeros"):
+    pytest.skip("ProcMesh does not inherit ArrayFactory yet", allow_module_level=True)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def procs():
+    mesh = ma.proc_mesh(hosts=2, procs=2)
+    yield mesh
+    mesh.stop()
+
+
+def _np(a):
+    return np.asarray(a)
+
+
+def test_factories(procs):
+    assert procs.zeros((3,)).shape == (2, 2, 3)
+    np.testing.assert_array_equal(_np(procs.zeros((3,), "int32")), np.zeros((2, 2, 3), "int32"))
+    np.testing.assert_array_equal(_np(procs.ones((2,), "float32")), np.ones((2, 2, 2), "float32"))
+    np.testing.assert_array_equal(_np(procs.full((2,), 7)), np.full((2, 2, 2), 7))
+    np.testing.assert_array_equal(_np(procs.arange((2, 3))), np.broadcast_to(np.arange(6).reshape(2, 3), (2, 2, 2, 3)))
+    assert procs.empty((5,), "float32").dtype == np.float32
+    np.testing.assert_array_equal(_np(procs.rank_array()), np.arange(4).reshape(2, 2))
+    r1, r2 = _np(procs.rand((4,), seed=1)), _np(procs.rand((4,), seed=1))
+    np.testing.assert_array_equal(r1, r2)
+    assert not np.array_equal(r1[0, 0], r1[0, 1])  # ranks draw different streams
+    src = np.arange(24.0).reshape(2, 2, 6)
+    a = procs.from_numpy(src)
+    assert a.names == ("hosts", "procs") and a.local_shape == (6,)
+    np.testing.assert_array_equal(_np(a), src)
+    assert "distributed" in repr(a)
+    with pytest.raises(MeshShapeError, match="leading axes are the mesh sizes"):
+        procs.from_numpy(np.zeros((3, 2)))
+    with pytest.raises(TypeError, match="rand needs a floating dtype"):
+        procs.rand((2,), "int32")
+    with pytest.raises(TypeError, match="local shape entries must be ints"):
+        procs.zeros((2.5,))
+    with pytest.raises(ValueError, match="unknown engine 'gpu9'"):
+        procs.zeros((2,), engine="gpu9")
+
+
+def test_elementwise_matches_numpy(procs):
+    src = np.arange(24.0).reshape(2, 2, 6)
+    a = procs.from_numpy(src)
+    b = procs.from_numpy(src[::-1].copy() + 1)
+    g = ma.MeshArray(np.array([10.0, 20.0]), ["procs"])  # gathered, broadcast over hosts
+    bn = src[::-1] + 1
+    np.testing.assert_allclose(_np(a * 2 + b), src * 2 + bn)
+    np.testing.assert_allclose(_np(np.sqrt(a) - b / 3), np.sqrt(src) - bn / 3)
+    np.testing.assert_allclose(_np(a + g), src + np.array([10.0, 20.0])[None, :, None])
+    np.testing.assert_allclose(_np(a * np.arange(6.0)), src * np.arange(6.0))
+    np.testing.assert_array_equal(_np(a > 5), src > 5)
+    np.testing.assert_array_equal(_np(-a), -src)
+    np.testing.assert_allclose(_np(a + procs.rank_array()), src + np.arange(4.0).reshape(2, 2, 1))
+    c = (a * 2).astype("int32")
+    assert c.dtype == np.int32
+    np.testing.assert_array_equal(_np(c), (src * 2).astype("int32"))
+
+
+def test_local_ops_and_views(procs):
+    src = np.arange(24.0).reshape(2, 2, 6)
+    a = procs.from_numpy(src)
+    np.testing.assert_array_equal(_np(a.reshape_local(2, 3)), src.reshape(2, 2, 2, 3))
+    np.testing.assert_array_equal(_np(a[..., 1:4]), src[..., 1:4])
+    v = a[1]  # view over hosts=1: no data moves
+    assert v.shape == (2, 6)
+    np.testing.assert_array_equal(_np(v), src[1])
+    np.testing.assert_array_equal(_np(a.slice(procs=-1)), src[:, -1])
+    np.testing.assert_array_equal(_np(a.transpose("procs", "hosts")), src.transpose(1, 0, 2))
+    m = procs.from_numpy(np.arange(2 * 2 * 6 * 2.0).reshape(2, 2, 6, 2))
+    np.testing.assert_allclose(_np(a.reshape_local(1, 6) @ m), src.reshape(2, 2, 1, 6) @ _np(m))
+    w = np.ones((6, 3))
+    np.testing.assert_allclose(_np(a @ w), src @ w)
+    a2 = a.copy()
+    a2[..., 0] = -1.0
+    assert _np(a2)[..., 0].tolist() == [[-1.0, -1.0], [-1.0, -1.0]]
+    assert _np(a)[0, 0, 0] == 0.0
+
+
+@pytest.mark.parametrize("op", ["sum", "prod", "min", "max", "mean"])
+@pytest.mark.parametrize("axis", ["procs", "hosts", ("hosts", "procs"), -1, ("procs", -1), None])
+def test_reductions_match_numpy(procs, op, axis):
+    src = (np.arange(24.0).reshape(2, 2, 6) % 7) + 1
+    a = procs.from_numpy(src)
+    got = getattr(a, op)(axis=axis)
+    ax = {"procs": 1, "hosts": 0, -1: -1}
+    nax = None if axis is None else (tuple(ax[x] for x in axis) if isinstance(axis, tuple) else ax[axis])
+    np.testing.assert_allclose(_np(got), getattr(np, op)(src, axis=nax), rtol=1e-12)
+
+
+def test_integer_and_bool_reductions_keep_numpy_dtypes(procs):
+    a = procs.from_numpy(np.arange(8, dtype="int32").reshape(2, 2, 2))
+    s = a.sum(axis="procs")
+    assert s.dtype == np.sum(np.zeros(2, "int32")).dtype
+    np.testing.assert_array_equal(_np(s), np.arange(8, dtype="int32").reshape(2, 2, 2).sum(axis=1))
+    assert a.mean(axis="procs").dtype == np.float64
+    b = a > 3
+    np.testing.assert_array_equal(_np(b.any(axis="procs")), _np(b).any(axis=1))
+    np.testing.assert_array_equal(_np(b.all(axis="hosts")), _np(b).all(axis=0))
+
+
+def test_keepdims_result_lives_on_every_member(procs):
+    src = np.arange(24.0).reshape(2, 2, 6)
+    a = procs.from_numpy(src)
+    m = a.mean(axis="procs", keepdims=True)
+    assert m.shape == (2, 1, 6)
+    centered = a - m  # broadcast back over procs: every member holds the mean
+    np.testing.assert_allclose(_np(centered), src - src.mean(axis=1, keepdims=True))
+    np.testing.assert_allclose(_np(a.sum(keepdims=True)), src.sum(keepdims=True))
+
+
+def test_mismatches_raise_before_sending(procs):
+    a = procs.zeros((3,))
+    with pytest.raises(MeshShapeError, match="do not broadcast"):
+        a + procs.zeros((4,))
+    with pytest.raises(MeshShapeError):
+        a[0] + a[1].reshape_local(1, 3)  # different ranks for the same position
+    with pytest.raises(MeshShapeError, match="core dimension"):
+        a @ np.ones((4, 2))
+
+
+def test_apply_and_endpoint_receives_local_block(procs):
+    a = procs.from_numpy(np.arange(8.0).reshape(2, 2, 2))
+    r = procs.apply(lambda x, k: x[::-1] * k, a, 10)
+    assert r.local_shape == (2,) and r.dtype == np.float64
+    np.testing.assert_array_equal(_np(r), np.arange(8.0).reshape(2, 2, 2)[..., ::-1] * 10)
+    from _dist_actors import BlockProbe
+
+    probes = procs.spawn("probes", BlockProbe)
+    got = probes.describe.call(a).get()
+    assert _np(got).tolist() == [[1.0, 5.0], [9.0, 13.0]]  # each rank summed its own block
+
+
+def test_blocks_freed_when_controller_array_is_collected(procs):
+    from _dist_actors import BlockProbe
+
+    probes = procs.spawn("counter", BlockProbe)
+    gc.collect()
+    before = _np(probes.count.call().get()).tolist()
+    x = procs.ones((1000,))
+    y = x * 2 + 1
+    during = _np(probes.count.call().get())
+    assert (during >= np.asarray(before) + 2).all()
+    del x, y
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        after = _np(probes.count.call().get()).tolist()
+        if after == before:
+            break
+        time.sleep(0.05)
+    assert after == before
+
+
+@pytest.mark.timeout(60)
+def test_worker_death_during_reduction_raises_actor_died():
+    with ma.proc_mesh(hosts=1, procs=3) as procs:
+        a = procs.ones((4,))
+        np.testing.assert_array_equal(_np(a.sum(axis="procs")), [[3.0] * 4])  # groups made
+        os.kill(procs.pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(ActorDiedError) as info:
+            a.sum(axis="procs").fetch()
+        assert 1 in info.value.ranks
+        assert time.monotonic() - t0 < 10
+
+
+def test_fetch_returns_gathered(procs):
+    a = procs.arange((3,))
+    f = a.fetch()
+    assert "distributed" not in repr(f) and f.names == a.names
+    np.testing.assert_array_equal(f.to_numpy(), _np(a))
+
+
+def test_printing_does_not_gather(procs):
+    x = procs.ones((1 << 16,), dtype="float32")
+    before = procs.stats()["replies"]
+    text = str(x)
+    assert text.startswith("MeshArray(hosts=2, procs=2, local=(65536,)") and "fetch()" in text
+    assert repr(x) in text
+    assert procs.stats()["replies"] == before  # nothing came back from the workers
+
+
+def test_torch_engine_blocks(procs):
+    pytest.importorskip("torch")
+    a = procs.arange((4,), "float32", engine="torch")
+    b = (a * 2 + procs.rank_array(engine="torch")).sum(axis="procs")
+    expected = (np.arange(4.0) * 2)[None, None] * 1 + np.arange(4.0).reshape(2, 2, 1)
+    np.testing.assert_allclose(_np(b), expected.sum(axis=1))
+    assert _np(a.mean(axis=-1)).tolist() == [[1.5, 1.5], [1.5, 1.5]]
+
+
+@pytest.mark.timeout(90)
+def test_torch_distributed_gloo_backend():
+    pytest.importorskip("torch")
+    with ma.proc_mesh(hosts=1, procs=2) as procs:
+        src = np.arange(8.0).reshape(1, 2, 4)
+        a = procs.from_numpy(src, engine="torch", collective="torch")
+        np.testing.assert_allclose(_np(a.sum(axis="procs")), src.sum(axis=1))
+        np.testing.assert_allclose(_np(a.max(axis=("hosts", "procs"))), src.max(axis=(0, 1)))
+        with pytest.raises(ValueError, match="cover the whole mesh"):
+            a[:, :1].sum(axis="procs")
+
+
+@pytest.mark.timeout(60)
+def test_rank_dead_before_its_first_collective_does_not_block_survivors():
+    with ma.proc_mesh(hosts=1, procs=3) as procs:
+        a = procs.ones((4,))
+        np.asarray(a)  # blocks exist; no collective group made yet
+        os.kill(procs.pids[2], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(ActorDiedError) as info:
+            a.sum(axis="procs").fetch()
+        assert 2 in info.value.ranks
+        # the survivors left their (never completed) group at once: they serve a view without rank 2
+        np.testing.assert_array_equal(_np(a[:, :2].sum(axis="procs")), [[2.0] * 4])
+        assert time.monotonic() - t0 < 10
+        # the creator of the failed group removed its segment
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith("ma-") and n.endswith(_digest((0, 1, 2)))]
+
+
+def _digest(members):
+    import hashlib
+
+    return hashlib.sha1(repr(members).encode()).hexdigest()[:12]
+
+
+@pytest.mark.timeout(60)
+def test_group_creator_dead_before_creating_fails_fast():
+    with ma.proc_mesh(hosts=1, procs=3) as procs:
+        a = procs.ones((4,))
+        np.asarray(a)
+        os.kill(procs.pids[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(ActorDiedError) as info:
+            a.sum(axis="procs").fetch()
+        assert 0 in info.value.ranks
+        np.testing.assert_array_equal(_np(a[:, 1:].sum(axis="procs")), [[2.0] * 4])
+        assert time.monotonic() - t0 < 10
+
+
+def _boom(x):
+    raise ZeroDivisionError("no way")
+
+
+def test_remote_failure_is_raised_with_its_type(procs):
+    a = procs.ones((2,))
+    with pytest.raises(ma.ActorError) as info:
+        procs.apply(_boom, a)
+    assert isinstance(info.value.exception, ZeroDivisionError)
+    assert "no way" in str(info.value) and "_boom" in info.value.traceback_text
+
+
+def test_allgather_broadcast_reduce_scatter_over_mesh_dims(procs):
+    src = np.arange(16.0).reshape(2, 2, 4)
+    a = procs.from_numpy(src)
+    g = ma.allgather(a, "procs")
+    assert g.shape == (2, 2, 2, 4)
+    for h in range(2):
+        for p in range(2):
+            np.testing.assert_array_equal(_np(g)[h, p], src[h])
+    g2 = ma.allgather(a, ("hosts", "procs"))
+    np.testing.assert_array_equal(_np(g2)[1, 0], src.reshape(4, 4))
+    b = ma.broadcast_from(a, "hosts", root=-1)
+    np.testing.assert_array_equal(_np(b), np.broadcast_to(src[1:], src.shape))
+    r = ma.reduce_scatter(a, "procs")
+    assert r.local_shape == (2,)
+    s = src.sum(axis=1)  # (hosts, 4)
+    np.testing.assert_array_equal(_np(r), np.stack([s[:, :2], s[:, 2:]], axis=1))
+    np.testing.assert_allclose(_np(ma.reduce_scatter(a, "hosts", op="mean")),
+                               np.stack([src.mean(axis=0)[:, :2], src.mean(axis=0)[:, 2:]], axis=0))
+    with pytest.raises(MeshShapeError, match="does not divide"):
+        ma.reduce_scatter(procs.ones((3,)), "procs")
+    with pytest.raises(IndexError, match="root 5 is out of range"):
+        ma.broadcast_from(a, "procs", root=5)
+    with pytest.raises(ma.DimensionError, match="no dimension 'gpus'"):
+        ma.allgather(a, "gpus")
+    with pytest.raises(TypeError, match="needs a distributed MeshArray"):
+        ma.allgather(ma.MeshArray(np.arange(2), ["procs"]), "procs")

@@ -1,0 +1,167 @@
+"""The shared-memory collective backend, with real processes."""
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from mesharray.collectives import ShmCollective, new_group, unique_segment_name
+from mesharray.errors import ActorDiedError, SupervisionError
+
+from tests.collectives._procs import run_ranks
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _data(rank, n, dtype, seed=0):
+    rng = np.random.default_rng(seed + rank)
+    if np.dtype(dtype).kind == "f":
+        return rng.standard_normal(n).astype(dtype)
+    return rng.integers(-100, 100, n).astype(dtype)
+
+
+def _all_ops(rank, size, name):
+    # every collective, small (one round) and large (several rounds: capacity 64 KiB)
+    g = ShmCollective(name, rank, size, capacity=64 << 10, timeout=30)
+    out = {}
+    try:
+        for n in (1, 1000, 100_003):
+            for dtype in ("float32", "float64", "int32", "int64"):
+                x = _data(rank, n, dtype, seed=n)
+                out[("allreduce", n, dtype)] = g.allreduce(x, op="sum")
+            x = _data(rank, n, "float64", seed=7)
+            for op in ("prod", "min", "max", "mean"):
+                out[("allreduce", n, op)] = g.allreduce(x, op=op)
+            y = x.copy()
+            g.allreduce(y, y, op="max")  # in place
+            out[("inplace", n)] = y
+            out[("reduce", n)] = g.reduce(x, root=size - 1)
+            b = x.copy() if rank == 1 % size else np.zeros_like(x)
+            out[("bcast", n)] = g.broadcast(b, root=1 % size)
+            out[("allgather", n)] = g.allgather(x)
+            rs = _data(rank, size * n, "float32", seed=11).reshape(size, n)
+            out[("reduce_scatter", n)] = g.reduce_scatter(rs)
+        g.barrier()
+    finally:
+        g.close()
+    return out
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_every_collective_matches_numpy(size):
+    name = unique_segment_name("test")
+    res = run_ranks(_all_ops, size, name)
+    for n in (1, 1000, 100_003):
+        for dtype in ("float32", "float64", "int32", "int64"):
+            stack = np.stack([_data(r, n, dtype, seed=n) for r in range(size)])
+            expected = np.add.reduce(stack, axis=0, dtype=stack.dtype)
+            for r in range(size):
+                # same summation order as NumPy: bit-identical
+                np.testing.assert_array_equal(res[r][("allreduce", n, dtype)], expected)
+        xs = np.stack([_data(r, n, "float64", seed=7) for r in range(size)])
+        for op, fn in (("prod", np.prod), ("min", np.min), ("max", np.max), ("mean", np.mean)):
+            for r in range(size):
+                np.testing.assert_allclose(res[r][("allreduce", n, op)], fn(xs, axis=0), rtol=1e-12)
+        for r in range(size):
+            np.testing.assert_array_equal(res[r][("inplace", n)], xs.max(axis=0))
+            np.testing.assert_array_equal(res[r][("bcast", n)], xs[1 % size])
+            np.testing.assert_array_equal(res[r][("allgather", n)], xs)
+            rs = np.stack([_data(q, size * n, "float32", seed=11).reshape(size, n) for q in range(size)])
+            np.testing.assert_array_equal(res[r][("reduce_scatter", n)], rs.sum(axis=0)[r])
+            if r == size - 1:
+                np.testing.assert_array_equal(res[r][("reduce", n)], xs.sum(axis=0))
+            else:
+                assert res[r][("reduce", n)] is None
+    assert not os.path.exists(f"/dev/shm/{name}"), "segment left behind"
+
+
+def _die_mid_collective(rank, size, name):
+    g = ShmCollective(name, rank, size, timeout=30)
+    g.allreduce(np.ones(10))
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        g.allreduce(np.ones(10))
+    except ActorDiedError as exc:
+        took = time.monotonic() - t0
+        try:
+            g.allreduce(np.ones(10))
+        except SupervisionError as again:
+            later = str(again)
+        g.close()
+        return ("died", exc.ranks, took, later)
+    return ("no error",)
+
+
+def test_dead_peer_fails_survivors_quickly():
+    res = run_ranks(_die_mid_collective, 3, unique_segment_name("test"), expect_exit={1})
+    for r in (0, 2):
+        kind, ranks, took, later = res[r]
+        assert kind == "died" and ranks == (1,)
+        assert took < 2.0
+        assert "broken" in later
+
+
+def _timeout_rank(rank, size, name):
+    g = ShmCollective(name, rank, size, timeout=0.5)
+    try:
+        if rank == 0:
+            try:
+                g.allreduce(np.ones(3))
+            except TimeoutError as exc:
+                return str(exc)
+        else:
+            time.sleep(1.5)  # alive, but never calls the collective
+        return None
+    finally:
+        g.close()
+
+
+def test_live_but_absent_peer_times_out():
+    res = run_ranks(_timeout_rank, 2, unique_segment_name("test"))
+    assert "timed out after 0.5 s waiting for rank 1" in res[0]
+
+
+def test_single_member_group_and_errors():
+    with new_group("shm", name=unique_segment_name("test"), rank=0, size=1) as g:
+        x = np.arange(6, dtype="int32").reshape(2, 3)
+        np.testing.assert_array_equal(g.allreduce(x), x)
+        np.testing.assert_array_equal(g.allgather(x), x[None])
+        with pytest.raises(ValueError, match="unknown reduction op 'avg'"):
+            g.allreduce(x, op="avg")
+        with pytest.raises(TypeError, match="op 'mean' needs a floating dtype, got int32"):
+            g.allreduce(x, op="mean")
+        with pytest.raises(TypeError, match="got complex64"):
+            g.allreduce(np.ones(2, "complex64"))
+        with pytest.raises(ValueError, match="must be C-contiguous"):
+            g.allreduce(np.ones((4, 4))[:, 0])
+        with pytest.raises(ValueError, match="out has dtype float64 and 2 elements"):
+            g.allreduce(np.ones(3), out=np.ones(2))
+        with pytest.raises(ValueError, match="root must be a rank in \\[0, 1\\), got 3"):
+            g.broadcast(np.ones(3), root=3)
+    with pytest.raises(Exception, match="is closed"):
+        g.allreduce(x)
+    with pytest.raises(ValueError, match="rank must be in \\[0, 2\\), got 2"):
+        ShmCollective("x", 2, 2)
+    with pytest.raises(TypeError, match="size must be an int"):
+        ShmCollective("x", 0, 2.0)
+    with pytest.raises(ValueError, match="without '/'"):
+        ShmCollective("a/b", 0, 1)
+    with pytest.raises(ValueError, match="unknown collective backend 'ucx'"):
+        new_group("ucx")
+
+
+def test_name_clash_is_reported():
+    name = unique_segment_name("test")
+    # rank 0 creates the segment exclusively: a leftover or a second group with the name clashes
+    path = f"/dev/shm/{name}"
+    fd = os.open(path, os.O_CREAT | os.O_RDWR)
+    os.close(fd)
+    try:
+        with pytest.raises(FileExistsError, match="already exists"):
+            ShmCollective(name, 0, 2, timeout=0.3)
+    finally:
+        os.unlink(path)
