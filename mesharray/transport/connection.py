@@ -506,7 +506,8 @@ class Poller:
         self._conns: dict[int, Connection] = {}
         # connections disarmed by a caller about to wait for its reply (see park())
         self._parked: dict[Connection, float] = {}
-        self._timeout = -1.0  # becomes PARK_MAX once anything was parked
+        self._timeout = -1.0  # PARK_MAX while anything is parked
+        self._sweep_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         self._ep.register(self._wake_r, select.EPOLLIN)
         self.thread = threading.Thread(target=self._loop, name="mesharray-poller", daemon=True)
@@ -537,8 +538,7 @@ class Poller:
             self._ep.modify(conn._fd, 0)
         except (OSError, ValueError):
             pass
-        if self._timeout < 0:
-            self._start_sweeping()
+        self._start_sweeping()
 
     def keep_parked(self, conn: Connection) -> None:
         """A reader is done with ``conn`` (disarmed) and nothing is pending on it: leave it so.
@@ -547,13 +547,15 @@ class Poller:
         ``PARK_MAX`` the poller re-arms it (heartbeats, logs, EOF).
         """
         self._parked[conn] = time.monotonic()
-        if self._timeout < 0:
-            self._start_sweeping()
+        self._start_sweeping()
 
     def _start_sweeping(self) -> None:
-        # first park: the poller must start looking at the clock
-        self._timeout = PARK_MAX
-        os.write(self._wake_w, b"x")
+        # the poller sleeps without a timeout while nothing is parked: wake it so
+        # that it starts looking at the clock (once per burst of calls, not per call)
+        with self._sweep_lock:
+            if self._timeout < 0:
+                self._timeout = PARK_MAX
+                os.write(self._wake_w, b"x")
 
     def unpark(self, conn: Connection) -> None:
         """Re-arm a parked connection (no-op if it is not parked)."""
@@ -595,6 +597,10 @@ class Poller:
                             self.unpark(conn)
                         finally:
                             conn._rlock.release()
+            if not parked and self._timeout >= 0:
+                with self._sweep_lock:  # (a park checks the timeout under this lock too)
+                    if not parked:  # idle again: sleep until an event or the next park
+                        self._timeout = -1.0
             for fd, _ in events:
                 if fd == self._wake_r:
                     os.read(fd, 64)

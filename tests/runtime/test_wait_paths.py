@@ -52,6 +52,18 @@ def test_a_dropped_future_gives_the_connection_back_to_the_poller(procs):
         time.sleep(0.01)
     assert p.pid.call_one().get(timeout=5) > 0
     assert procs.stats()["alive"] == 4
+    # once nothing is parked the poller sleeps without a timeout; a new park wakes it
+    poller = conn._poller
+    t = time.monotonic()
+    while poller._timeout >= 0:
+        assert time.monotonic() - t < 2, "the poller kept sweeping with nothing parked"
+        time.sleep(0.01)
+    p.pid.call_one()
+    t = time.monotonic()
+    while conn in poller._parked:
+        assert time.monotonic() - t < 2, "a park after an idle spell was never swept"
+        time.sleep(0.01)
+    assert procs.stats()["alive"] == 4
 
 
 def test_call_get_reads_replies_in_the_calling_thread(procs):
