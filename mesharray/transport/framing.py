@@ -129,12 +129,13 @@ def _torch_table():
     torch = sys.modules.get("torch")
     if torch is None or not hasattr(torch, "Tensor"):
         return None  # not imported (or still importing): there can be no tensor to send
-    t = _tables.get("torch")
-    if t is None:
+    n = len(copyreg.dispatch_table)
+    entry = _tables.get("torch")
+    if entry is None or entry[0] != n:  # (re)built after a copyreg.pickle() registration
         t = copyreg.dispatch_table.copy()
         t[torch.Tensor] = _reduce_tensor
-        _tables["torch"] = t
-    return t
+        entry = _tables["torch"] = (n, t)
+    return entry[1]
 
 
 def _pickle5(obj, buffers: list) -> bytes:
