@@ -103,6 +103,29 @@ def bench_mesharray(size: int, nbytes_list: list[int], reps: int) -> dict[int, f
     return out
 
 
+def bench_tiny_fetch(size: int, reps: int) -> tuple[float, float]:
+    """``x.sum(axis="procs").fetch()`` of a 0-d float64 block (8 B) on ``size`` ranks.
+
+    Returns the median seconds per op and the control messages per op
+    (``calls`` + ``broadcasts`` of ``procs.stats()``: messages the controller sent).
+    """
+    import mesharray as ma
+
+    with ma.proc_mesh(procs=size) as procs:
+        x = procs.full((), 2.0)
+        for _ in range(20):  # segments made, code paths warm
+            x.sum(axis="procs").fetch()
+        s0 = procs.stats()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            x.sum(axis="procs").fetch()
+            times.append(time.perf_counter() - t)
+        s1 = procs.stats()
+        msgs = (s1["calls"] + s1["broadcasts"] - s0["calls"] - s0["broadcasts"]) / reps
+        return float(np.median(times)), msgs
+
+
 # --- mpi4py under mpirun -------------------------------------------------------------------
 
 

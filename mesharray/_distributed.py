@@ -230,18 +230,51 @@ class _DataActor(Actor):
 
     def _collective(self, me: int, out: int, src: int, op: str, groups: list, backend: str | None,
                     dtype: str, torch_init: tuple = (), pids: dict | None = None) -> None:
+        # Sent fire-and-forget: any failure is kept as the failure of block ``out``
+        # (raised by the next fetch/use of it), never raised out of the program.
+        _BLOCKS.pop(out, None)
+        try:
+            self._collective_inner(me, out, src, op, groups, backend, dtype, torch_init, pids)
+            _FAILED.pop(out, None)
+        except BaseException as exc:
+            _BLOCKS.pop(out, None)
+            _FAILED[out] = exc
+
+    def _collective_inner(self, me: int, out: int, src: int, op: str, groups: list, backend: str | None,
+                          dtype: str, torch_init: tuple, pids: dict | None) -> None:
         members = next(tuple(g) for g in groups if me in g)
-        block = _block(src)
-        eng = _engine_for(block)
-        if eng.dtype_of(block) != np.dtype(dtype):
-            block = eng.astype(block, dtype)
+        n = len(members)
+        try:
+            block = _block(src)
+            eng = _engine_for(block)
+            if eng.dtype_of(block) != np.dtype(dtype):
+                block = eng.astype(block, dtype)
+            local_err = None
+        except BaseException as exc:  # this rank's input failed: its peers must still hear of it
+            local_err, eng = exc, None
+        if backend == "torch":
+            g = _group(members, me, self.token, backend,
+                       torch_init[:2] + ([list(x) for x in groups], eng.name if eng else "torch") if torch_init else ())
+        else:
+            g = _group(members, me, self.token, backend,
+                       pids=[int((pids or {}).get(r) or 0) for r in members])
+        if n > 1:
+            # Agree on whether every member's input exists before moving data: a member
+            # that skipped the collective would leave its peers waiting on it.
+            mine = np.zeros(n, dtype=np.int32)
+            mine[members.index(me)] = local_err is not None
+            flags = np.asarray(g.allreduce(mine, op="max")).reshape(-1)
+            failed = [members[j] for j in range(n) if flags[j]]
+            if failed:
+                if local_err is not None:
+                    raise local_err
+                raise _InputFailed(failed)
+        if local_err is not None:
+            raise local_err
         # op: a reduction ("sum", ...) for allreduce, or "allgather", "broadcast:ROOT",
         # "reduce_scatter:OP"
         kind, _, arg = op.partition(":")
-        n = len(members)
         if backend == "torch":
-            g = _group(members, me, self.token, backend,
-                       torch_init[:2] + ([list(x) for x in groups], eng.name) if torch_init else ())
             x = np.asarray(block, order="C") if isinstance(block, np.ndarray) else block.contiguous()
             if kind == "allgather":
                 res = g.allgather(x)
@@ -252,8 +285,6 @@ class _DataActor(Actor):
             else:
                 res = g.allreduce(x, op=op)
         else:
-            g = _group(members, me, self.token, backend,
-                       pids=[int((pids or {}).get(r) or 0) for r in members])
             host = np.asarray(eng.host_view(block), order="C")
             # results go into recycled buffers: fresh 64 MiB allocations page-fault on
             # every first touch, which halves the bandwidth of a collective
@@ -282,8 +313,21 @@ class _DataActor(Actor):
                     g.allreduce(host, out=res, op=op)
             res = eng.from_numpy(res) if eng.name != "numpy" else res
         _BLOCKS[out] = res
-        _FAILED.pop(out, None)
-        return None
+
+
+class _InputFailed(MeshArrayError):
+    """Kept by the members of a collective whose input failed on other ranks.
+
+    The controller, on meeting it, asks ``ranks[0]`` for its block, which raises
+    the original failure.
+    """
+
+    def __init__(self, ranks: Sequence[int]) -> None:
+        self.ranks = [int(r) for r in ranks]
+        super().__init__(f"the input of this collective failed on rank(s) {self.ranks}")
+
+    def __reduce__(self):
+        return (_InputFailed, (self.ranks,))
 
 
 def _host(block: Any) -> np.ndarray:
@@ -438,9 +482,34 @@ class _DataContext:
             raise
 
     def fetch(self, ranks: Sequence[int], bid: int) -> dict:
-        """Each rank's block ``bid`` as a host array: ``{rank: ndarray}``."""
+        """Each rank's block ``bid`` as a host array: ``{rank: ndarray}``.
+
+        A block whose making failed raises that failure: the original exception
+        (in :class:`~mesharray.ActorError`), or :class:`~mesharray.ActorDiedError`
+        naming the dead ranks when a rank died (before or during a collective).
+        """
         futs = [(r, self.view([r]).run.call_one([("fetch", bid)])) for r in ranks]
-        return {r: np.asarray(f.get()) for r, f in futs}
+        out = {}
+        for r, f in futs:
+            try:
+                out[r] = np.asarray(f.get())
+            except BaseException as exc:
+                self._raise_failure(exc, bid)
+        return out
+
+    def _raise_failure(self, exc: BaseException, bid: int, hops: int = 0) -> None:
+        from .errors import ActorDiedError, ActorError
+
+        inner = getattr(exc, "exception", None) if isinstance(exc, ActorError) else None
+        if isinstance(inner, ActorDiedError):
+            raise inner from exc
+        if isinstance(inner, _InputFailed) and hops < 8:
+            # a collective's input failed on other ranks: their block holds the original error
+            try:
+                self.view([inner.ranks[0]]).run.call_one([("fetch", bid)]).get()
+            except BaseException as deeper:
+                self._raise_failure(deeper, bid, hops + 1)
+        raise exc
 
     def incref(self, bid: int) -> None:
         with self._lock:
@@ -729,7 +798,10 @@ class DistributedStorage:
         if cur != self.bid:
             program.append(("free", [cur]))
         members = sorted({r for g in groups for r in g})
-        self.ctx.call(members, program)  # waits: a dead member fails it here (ActorDiedError)
+        # fire-and-forget like the elementwise programs: messages from this controller
+        # are ordered per rank, so a later fetch of ``out`` runs after the collective;
+        # a failure (a dead member included) is kept as ``out``'s and raised there
+        self.ctx.send(members, program)
         return out
 
     def group_op(self, kind: str, mesh_axes: tuple[int, ...], arg: Any = None) -> "DistributedStorage":
