@@ -268,7 +268,7 @@ class _DataActor(Actor):
             if failed:
                 if local_err is not None:
                     raise local_err
-                raise _InputFailed(failed)
+                raise _InputFailed(failed, out)
         if local_err is not None:
             raise local_err
         # op: a reduction ("sum", ...) for allreduce, or "allgather", "broadcast:ROOT",
@@ -318,16 +318,17 @@ class _DataActor(Actor):
 class _InputFailed(MeshArrayError):
     """Kept by the members of a collective whose input failed on other ranks.
 
-    The controller, on meeting it, asks ``ranks[0]`` for its block, which raises
-    the original failure.
+    The controller, on meeting it, asks ``ranks[0]`` for its block ``bid``,
+    which raises the original failure (or the next link of a chain of them).
     """
 
-    def __init__(self, ranks: Sequence[int]) -> None:
+    def __init__(self, ranks: Sequence[int], bid: int) -> None:
         self.ranks = [int(r) for r in ranks]
+        self.bid = int(bid)
         super().__init__(f"the input of this collective failed on rank(s) {self.ranks}")
 
     def __reduce__(self):
-        return (_InputFailed, (self.ranks,))
+        return (_InputFailed, (self.ranks, self.bid))
 
 
 def _host(block: Any) -> np.ndarray:
@@ -506,9 +507,9 @@ class _DataContext:
         if isinstance(inner, _InputFailed) and hops < 8:
             # a collective's input failed on other ranks: their block holds the original error
             try:
-                self.view([inner.ranks[0]]).run.call_one([("fetch", bid)]).get()
+                self.view([inner.ranks[0]]).run.call_one([("fetch", inner.bid)]).get()
             except BaseException as deeper:
-                self._raise_failure(deeper, bid, hops + 1)
+                self._raise_failure(deeper, inner.bid, hops + 1)
         raise exc
 
     def incref(self, bid: int) -> None:
