@@ -422,6 +422,7 @@ class _DataContext:
         self._timer: threading.Timer | None = None
         self._views: dict[tuple, Any] = {}
         self._torch_init: str | None = None
+        self.plans: dict = {}  # DistributedStorage.reduce's plans by layout and request
 
     def new_id(self) -> int:
         return next(self._ids)
@@ -621,7 +622,8 @@ class DistributedStorage:
     __slots__ = ("ctx", "bid", "ranks", "holders", "_local", "_dtype", "engine", "collective", "__weakref__")
 
     def __init__(self, ctx: _DataContext, bid: int, ranks: np.ndarray, local_shape: tuple, dtype: Any,
-                 engine: str, holders: np.ndarray | None = None, collective: str | None = None) -> None:
+                 engine: str, holders: np.ndarray | None = None, collective: str | None = None,
+                 _all_ranks: tuple | None = None) -> None:
         self.ctx = ctx
         self.bid = bid
         self.ranks = np.asarray(ranks, dtype=np.int64)
@@ -631,7 +633,8 @@ class DistributedStorage:
         self.engine = engine
         self.collective = collective
         ctx.incref(bid)
-        all_ranks = tuple(sorted(set(self.ranks.ravel().tolist()) | (set(holders.ravel().tolist()) if holders is not None else set())))
+        all_ranks = _all_ranks if _all_ranks is not None else tuple(sorted(
+            set(self.ranks.ravel().tolist()) | (set(holders.ravel().tolist()) if holders is not None else set())))
         nbytes = math.prod(self._local) * self._dtype.itemsize * max(1, len(all_ranks))
         weakref.finalize(self, ctx.decref, bid, all_ranks, nbytes)
 
@@ -730,70 +733,114 @@ class DistributedStorage:
 
     # -- compute
     def reduce(self, op: str, func: Any, axes: tuple[int, ...] | None, keepdims: bool, kwargs: dict) -> Any:
+        if kwargs:
+            return self._gathered_reduce(op, func, axes, keepdims, kwargs)
+        # Everything but the block ids depends only on the layout and the request:
+        # planned once, so that a tiny reduction in a loop costs only its messages.
+        key = (op, axes, keepdims, self.ranks.shape, self.ranks.tobytes(), self._local, self._dtype,
+               self.collective, self.engine)
+        plans = self.ctx.plans
+        plan = plans.get(key)
+        if plan is None:
+            plan = self._reduce_plan(op, func, axes, keepdims)
+            if len(plans) > 256:
+                plans.clear()
+            plans[key] = plan
+        if plan is None:
+            return self._gathered_reduce(op, func, axes, keepdims, kwargs)
+        first, rdt_work, rdt, new_local, coll = plan
+        ctx = self.ctx
+        cur = self.bid
+        program = []
+        if first is not None:
+            nb = ctx.new_id()
+            program.append((first[0], nb, cur) + first[1:])
+            cur = nb
+        if coll is None:
+            ctx.send(self._unique(), program)
+            return self._derive(cur, local=new_local, dtype=rdt_work)
+        coll_op, groups_l, members, ranks, holders, all_ranks, pids = coll
+        out = ctx.new_id()
+        program.append(("coll", out, cur, coll_op, groups_l, self.collective, rdt_work.name,
+                        (ctx.torch_init_method(), ctx.shape.size) if self.collective == "torch" else (), pids))
+        if cur != self.bid:
+            program.append(("free", [cur]))
+        # fire-and-forget (see _send_collective)
+        ctx.send(members, program)
+        res = DistributedStorage(ctx, out, ranks, new_local, rdt_work, self.engine, holders, self.collective,
+                                 _all_ranks=all_ranks)
+        if rdt_work != rdt:  # any/all computed as uint8 max/min
+            res = res.astype(rdt, copy=True)
+        return res
+
+    def _reduce_plan(self, op: str, func: Any, axes: tuple[int, ...] | None, keepdims: bool) -> tuple | None:
+        """What ``reduce`` sends for this layout and request (None: reduce at the controller)."""
         m = self.ranks.ndim
         full = m + len(self._local)
         axes_t = tuple(range(full)) if axes is None else tuple(axes)
         name = _REDUCE_NAMES.get(op)
         mesh_axes = tuple(a for a in axes_t if a < m)
         local_axes = tuple(a - m for a in axes_t if a >= m)
-        if name is None or kwargs or (op.endswith(".reduce") and len(axes_t) != 1 and axes is not None):
-            return self._gathered_reduce(op, func, axes, keepdims, kwargs)
+        if name is None or (op.endswith(".reduce") and len(axes_t) != 1 and axes is not None):
+            return None
         # the result dtype NumPy would give (sum of int32 -> int64, mean of ints -> float64)
         proxy = np.zeros((1,) * full, dtype=self._dtype)
         if op in ("argmin", "argmax"):
-            return self._gathered_reduce(op, func, axes, keepdims, kwargs)
+            return None
         rdt = np.asarray(func(proxy, axis=axes_t if len(axes_t) != 1 or not op.endswith(".reduce") else axes_t[0],
                               keepdims=keepdims)).dtype
         if mesh_axes and (rdt.kind not in "fiub" or (name in ("any", "all"))):
             if name in ("any", "all"):
                 rdt_work = np.dtype(np.uint8)
             else:
-                return self._gathered_reduce(op, func, axes, keepdims, kwargs)
+                return None
         else:
             rdt_work = rdt
         new_local = tuple(s for i, s in enumerate(self._local) if i not in local_axes) if not keepdims else \
             tuple(1 if i in local_axes else s for i, s in enumerate(self._local))
-        cur = self.bid
-        program = []
-        if local_axes or rdt_work != self._dtype:
-            nb = self.ctx.new_id()
-            if local_axes:
-                program.append(("reduce", nb, cur, name, local_axes, keepdims, rdt_work.name))
-            else:
-                program.append(("astype", nb, cur, rdt_work.name))
-            cur = nb
+        first = None
+        if local_axes:
+            first = ("reduce", name, local_axes, keepdims, rdt_work.name)
+        elif rdt_work != self._dtype:
+            first = ("astype", rdt_work.name)
         if not mesh_axes:
-            self.ctx.send(self._unique(), program)
-            return self._derive(cur, local=new_local, dtype=rdt_work)
+            return first, rdt_work, rdt, new_local, None
         groups, roots = self._plan(mesh_axes)
         if any(len(set(g)) != len(g) for g in groups):
             # a rank at several positions of one group (an advanced-index view): reduce here
-            return self._gathered_reduce(op, func, axes, keepdims, kwargs)
-        out = self._send_collective(program, cur, _COLLECTIVE_OP[name], groups, rdt_work)
+            return None
+        if self.collective == "torch":
+            self._check_torch_groups(groups)
         kept = tuple(i for i in range(m) if i not in mesh_axes)
         sizes = tuple(self.ranks.shape[i] for i in kept)
         if keepdims:
             sizes = tuple(1 if i in mesh_axes else self.ranks.shape[i] for i in range(m))
         ranks = np.asarray([g[0] for g in groups], dtype=np.int64).reshape(sizes)
         holders = np.asarray(groups, dtype=np.int64).reshape(sizes + (len(groups[0]),))
-        res = DistributedStorage(self.ctx, out, ranks, new_local, rdt_work, self.engine, holders, self.collective)
-        if rdt_work != rdt:  # any/all computed as uint8 max/min
-            res = res.astype(rdt, copy=True)
-        return res
+        # shared by every result of this plan: nothing may write them in place
+        ranks.setflags(write=False)
+        holders.setflags(write=False)
+        members = sorted({r for g in groups for r in g})
+        coll = (_COLLECTIVE_OP[name], [list(g) for g in groups], members, ranks, holders, tuple(members),
+                self.ctx.pids(groups))
+        return first, rdt_work, rdt, new_local, coll
+
+    def _check_torch_groups(self, groups: list) -> None:
+        world = self.ctx.shape.size
+        every = sorted(r for g in groups for r in g)
+        if every != list(range(world)):
+            raise ValueError(
+                f"collective='torch' reduces over groups that cover the whole mesh (torch.distributed "
+                f"makes groups collectively over every rank); these groups cover ranks {every} of {world}"
+            )
 
     def _send_collective(self, program: list, cur: int, op: str, groups: list, dtype: np.dtype) -> int:
         """Append the collective ``op`` over ``groups`` to ``program``, run it and wait; the new block id."""
         out = self.ctx.new_id()
         torch_init = ()
         if self.collective == "torch":
-            world = self.ctx.shape.size
-            every = sorted(r for g in groups for r in g)
-            if every != list(range(world)):
-                raise ValueError(
-                    f"collective='torch' reduces over groups that cover the whole mesh (torch.distributed "
-                    f"makes groups collectively over every rank); these groups cover ranks {every} of {world}"
-                )
-            torch_init = (self.ctx.torch_init_method(), world)
+            self._check_torch_groups(groups)
+            torch_init = (self.ctx.torch_init_method(), self.ctx.shape.size)
         program.append(("coll", out, cur, op, [list(g) for g in groups],
                         self.collective, dtype.name, torch_init, self.ctx.pids(groups)))
         if cur != self.bid:
