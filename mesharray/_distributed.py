@@ -258,6 +258,20 @@ class _DataActor(Actor):
         else:
             g = _group(members, me, self.token, backend,
                        pids=[int((pids or {}).get(r) or 0) for r in members])
+        kind, _, arg = op.partition(":")
+        fused = n > 1 and kind in _COLLECTIVE_OP and hasattr(g, "allreduce_checked")
+        if fused:
+            # shared memory: the agreement rides on the reduction's own arrival flags
+            if local_err is not None:
+                g.allreduce_checked(np.zeros(1, dtype=dtype), op=op, failed=True)
+                raise local_err
+            host = np.asarray(eng.host_view(block), order="C")
+            res = _pool_take(host.shape, host.dtype)
+            failed = g.allreduce_checked(host, out=res, op=op)
+            if failed:
+                raise _InputFailed(failed, out)
+            _BLOCKS[out] = eng.from_numpy(res) if eng.name != "numpy" else res
+            return
         if n > 1:
             # Agree on whether every member's input exists before moving data: a member
             # that skipped the collective would leave its peers waiting on it.
@@ -273,7 +287,6 @@ class _DataActor(Actor):
             raise local_err
         # op: a reduction ("sum", ...) for allreduce, or "allgather", "broadcast:ROOT",
         # "reduce_scatter:OP"
-        kind, _, arg = op.partition(":")
         if backend == "torch":
             x = np.asarray(block, order="C") if isinstance(block, np.ndarray) else block.contiguous()
             if kind == "allgather":
