@@ -256,8 +256,8 @@ class _DataActor(Actor):
             g = _group(members, me, self.token, backend,
                        torch_init[:2] + ([list(x) for x in groups], eng.name if eng else "torch") if torch_init else ())
         else:
-            g = _group(members, me, self.token, backend,
-                       pids=[int((pids or {}).get(r) or 0) for r in members])
+            g = _GROUPS.get((members, backend)) or _group(
+                members, me, self.token, backend, pids=[int((pids or {}).get(r) or 0) for r in members])
         kind, _, arg = op.partition(":")
         fused = n > 1 and kind in _COLLECTIVE_OP and hasattr(g, "allreduce_checked")
         if fused:
@@ -772,14 +772,14 @@ class DistributedStorage:
         if coll is None:
             ctx.send(self._unique(), program)
             return self._derive(cur, local=new_local, dtype=rdt_work)
-        coll_op, groups_l, members, ranks, holders, all_ranks, pids = coll
+        coll_op, groups_l, members, ranks, holders, all_ranks, pids, rdt_name = coll
         out = ctx.new_id()
-        program.append(("coll", out, cur, coll_op, groups_l, self.collective, rdt_work.name,
+        program.append(("coll", out, cur, coll_op, groups_l, self.collective, rdt_name,
                         (ctx.torch_init_method(), ctx.shape.size) if self.collective == "torch" else (), pids))
         if cur != self.bid:
             program.append(("free", [cur]))
-        # fire-and-forget (see _send_collective)
-        ctx.send(members, program)
+        # fire-and-forget (see _send_collective); members are sorted and unique
+        ctx.view(members).run.broadcast(ctx._with_frees(members, program))
         res = DistributedStorage(ctx, out, ranks, new_local, rdt_work, self.engine, holders, self.collective,
                                  _all_ranks=all_ranks)
         if rdt_work != rdt:  # any/all computed as uint8 max/min
@@ -835,7 +835,7 @@ class DistributedStorage:
         holders.setflags(write=False)
         members = sorted({r for g in groups for r in g})
         coll = (_COLLECTIVE_OP[name], [list(g) for g in groups], members, ranks, holders, tuple(members),
-                self.ctx.pids(groups))
+                self.ctx.pids(groups), rdt_work.name)
         return first, rdt_work, rdt, new_local, coll
 
     def _check_torch_groups(self, groups: list) -> None:
