@@ -11,10 +11,16 @@ Operations that make blocks are sent fire-and-forget (ordered per sender, so
 they pipeline like a stream); a failure is kept with the block it should have
 made and raised when that block is used or fetched. Shapes and dtypes are
 checked at the controller before anything is sent. Reductions over mesh axes
-run one collective per group of :func:`~mesharray.reduction_plan` and wait for
-completion: a worker dying during one fails it at the controller with
-:class:`~mesharray.ActorDiedError`, and the survivors' collective times out
-of its wait on the dead peer instead of hanging.
+run one collective per group of :func:`~mesharray.reduction_plan`, also sent
+fire-and-forget (planned once per layout and request); fetching the result asks
+only the ranks that hold it (the group roots: one call for a 0-d result), and
+since messages are ordered per rank it runs after the collective. The members of
+a group first agree on whose input exists (on the shared-memory backend this
+rides on the reduction's own arrival flags), so a rank whose input failed never
+leaves its peers waiting; a failure is kept as the result block's and raised
+by its fetch (or any later use): the original error, or
+:class:`~mesharray.ActorDiedError` naming the ranks when a member died, which
+the survivors notice in their wait instead of hanging.
 
 Collective backend per group (chosen in the worker): MPI when the mesh was
 launched under mpirun, else the built-in shared-memory backend (ranks on one
