@@ -58,6 +58,9 @@ __all__ = ["DistributedStorage", "data_context"]
 # to an endpoint on this worker unpickles to its local block)
 _BLOCKS: dict[int, Any] = {}
 _FAILED: dict[int, BaseException] = {}
+# failures of freed blocks, the most recent few (an intermediate of a chain of
+# reductions is freed before the controller follows the chain to its original)
+_FREED_FAILED: dict[int, BaseException] = {}
 _GROUPS: dict[tuple, Any] = {}
 
 
@@ -112,6 +115,8 @@ def _block(bid: int) -> Any:
         # the op that should have made this block failed: its original exception
         # (type and traceback) is what the controller sees, wrapped in ActorError
         raise _FAILED[bid]
+    if bid in _FREED_FAILED and bid not in _BLOCKS:
+        raise _FREED_FAILED[bid]
     try:
         return _BLOCKS[bid]
     except KeyError:
@@ -217,7 +222,12 @@ class _DataActor(Actor):
                 if op == "free":
                     for b in out:
                         _pool_give(_BLOCKS.pop(b, None))
-                        _FAILED.pop(b, None)
+                        exc = _FAILED.pop(b, None)
+                        if exc is not None:
+                            # a later result's _InputFailed may still point here
+                            _FREED_FAILED[b] = exc
+                            while len(_FREED_FAILED) > 64:
+                                del _FREED_FAILED[next(iter(_FREED_FAILED))]
                     continue
                 if op == "coll":
                     result = self._collective(me, *ins[1:])

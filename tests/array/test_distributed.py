@@ -326,6 +326,17 @@ def test_input_failing_on_one_rank_surfaces_at_fetch_as_the_original_error(procs
     with pytest.raises(ma.ActorError) as info:
         np.asarray(s.sum(axis="hosts"))
     assert isinstance(info.value.exception, ZeroDivisionError)
+    # through a freed intermediate result too
+    mid = procs.apply(_fail_on_rank_one, r).sum(axis="procs")
+    z = mid.sum(axis="hosts")
+    del mid
+    gc.collect()
+    from mesharray._distributed import data_context
+
+    data_context(procs).flush_frees()  # the intermediate is gone from the workers
+    with pytest.raises(ma.ActorError) as info:
+        np.asarray(z)
+    assert isinstance(info.value.exception, ZeroDivisionError)
     assert time.monotonic() - t0 < 10
     # the groups are still usable afterwards
     np.testing.assert_array_equal(_np(r.sum(axis="procs")), [1.0, 5.0])
