@@ -5,18 +5,22 @@ processes itself)::
 
     python bench/bench_collectives.py                 # 2 and 4 ranks, 4 MiB and 64 MiB
     python bench/bench_collectives.py --ranks 2 --reps 5
+    python bench/bench_collectives.py --tiny          # only the 8-byte table (~1 min)
 
 Rows (float32 sum across ranks, per rank ``size`` bytes, median of ``reps``):
 
 - ``shm``: mesharray's shared-memory backend alone (``ShmCollective.allreduce``
   in N spawned processes);
 - ``mesharray``: ``x.sum(axis="procs")`` on a distributed array issued from
-  the controller, end to end (a control message to every rank, the shm
-  collective in the workers, the reply);
+  the controller, end to end (fire-and-forget to every rank, the shm
+  collective in the workers, then a call to every rank to wait for it);
 - ``mpi``: mpi4py ``Allreduce`` under ``mpirun`` (Open MPI's shared memory);
 - ``gloo``: ``torch.distributed.all_reduce`` with the gloo backend.
 
-Also: the 8-byte reduction from the controller, ``Buffer.read_into`` of 64 MiB
+Also: the 8-byte reduction from the controller, exactly
+``x.sum(axis="procs").fetch()`` of a 0-d float64 block, with the control
+messages it costs (``procs.stats()``), next to mpi4py's and gloo's 8-byte
+all-reduce in the same run; ``Buffer.read_into`` of 64 MiB
 between two processes, and the peak RSS of a 64 MiB transfer.
 
 Under pytest (``make bench``) a small subset runs as pytest-benchmark cases.
@@ -88,19 +92,46 @@ def bench_shm(size: int, nbytes: int, reps: int) -> float:
 
 def bench_mesharray(size: int, nbytes_list: list[int], reps: int) -> dict[int, float]:
     import mesharray as ma
+    from mesharray._distributed import data_context
 
     out = {}
     with ma.proc_mesh(hosts=1, procs=size) as procs:
         for nbytes in nbytes_list:
             x = procs.ones((max(1, nbytes // 4),), dtype="float32")
-            x.sum(axis="procs")  # the groups' segments are made on first use
+            everyone = data_context(procs).view(list(range(size)))
+            everyone.meta.call(x.sum(axis="procs")._storage.bid).get()  # segments made on first use
             times = []
             for _ in range(reps):
                 t = time.perf_counter()
-                x.sum(axis="procs")
+                y = x.sum(axis="procs")  # fire-and-forget
+                everyone.meta.call(y._storage.bid).get()  # every member done (ordered after it)
                 times.append(time.perf_counter() - t)
             out[nbytes] = float(np.median(times))
     return out
+
+
+def bench_tiny_fetch(size: int, reps: int) -> tuple[float, float, float]:
+    """``x.sum(axis="procs").fetch()`` of a 0-d float64 block (8 B) on ``size`` ranks.
+
+    Returns the median seconds per op, the control messages the controller sent
+    per op (``calls`` + ``broadcasts`` of ``procs.stats()``) and, of those, the
+    ones awaiting a reply (``calls``).
+    """
+    import mesharray as ma
+
+    with ma.proc_mesh(procs=size) as procs:
+        x = procs.full((), 2.0)
+        for _ in range(20):  # segments made, code paths warm
+            x.sum(axis="procs").fetch()
+        s0 = procs.stats()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            x.sum(axis="procs").fetch()
+            times.append(time.perf_counter() - t)
+        s1 = procs.stats()
+        msgs = (s1["calls"] + s1["broadcasts"] - s0["calls"] - s0["broadcasts"]) / reps
+        return float(np.median(times)), msgs, (s1["calls"] - s0["calls"]) / reps
 
 
 # --- mpi4py under mpirun -------------------------------------------------------------------
@@ -247,14 +278,16 @@ def main(argv=None) -> None:
     ap.add_argument("--ranks", type=int, nargs="*", default=[2, 4])
     ap.add_argument("--sizes", type=int, nargs="*", default=[4, 64], help="MiB per rank")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--tiny", action="store_true", help="only the 8-byte table")
     args = ap.parse_args(argv)
-    sizes = [s * MiB for s in args.sizes]
-    print("| ranks | MiB/rank | shm (ms) | mesharray e2e (ms) | mpi4py Allreduce (ms) | gloo all_reduce (ms) | mesharray / mpi | mesharray / gloo |")
-    print("|---|---|---|---|---|---|---|---|")
+    sizes = [] if args.tiny else [s * MiB for s in args.sizes]
+    if sizes:
+        print("| ranks | MiB/rank | shm (ms) | mesharray e2e (ms) | mpi4py Allreduce (ms) | gloo all_reduce (ms) | mesharray / mpi | mesharray / gloo |")
+        print("|---|---|---|---|---|---|---|---|")
     tiny = {}
     for n in args.ranks:
         ma_t = bench_mesharray(n, sizes, args.reps)
-        ma_tiny = bench_mesharray(n, [8], 300)[8]
+        ma_tiny = bench_tiny_fetch(n, 300)
         mpi_t = bench_mpi(n, sizes + [8], args.reps) or {}
         gloo_t = bench_gloo(n, sizes + [8], args.reps) or {}
         tiny[n] = (ma_tiny, mpi_t.get(8), gloo_t.get(8))
@@ -265,10 +298,14 @@ def main(argv=None) -> None:
                   f"{m * 1e3 if m else float('nan'):.2f} | {g * 1e3 if g else float('nan'):.2f} | "
                   f"{ma_t[nb] / m if m else float('nan'):.2f} | {ma_t[nb] / g if g else float('nan'):.2f} |")
     print()
-    print("| ranks | 8 B: mesharray from the controller (µs) | mpi4py Allreduce (µs) | gloo (µs) |")
-    print("|---|---|---|---|")
-    for n, (a, m, g) in tiny.items():
-        print(f"| {n} | {a * 1e6:.0f} | {m * 1e6 if m else float('nan'):.1f} | {g * 1e6 if g else float('nan'):.0f} |")
+    print("| ranks | 8 B: x.sum(axis='procs').fetch() from the controller (µs) | control messages / op "
+          "(awaiting a reply) | mpi4py Allreduce (µs) | gloo all_reduce (µs) |")
+    print("|---|---|---|---|---|")
+    for n, ((a, msgs, calls), m, g) in tiny.items():
+        print(f"| {n} | {a * 1e6:.0f} | {msgs:.0f} ({calls:.0f}) | {m * 1e6 if m else float('nan'):.1f} | "
+              f"{g * 1e6 if g else float('nan'):.0f} |")
+    if args.tiny:
+        return
     print()
     gbs, copies = bench_buffer(64 * MiB, args.reps)
     print(f"Buffer.read_into 64 MiB between two processes: {gbs:.2f} GB/s (one-sided; "

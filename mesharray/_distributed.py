@@ -11,10 +11,16 @@ Operations that make blocks are sent fire-and-forget (ordered per sender, so
 they pipeline like a stream); a failure is kept with the block it should have
 made and raised when that block is used or fetched. Shapes and dtypes are
 checked at the controller before anything is sent. Reductions over mesh axes
-run one collective per group of :func:`~mesharray.reduction_plan` and wait for
-completion: a worker dying during one fails it at the controller with
-:class:`~mesharray.ActorDiedError`, and the survivors' collective times out
-of its wait on the dead peer instead of hanging.
+run one collective per group of :func:`~mesharray.reduction_plan`, also sent
+fire-and-forget (planned once per layout and request); fetching the result asks
+only the ranks that hold it (the group roots: one call for a 0-d result), and
+since messages are ordered per rank it runs after the collective. The members of
+a group first agree on whose input exists (on the shared-memory backend this
+rides on the reduction's own arrival flags), so a rank whose input failed never
+leaves its peers waiting; a failure is kept as the result block's and raised
+by its fetch (or any later use): the original error, or
+:class:`~mesharray.ActorDiedError` naming the ranks when a member died, which
+the survivors notice in their wait instead of hanging.
 
 Collective backend per group (chosen in the worker): MPI when the mesh was
 launched under mpirun, else the built-in shared-memory backend (ranks on one
@@ -52,6 +58,9 @@ __all__ = ["DistributedStorage", "data_context"]
 # to an endpoint on this worker unpickles to its local block)
 _BLOCKS: dict[int, Any] = {}
 _FAILED: dict[int, BaseException] = {}
+# failures of freed blocks, the most recent few (an intermediate of a chain of
+# reductions is freed before the controller follows the chain to its original)
+_FREED_FAILED: dict[int, BaseException] = {}
 _GROUPS: dict[tuple, Any] = {}
 
 
@@ -106,6 +115,8 @@ def _block(bid: int) -> Any:
         # the op that should have made this block failed: its original exception
         # (type and traceback) is what the controller sees, wrapped in ActorError
         raise _FAILED[bid]
+    if bid in _FREED_FAILED and bid not in _BLOCKS:
+        raise _FREED_FAILED[bid]
     try:
         return _BLOCKS[bid]
     except KeyError:
@@ -211,7 +222,12 @@ class _DataActor(Actor):
                 if op == "free":
                     for b in out:
                         _pool_give(_BLOCKS.pop(b, None))
-                        _FAILED.pop(b, None)
+                        exc = _FAILED.pop(b, None)
+                        if exc is not None:
+                            # a later result's _InputFailed may still point here
+                            _FREED_FAILED[b] = exc
+                            while len(_FREED_FAILED) > 64:
+                                del _FREED_FAILED[next(iter(_FREED_FAILED))]
                     continue
                 if op == "coll":
                     result = self._collective(me, *ins[1:])
@@ -230,18 +246,64 @@ class _DataActor(Actor):
 
     def _collective(self, me: int, out: int, src: int, op: str, groups: list, backend: str | None,
                     dtype: str, torch_init: tuple = (), pids: dict | None = None) -> None:
+        # Sent fire-and-forget: any failure is kept as the failure of block ``out``
+        # (raised by the next fetch/use of it), never raised out of the program.
+        _BLOCKS.pop(out, None)
+        try:
+            self._collective_inner(me, out, src, op, groups, backend, dtype, torch_init, pids)
+            _FAILED.pop(out, None)
+        except BaseException as exc:
+            _BLOCKS.pop(out, None)
+            _FAILED[out] = exc
+
+    def _collective_inner(self, me: int, out: int, src: int, op: str, groups: list, backend: str | None,
+                          dtype: str, torch_init: tuple, pids: dict | None) -> None:
         members = next(tuple(g) for g in groups if me in g)
-        block = _block(src)
-        eng = _engine_for(block)
-        if eng.dtype_of(block) != np.dtype(dtype):
-            block = eng.astype(block, dtype)
-        # op: a reduction ("sum", ...) for allreduce, or "allgather", "broadcast:ROOT",
-        # "reduce_scatter:OP"
-        kind, _, arg = op.partition(":")
         n = len(members)
+        try:
+            block = _block(src)
+            eng = _engine_for(block)
+            if eng.dtype_of(block) != np.dtype(dtype):
+                block = eng.astype(block, dtype)
+            local_err = None
+        except BaseException as exc:  # this rank's input failed: its peers must still hear of it
+            local_err, eng = exc, None
         if backend == "torch":
             g = _group(members, me, self.token, backend,
-                       torch_init[:2] + ([list(x) for x in groups], eng.name) if torch_init else ())
+                       torch_init[:2] + ([list(x) for x in groups], eng.name if eng else "torch") if torch_init else ())
+        else:
+            g = _GROUPS.get((members, backend)) or _group(
+                members, me, self.token, backend, pids=[int((pids or {}).get(r) or 0) for r in members])
+        kind, _, arg = op.partition(":")
+        fused = n > 1 and kind in _COLLECTIVE_OP and hasattr(g, "allreduce_checked")
+        if fused:
+            # shared memory: the agreement rides on the reduction's own arrival flags
+            if local_err is not None:
+                g.allreduce_checked(np.zeros(1, dtype=dtype), op=op, failed=True)
+                raise local_err
+            host = np.asarray(eng.host_view(block), order="C")
+            res = _pool_take(host.shape, host.dtype)
+            failed = g.allreduce_checked(host, out=res, op=op)
+            if failed:
+                raise _InputFailed(failed, out)
+            _BLOCKS[out] = eng.from_numpy(res) if eng.name != "numpy" else res
+            return
+        if n > 1:
+            # Agree on whether every member's input exists before moving data: a member
+            # that skipped the collective would leave its peers waiting on it.
+            mine = np.zeros(n, dtype=np.int32)
+            mine[members.index(me)] = local_err is not None
+            flags = np.asarray(g.allreduce(mine, op="max")).reshape(-1)
+            failed = [members[j] for j in range(n) if flags[j]]
+            if failed:
+                if local_err is not None:
+                    raise local_err
+                raise _InputFailed(failed, out)
+        if local_err is not None:
+            raise local_err
+        # op: a reduction ("sum", ...) for allreduce, or "allgather", "broadcast:ROOT",
+        # "reduce_scatter:OP"
+        if backend == "torch":
             x = np.asarray(block, order="C") if isinstance(block, np.ndarray) else block.contiguous()
             if kind == "allgather":
                 res = g.allgather(x)
@@ -252,8 +314,6 @@ class _DataActor(Actor):
             else:
                 res = g.allreduce(x, op=op)
         else:
-            g = _group(members, me, self.token, backend,
-                       pids=[int((pids or {}).get(r) or 0) for r in members])
             host = np.asarray(eng.host_view(block), order="C")
             # results go into recycled buffers: fresh 64 MiB allocations page-fault on
             # every first touch, which halves the bandwidth of a collective
@@ -282,8 +342,22 @@ class _DataActor(Actor):
                     g.allreduce(host, out=res, op=op)
             res = eng.from_numpy(res) if eng.name != "numpy" else res
         _BLOCKS[out] = res
-        _FAILED.pop(out, None)
-        return None
+
+
+class _InputFailed(MeshArrayError):
+    """Kept by the members of a collective whose input failed on other ranks.
+
+    The controller, on meeting it, asks ``ranks[0]`` for its block ``bid``,
+    which raises the original failure (or the next link of a chain of them).
+    """
+
+    def __init__(self, ranks: Sequence[int], bid: int) -> None:
+        self.ranks = [int(r) for r in ranks]
+        self.bid = int(bid)
+        super().__init__(f"the input of this collective failed on rank(s) {self.ranks}")
+
+    def __reduce__(self):
+        return (_InputFailed, (self.ranks, self.bid))
 
 
 def _host(block: Any) -> np.ndarray:
@@ -377,6 +451,7 @@ class _DataContext:
         self._timer: threading.Timer | None = None
         self._views: dict[tuple, Any] = {}
         self._torch_init: str | None = None
+        self.plans: dict = {}  # DistributedStorage.reduce's plans by layout and request
 
     def new_id(self) -> int:
         return next(self._ids)
@@ -438,9 +513,34 @@ class _DataContext:
             raise
 
     def fetch(self, ranks: Sequence[int], bid: int) -> dict:
-        """Each rank's block ``bid`` as a host array: ``{rank: ndarray}``."""
+        """Each rank's block ``bid`` as a host array: ``{rank: ndarray}``.
+
+        A block whose making failed raises that failure: the original exception
+        (in :class:`~mesharray.ActorError`), or :class:`~mesharray.ActorDiedError`
+        naming the dead ranks when a rank died (before or during a collective).
+        """
         futs = [(r, self.view([r]).run.call_one([("fetch", bid)])) for r in ranks]
-        return {r: np.asarray(f.get()) for r, f in futs}
+        out = {}
+        for r, f in futs:
+            try:
+                out[r] = np.asarray(f.get())
+            except BaseException as exc:
+                self._raise_failure(exc, bid)
+        return out
+
+    def _raise_failure(self, exc: BaseException, bid: int, hops: int = 0) -> None:
+        from .errors import ActorDiedError, ActorError
+
+        inner = getattr(exc, "exception", None) if isinstance(exc, ActorError) else None
+        if isinstance(inner, ActorDiedError):
+            raise inner from exc
+        if isinstance(inner, _InputFailed) and hops < 8:
+            # a collective's input failed on other ranks: their block holds the original error
+            try:
+                self.view([inner.ranks[0]]).run.call_one([("fetch", inner.bid)]).get()
+            except BaseException as deeper:
+                self._raise_failure(deeper, inner.bid, hops + 1)
+        raise exc
 
     def incref(self, bid: int) -> None:
         with self._lock:
@@ -551,7 +651,8 @@ class DistributedStorage:
     __slots__ = ("ctx", "bid", "ranks", "holders", "_local", "_dtype", "engine", "collective", "__weakref__")
 
     def __init__(self, ctx: _DataContext, bid: int, ranks: np.ndarray, local_shape: tuple, dtype: Any,
-                 engine: str, holders: np.ndarray | None = None, collective: str | None = None) -> None:
+                 engine: str, holders: np.ndarray | None = None, collective: str | None = None,
+                 _all_ranks: tuple | None = None) -> None:
         self.ctx = ctx
         self.bid = bid
         self.ranks = np.asarray(ranks, dtype=np.int64)
@@ -561,7 +662,8 @@ class DistributedStorage:
         self.engine = engine
         self.collective = collective
         ctx.incref(bid)
-        all_ranks = tuple(sorted(set(self.ranks.ravel().tolist()) | (set(holders.ravel().tolist()) if holders is not None else set())))
+        all_ranks = _all_ranks if _all_ranks is not None else tuple(sorted(
+            set(self.ranks.ravel().tolist()) | (set(holders.ravel().tolist()) if holders is not None else set())))
         nbytes = math.prod(self._local) * self._dtype.itemsize * max(1, len(all_ranks))
         weakref.finalize(self, ctx.decref, bid, all_ranks, nbytes)
 
@@ -660,76 +762,123 @@ class DistributedStorage:
 
     # -- compute
     def reduce(self, op: str, func: Any, axes: tuple[int, ...] | None, keepdims: bool, kwargs: dict) -> Any:
+        if kwargs:
+            return self._gathered_reduce(op, func, axes, keepdims, kwargs)
+        # Everything but the block ids depends only on the layout and the request:
+        # planned once, so that a tiny reduction in a loop costs only its messages.
+        key = (op, axes, keepdims, self.ranks.shape, self.ranks.tobytes(), self._local, self._dtype,
+               self.collective, self.engine)
+        plans = self.ctx.plans
+        plan = plans.get(key)
+        if plan is None:
+            plan = self._reduce_plan(op, func, axes, keepdims)
+            if len(plans) > 256:
+                plans.clear()
+            plans[key] = plan
+        if plan is None:
+            return self._gathered_reduce(op, func, axes, keepdims, kwargs)
+        first, rdt_work, rdt, new_local, coll = plan
+        ctx = self.ctx
+        cur = self.bid
+        program = []
+        if first is not None:
+            nb = ctx.new_id()
+            program.append((first[0], nb, cur) + first[1:])
+            cur = nb
+        if coll is None:
+            ctx.send(self._unique(), program)
+            return self._derive(cur, local=new_local, dtype=rdt_work)
+        coll_op, groups_l, members, ranks, holders, all_ranks, pids, rdt_name = coll
+        out = ctx.new_id()
+        program.append(("coll", out, cur, coll_op, groups_l, self.collective, rdt_name,
+                        (ctx.torch_init_method(), ctx.shape.size) if self.collective == "torch" else (), pids))
+        if cur != self.bid:
+            program.append(("free", [cur]))
+        # fire-and-forget (see _send_collective); members are sorted and unique
+        ctx.view(members).run.broadcast(ctx._with_frees(members, program))
+        res = DistributedStorage(ctx, out, ranks, new_local, rdt_work, self.engine, holders, self.collective,
+                                 _all_ranks=all_ranks)
+        if rdt_work != rdt:  # any/all computed as uint8 max/min
+            res = res.astype(rdt, copy=True)
+        return res
+
+    def _reduce_plan(self, op: str, func: Any, axes: tuple[int, ...] | None, keepdims: bool) -> tuple | None:
+        """What ``reduce`` sends for this layout and request (None: reduce at the controller)."""
         m = self.ranks.ndim
         full = m + len(self._local)
         axes_t = tuple(range(full)) if axes is None else tuple(axes)
         name = _REDUCE_NAMES.get(op)
         mesh_axes = tuple(a for a in axes_t if a < m)
         local_axes = tuple(a - m for a in axes_t if a >= m)
-        if name is None or kwargs or (op.endswith(".reduce") and len(axes_t) != 1 and axes is not None):
-            return self._gathered_reduce(op, func, axes, keepdims, kwargs)
+        if name is None or (op.endswith(".reduce") and len(axes_t) != 1 and axes is not None):
+            return None
         # the result dtype NumPy would give (sum of int32 -> int64, mean of ints -> float64)
         proxy = np.zeros((1,) * full, dtype=self._dtype)
         if op in ("argmin", "argmax"):
-            return self._gathered_reduce(op, func, axes, keepdims, kwargs)
+            return None
         rdt = np.asarray(func(proxy, axis=axes_t if len(axes_t) != 1 or not op.endswith(".reduce") else axes_t[0],
                               keepdims=keepdims)).dtype
         if mesh_axes and (rdt.kind not in "fiub" or (name in ("any", "all"))):
             if name in ("any", "all"):
                 rdt_work = np.dtype(np.uint8)
             else:
-                return self._gathered_reduce(op, func, axes, keepdims, kwargs)
+                return None
         else:
             rdt_work = rdt
         new_local = tuple(s for i, s in enumerate(self._local) if i not in local_axes) if not keepdims else \
             tuple(1 if i in local_axes else s for i, s in enumerate(self._local))
-        cur = self.bid
-        program = []
-        if local_axes or rdt_work != self._dtype:
-            nb = self.ctx.new_id()
-            if local_axes:
-                program.append(("reduce", nb, cur, name, local_axes, keepdims, rdt_work.name))
-            else:
-                program.append(("astype", nb, cur, rdt_work.name))
-            cur = nb
+        first = None
+        if local_axes:
+            first = ("reduce", name, local_axes, keepdims, rdt_work.name)
+        elif rdt_work != self._dtype:
+            first = ("astype", rdt_work.name)
         if not mesh_axes:
-            self.ctx.send(self._unique(), program)
-            return self._derive(cur, local=new_local, dtype=rdt_work)
+            return first, rdt_work, rdt, new_local, None
         groups, roots = self._plan(mesh_axes)
         if any(len(set(g)) != len(g) for g in groups):
             # a rank at several positions of one group (an advanced-index view): reduce here
-            return self._gathered_reduce(op, func, axes, keepdims, kwargs)
-        out = self._send_collective(program, cur, _COLLECTIVE_OP[name], groups, rdt_work)
+            return None
+        if self.collective == "torch":
+            self._check_torch_groups(groups)
         kept = tuple(i for i in range(m) if i not in mesh_axes)
         sizes = tuple(self.ranks.shape[i] for i in kept)
         if keepdims:
             sizes = tuple(1 if i in mesh_axes else self.ranks.shape[i] for i in range(m))
         ranks = np.asarray([g[0] for g in groups], dtype=np.int64).reshape(sizes)
         holders = np.asarray(groups, dtype=np.int64).reshape(sizes + (len(groups[0]),))
-        res = DistributedStorage(self.ctx, out, ranks, new_local, rdt_work, self.engine, holders, self.collective)
-        if rdt_work != rdt:  # any/all computed as uint8 max/min
-            res = res.astype(rdt, copy=True)
-        return res
+        # shared by every result of this plan: nothing may write them in place
+        ranks.setflags(write=False)
+        holders.setflags(write=False)
+        members = sorted({r for g in groups for r in g})
+        coll = (_COLLECTIVE_OP[name], [list(g) for g in groups], members, ranks, holders, tuple(members),
+                self.ctx.pids(groups), rdt_work.name)
+        return first, rdt_work, rdt, new_local, coll
+
+    def _check_torch_groups(self, groups: list) -> None:
+        world = self.ctx.shape.size
+        every = sorted(r for g in groups for r in g)
+        if every != list(range(world)):
+            raise ValueError(
+                f"collective='torch' reduces over groups that cover the whole mesh (torch.distributed "
+                f"makes groups collectively over every rank); these groups cover ranks {every} of {world}"
+            )
 
     def _send_collective(self, program: list, cur: int, op: str, groups: list, dtype: np.dtype) -> int:
         """Append the collective ``op`` over ``groups`` to ``program``, run it and wait; the new block id."""
         out = self.ctx.new_id()
         torch_init = ()
         if self.collective == "torch":
-            world = self.ctx.shape.size
-            every = sorted(r for g in groups for r in g)
-            if every != list(range(world)):
-                raise ValueError(
-                    f"collective='torch' reduces over groups that cover the whole mesh (torch.distributed "
-                    f"makes groups collectively over every rank); these groups cover ranks {every} of {world}"
-                )
-            torch_init = (self.ctx.torch_init_method(), world)
+            self._check_torch_groups(groups)
+            torch_init = (self.ctx.torch_init_method(), self.ctx.shape.size)
         program.append(("coll", out, cur, op, [list(g) for g in groups],
                         self.collective, dtype.name, torch_init, self.ctx.pids(groups)))
         if cur != self.bid:
             program.append(("free", [cur]))
         members = sorted({r for g in groups for r in g})
-        self.ctx.call(members, program)  # waits: a dead member fails it here (ActorDiedError)
+        # fire-and-forget like the elementwise programs: messages from this controller
+        # are ordered per rank, so a later fetch of ``out`` runs after the collective;
+        # a failure (a dead member included) is kept as ``out``'s and raised there
+        self.ctx.send(members, program)
         return out
 
     def group_op(self, kind: str, mesh_axes: tuple[int, ...], arg: Any = None) -> "DistributedStorage":

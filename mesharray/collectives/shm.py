@@ -422,7 +422,37 @@ class ShmCollective:
         if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
             raise ValueError(f"root must be a rank in [0, {self.size}), got {root!r}")
 
-    def _reduce_rounds(self, send: np.ndarray, out: np.ndarray | None, op: str, kdt: str, root: int | None) -> None:
+    def allreduce_checked(self, send: Any, out: Any = None, op: str = "sum", failed: bool = False) -> list[int]:
+        """:meth:`allreduce` that first agrees on whether every member has its input.
+
+        A member whose input failed passes ``failed=True`` (its ``send`` and ``out``
+        are not used) and still takes part, so that no peer waits on it. The agreement
+        rides on the first round's arrival flags (no extra round).
+
+        Returns
+        -------
+        list of int
+            Global ranks whose input failed; when not empty nothing was reduced.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from mesharray.collectives import ShmCollective, unique_segment_name
+        >>> with ShmCollective(unique_segment_name(), 0, 1) as g:
+        ...     out = np.zeros(2)
+        ...     g.allreduce_checked(np.ones(2), out), out.tolist()
+        ([], [1.0, 1.0])
+        """
+        send = self._as_array(send, "send")
+        kdt = self._kernel_dtype(send.dtype, op)
+        out = self._out(out, send.shape, send.dtype) if not failed else None
+        bad = self._reduce_rounds(send, out, "sum" if op == "mean" else op, kdt, root=None, failed=bool(failed))
+        if not bad and op == "mean":
+            np.divide(out, self.size, out=out)
+        return [self.global_ranks[j] for j in bad]
+
+    def _reduce_rounds(self, send: np.ndarray, out: np.ndarray | None, op: str, kdt: str, root: int | None,
+                       failed: bool | None = None) -> list[int]:
         isz = send.dtype.itemsize
         src, total_bytes = buffer_address(send)
         dst = buffer_address(out, True)[0] if out is not None else 0
@@ -437,9 +467,22 @@ class ShmCollective:
             nb = count * isz
             off = start * isz
             k = self._begin("reduction")
-            copy_bytes(mine, src + off, nb)
-            atomic_store(self._flag(_ARRIVE, self.rank), k)
-            self._wait(_ARRIVE, k, everyone, "reduction")
+            if failed is not None and start == 0:
+                # the status word sits after the arrival flag in its line: written
+                # before the (release) store of the flag, read after the (acquire) wait
+                atomic_store(self._flag(_ARRIVE, self.rank) + 8, k if failed else 0)
+                if not failed:
+                    copy_bytes(mine, src + off, nb)
+                atomic_store(self._flag(_ARRIVE, self.rank), k)
+                self._wait(_ARRIVE, k, everyone, "reduction")
+                bad = [j for j in everyone if atomic_load(self._flag(_ARRIVE, j) + 8) == k]
+                if bad:
+                    self._end(k)
+                    return bad
+            else:
+                copy_bytes(mine, src + off, nb)
+                atomic_store(self._flag(_ARRIVE, self.rank), k)
+                self._wait(_ARRIVE, k, everyone, "reduction")
             if nb <= _SMALL or self.size == 1:
                 if dst:
                     # every member reduces the whole (small) round itself: one barrier
@@ -455,7 +498,7 @@ class ShmCollective:
             self._end(k)
             start += count
             if start >= total:
-                return
+                return []
 
     def broadcast(self, buf: Any, root: int = 0) -> np.ndarray:
         """Copy ``buf`` of ``root`` into ``buf`` of every member (in place); returns ``buf``."""

@@ -152,6 +152,10 @@ def test_blocks_freed_when_controller_array_is_collected(procs):
 
     probes = procs.spawn("counter", BlockProbe)
     gc.collect()
+    from mesharray._distributed import data_context
+
+    # frees of earlier tests' arrays would otherwise ride along with x's program
+    data_context(procs).flush_frees()
     before = _np(probes.count.call().get()).tolist()
     x = procs.ones((1000,))
     y = x * 2 + 1
@@ -293,3 +297,64 @@ def test_allgather_broadcast_reduce_scatter_over_mesh_dims(procs):
         ma.allgather(a, "gpus")
     with pytest.raises(TypeError, match="needs a distributed MeshArray"):
         ma.allgather(ma.MeshArray(np.arange(2), ["procs"]), "procs")
+
+
+def _fail_on_rank_one(x):
+    if float(np.asarray(x).reshape(-1)[0]) == 1.0:
+        raise ZeroDivisionError("rank one says no")
+    return x
+
+
+def test_reduction_is_fire_and_forget_and_fetch_asks_only_the_root():
+    with ma.proc_mesh(procs=2) as procs:
+        x = procs.full((), 2.0)
+        assert np.asarray(x.sum(axis="procs").fetch()).ravel().tolist() == [4.0]
+        s0 = procs.stats()
+        y = x.sum(axis="procs")
+        s1 = procs.stats()
+        assert s1["calls"] == s0["calls"]  # nothing waited for
+        assert np.asarray(y.fetch()).ravel().tolist() == [4.0]
+        s2 = procs.stats()
+        assert s2["calls"] - s1["calls"] == 1  # one call_one, to the group's root
+
+
+def test_input_failing_on_one_rank_surfaces_at_fetch_as_the_original_error(procs):
+    r = procs.rank_array().astype("float64")
+    bad = procs.apply(_fail_on_rank_one, r)  # rank 0 made its block, rank 1 failed
+    s = (bad * 2).sum(axis="procs")  # fire-and-forget: rank 0 must not wait on rank 1
+    t0 = time.monotonic()
+    with pytest.raises(ma.ActorError) as info:
+        s.fetch()
+    assert isinstance(info.value.exception, ZeroDivisionError) and "rank one says no" in str(info.value)
+    # a later reduction of the failed result raises it too
+    with pytest.raises(ma.ActorError) as info:
+        np.asarray(s.sum(axis="hosts"))
+    assert isinstance(info.value.exception, ZeroDivisionError)
+    # through a freed intermediate result too
+    mid = procs.apply(_fail_on_rank_one, r).sum(axis="procs")
+    z = mid.sum(axis="hosts")
+    del mid
+    gc.collect()
+    from mesharray._distributed import data_context
+
+    data_context(procs).flush_frees()  # the intermediate is gone from the workers
+    with pytest.raises(ma.ActorError) as info:
+        np.asarray(z)
+    assert isinstance(info.value.exception, ZeroDivisionError)
+    assert time.monotonic() - t0 < 10
+    # the groups are still usable afterwards
+    np.testing.assert_array_equal(_np(r.sum(axis="procs")), [1.0, 5.0])
+
+
+@pytest.mark.timeout(60)
+def test_worker_death_before_fire_and_forget_reduction_raises_at_fetch():
+    with ma.proc_mesh(procs=2) as procs:
+        x = procs.full((), 2.0)
+        assert np.asarray(x.sum(axis="procs").fetch()).ravel().tolist() == [4.0]
+        os.kill(procs.pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        y = x.sum(axis="procs")  # the survivor (the root) sees its peer die in the collective
+        with pytest.raises(ActorDiedError) as info:
+            y.fetch()
+        assert info.value.ranks == [1] or 1 in info.value.ranks
+        assert time.monotonic() - t0 < 10

@@ -165,3 +165,31 @@ def test_name_clash_is_reported():
             ShmCollective(name, 0, 2, timeout=0.3)
     finally:
         os.unlink(path)
+
+
+def _checked(rank, size, name):
+    # capacity 64 KiB: the 100_003-element case takes several rounds
+    g = ShmCollective(name, rank, size, capacity=64 << 10, timeout=30)
+    out = []
+    try:
+        for n in (1, 100_003):
+            x = np.full(n, float(rank + 1))
+            res = np.zeros(n)
+            out.append((g.allreduce_checked(x, res), res[:3].tolist()))
+            # rank 1's input is missing: nobody reduces, everybody learns who, nobody waits
+            bad = g.allreduce_checked(np.zeros(1) if rank == 1 else x, np.zeros(n), failed=rank == 1)
+            out.append(bad)
+            # the group stays in step for the next collective
+            out.append(g.allreduce(np.ones(2)).tolist())
+    finally:
+        g.close()
+    return out
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_allreduce_checked_agrees_on_failed_inputs(size):
+    res = run_ranks(_checked, size, unique_segment_name("test"))
+    total = float(sum(range(1, size + 1)))
+    for r in range(size):
+        assert res[r] == [([], [total] * 1), [1], [float(size)] * 2,
+                          ([], [total] * 3), [1], [float(size)] * 2]
