@@ -99,7 +99,11 @@ def bench_mesharray(size: int, nbytes_list: list[int], reps: int) -> dict[int, f
         for nbytes in nbytes_list:
             x = procs.ones((max(1, nbytes // 4),), dtype="float32")
             everyone = data_context(procs).view(list(range(size)))
-            everyone.meta.call(x.sum(axis="procs")._storage.bid).get()  # segments made on first use
+            # segments are made on first use; keep the result alive while asking about
+            # it (a dropped array's free rides on the next message, ahead of the call)
+            warm = x.sum(axis="procs")
+            everyone.meta.call(warm._storage.bid).get()
+            del warm
             times = []
             for _ in range(reps):
                 t = time.perf_counter()
