@@ -202,10 +202,18 @@ class ShmCollective:
                             )
                     finally:
                         os.close(fd)
-                if self._peer_pids[0] and not _pid_alive(self._peer_pids[0]):
+                # Any dead member dooms the group, not only its creator: rank 0 may have
+                # created the segment, seen that member dead during the join and
+                # unlinked the name before this (late) member looked for it; the name
+                # then never appears again, and waiting out the timeout here would
+                # hold this worker's reader thread past the next collective's join.
+                dead = [j for j in range(self.size)
+                        if j != self.rank and self._peer_pids[j] and not _pid_alive(self._peer_pids[j])]
+                if dead:
                     raise ActorDiedError(
-                        ranks=[self.global_ranks[0]], pid=self._peer_pids[0],
-                        reason=f"died before creating shared-memory group {self.name!r}",
+                        ranks=[self.global_ranks[j] for j in dead], pid=self._peer_pids[dead[0]],
+                        reason=(f"died before creating shared-memory group {self.name!r}" if dead[0] == 0
+                                else f"died before joining shared-memory group {self.name!r}"),
                     )
                 if time.monotonic() > deadline:
                     raise TimeoutError(

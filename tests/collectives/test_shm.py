@@ -193,3 +193,25 @@ def test_allreduce_checked_agrees_on_failed_inputs(size):
     for r in range(size):
         assert res[r] == [([], [total] * 1), [1], [float(size)] * 2,
                           ([], [total] * 3), [1], [float(size)] * 2]
+
+
+def test_late_member_of_group_abandoned_for_a_dead_peer_fails_fast():
+    # rank 0 creates the segment, finds rank 2 dead during the join and unlinks the
+    # name; rank 1, arriving only now (a loaded machine), must not wait the whole
+    # timeout for a segment that will never appear again: its worker's reader thread
+    # would miss the join of the next collective sent to it
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    me = os.getpid()
+    name = unique_segment_name("test")
+    with pytest.raises(ActorDiedError):
+        ShmCollective(name, 0, 3, capacity=4096, timeout=20, peer_pids=(me, me, dead.pid))
+    assert not os.path.exists(f"/dev/shm/{name}")
+    t0 = time.monotonic()
+    with pytest.raises(ActorDiedError) as info:
+        ShmCollective(name, 1, 3, capacity=4096, timeout=20, peer_pids=(me, me, dead.pid))
+    assert time.monotonic() - t0 < 2.0
+    assert info.value.ranks == (2,)
