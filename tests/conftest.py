@@ -33,10 +33,21 @@ with warnings.catch_warnings():
 def _children() -> set[int]:
     if psutil is None:
         return set()
+    pids = set()
     try:
-        return {p.pid for p in psutil.Process(os.getpid()).children(recursive=True)}
+        children = psutil.Process(os.getpid()).children(recursive=True)
     except psutil.Error:
-        return set()
+        return pids
+    for p in children:
+        try:
+            # multiprocessing's resource tracker lives for the whole session by design;
+            # killing it as a "leak" breaks every later test that uses multiprocessing
+            if "resource_tracker" in " ".join(p.cmdline()):
+                continue
+        except psutil.Error:
+            continue
+        pids.add(p.pid)
+    return pids
 
 
 @pytest.fixture(autouse=True)
