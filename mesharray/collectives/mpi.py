@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import EngineUnavailableError
+from ._args import as_contiguous, check_out
 
 try:
     from mpi4py import MPI
@@ -50,20 +51,11 @@ class MpiCollective:
         except KeyError:
             raise ValueError(f"unknown reduction op {op!r}; expected one of {tuple(_OPS)}") from None
 
-    @staticmethod
-    def _arr(x: Any, label: str) -> np.ndarray:
-        x = np.asarray(x)
-        if not x.flags.c_contiguous:
-            raise ValueError(f"{label} must be C-contiguous")
-        return x
+    _arr = staticmethod(as_contiguous)
 
-    def _out(self, out: Any, shape: tuple, dtype: np.dtype) -> np.ndarray:
-        if out is None:
-            return np.empty(shape, dtype=dtype)
-        out = self._arr(out, "out")
-        if out.dtype != dtype or out.size != math.prod(shape):
-            raise ValueError(f"out has dtype {out.dtype} and {out.size} elements; expected {dtype} and shape {shape}")
-        return out
+    @staticmethod
+    def _out(out: Any, shape: tuple, dtype: np.dtype) -> np.ndarray:
+        return check_out(out, shape, dtype)
 
     def _mean(self, out: np.ndarray | None, op: str) -> None:
         if op == "mean" and out is not None:

@@ -35,6 +35,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ._args import as_contiguous, check_out
+
 from .._core import atomic_load, atomic_store, buffer_address, copy_bytes, reduce_addresses, wait_flags
 from ..errors import ActorDiedError, MeshArrayError, SupervisionError
 
@@ -357,26 +359,11 @@ class ShmCollective:
 
     # --- argument checks -----------------------------------------------------------------
 
-    @staticmethod
-    def _as_array(x: Any, label: str) -> np.ndarray:
-        if not isinstance(x, np.ndarray):
-            if hasattr(x, "__array_interface__") or hasattr(x, "__array__") or isinstance(x, memoryview):
-                x = np.asarray(x)
-            else:
-                raise TypeError(f"{label} must be a NumPy array or a buffer, got {type(x).__name__}")
-        if not x.flags.c_contiguous:
-            raise ValueError(f"{label} must be C-contiguous")
-        return x
+    _as_array = staticmethod(as_contiguous)
 
-    def _out(self, out: Any, shape: tuple, dtype: np.dtype) -> np.ndarray:
-        if out is None:
-            return np.empty(shape, dtype=dtype)
-        out = self._as_array(out, "out")
-        if out.dtype != dtype or out.size != math.prod(shape):
-            raise ValueError(f"out has dtype {out.dtype} and {out.size} elements; expected {dtype} and shape {shape}")
-        if not out.flags.writeable:
-            raise ValueError("out is read-only")
-        return out
+    @staticmethod
+    def _out(out: Any, shape: tuple, dtype: np.dtype) -> np.ndarray:
+        return check_out(out, shape, dtype)
 
     @staticmethod
     def _kernel_dtype(dtype: np.dtype, op: str) -> str:

@@ -215,3 +215,26 @@ def test_late_member_of_group_abandoned_for_a_dead_peer_fails_fast():
         ShmCollective(name, 1, 3, capacity=4096, timeout=20, peer_pids=(me, me, dead.pid))
     assert time.monotonic() - t0 < 2.0
     assert info.value.ranks == (2,)
+
+
+@pytest.mark.parametrize("backend", ["shm", "mpi"])
+def test_backends_refuse_the_same_mistakes_the_same_way(backend):
+    # one set of argument checks (collectives/_args.py): a non-buffer is a TypeError,
+    # a read-only destination a ValueError, whichever backend runs the collective
+    if backend == "mpi":
+        MPI = pytest.importorskip("mpi4py.MPI", reason="mpi4py is not installed (pip install mesharray[mpi])")
+        from mesharray.collectives.mpi import MpiCollective
+
+        g = MpiCollective(MPI.COMM_SELF)
+    else:
+        g = ShmCollective(unique_segment_name("test"), 0, 1, capacity=4096)
+    try:
+        with pytest.raises(TypeError, match="must be a NumPy array or a buffer, got str"):
+            g.allreduce("abc")
+        ro = np.ones(3)
+        ro.flags.writeable = False
+        with pytest.raises(ValueError, match="out is read-only"):
+            g.allreduce(np.ones(3), out=ro)
+    finally:
+        if backend == "shm":
+            g.close()
