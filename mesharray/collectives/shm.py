@@ -194,12 +194,15 @@ class ShmCollective:
                     fd = -1
                 if fd >= 0:
                     try:
-                        if os.fstat(fd).st_size == self._nbytes:
+                        # one fstat: rank 0 creates the file empty and sizes it next, so a
+                        # second look could see the size change between two reads of it
+                        have = os.fstat(fd).st_size
+                        if have == self._nbytes:
                             mm = mmap.mmap(fd, self._nbytes)
                             break
-                        if os.fstat(fd).st_size > 0:
+                        if have > 0:
                             raise ValueError(
-                                f"segment {self.name!r} has {os.fstat(fd).st_size} bytes but this member "
+                                f"segment {self.name!r} has {have} bytes but this member "
                                 f"expects {self._nbytes}: members disagree on size or capacity"
                             )
                     finally:
@@ -235,7 +238,12 @@ class ShmCollective:
             atomic_store(self._base, _MAGIC)
         else:
             while atomic_load(self._base) != _MAGIC:
+                if self._peer_pids[0] and not _pid_alive(self._peer_pids[0]):
+                    self.close()
+                    raise ActorDiedError(ranks=[self.global_ranks[0]], pid=self._peer_pids[0],
+                                         reason=f"died while creating shared-memory group {self.name!r}")
                 if time.monotonic() > deadline:
+                    self.close()
                     raise TimeoutError(f"shared-memory segment {self.name!r} was never initialised by rank 0")
                 time.sleep(0.0005)
         # pre-fault our slot and our share of the result area: page faults during

@@ -195,6 +195,45 @@ def test_allreduce_checked_agrees_on_failed_inputs(size):
                           ([], [total] * 3), [1], [float(size)] * 2]
 
 
+def test_member_that_finds_the_segment_before_it_is_sized_waits_for_it(monkeypatch):
+    # rank 0 creates the segment empty and sizes it right after: a member that looks
+    # in between must wait, not report that the members disagree on its size
+    import threading
+
+    name = unique_segment_name("sizing")
+    real_fstat = os.fstat
+    seen = []
+
+    def fstat(fd):
+        st = real_fstat(fd)
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(name) and not seen:
+            seen.append(st.st_size)
+            return os.stat_result((st.st_mode, st.st_ino, st.st_dev, st.st_nlink, st.st_uid, st.st_gid,
+                                   0, int(st.st_atime), int(st.st_mtime), int(st.st_ctime)))
+        return st
+
+    groups = {}
+    creator = threading.Thread(target=lambda: groups.setdefault(0, ShmCollective(name, 0, 2, timeout=10)))
+    creator.start()
+    while not os.path.exists(f"/dev/shm/{name}"):
+        time.sleep(0.001)
+    monkeypatch.setattr(os, "fstat", fstat)
+    g1 = ShmCollective(name, 1, 2, timeout=10)
+    monkeypatch.undo()
+    creator.join(10)
+    assert seen  # the member did see an unsized segment once
+    try:
+        out = np.empty(3)
+        t = threading.Thread(target=groups[0].allreduce, args=(np.ones(3),))
+        t.start()
+        g1.allreduce(np.full(3, 2.0), out)
+        t.join(10)
+        assert out.tolist() == [3.0, 3.0, 3.0]
+    finally:
+        g1.close()
+        groups[0].close()
+
+
 def test_late_member_of_group_abandoned_for_a_dead_peer_fails_fast():
     # rank 0 creates the segment, finds rank 2 dead during the join and unlinks the
     # name; rank 1, arriving only now (a loaded machine), must not wait the whole
