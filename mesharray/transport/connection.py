@@ -10,9 +10,20 @@ Design, for latency:
 
 - **Sending happens in the caller's thread**, under one lock per connection:
   no hop to an I/O thread or event loop. Small frames are joined and written
-  with one ``sendall``; large ones with ``sendmsg`` (scatter/gather, no copy).
+  with one ``send``; large ones with ``sendmsg`` (scatter/gather, no copy).
   Small frames may be *corked* (queued and written together later, see
   :meth:`Connection.send`).
+- **A send never blocks on a slow peer.** Writes are non-blocking; what the
+  socket does not take at once waits in the connection's *backlog*, which one
+  :class:`Writer` thread per process drains as the peer reads. Blocking in
+  ``sendall`` would let one busy peer stall the sender, and with it every
+  frame the sender still had for the others: a worker whose reader thread
+  waits in a collective for a peer whose part of that collective is still in
+  the sender's hands would then never be released (a deadlock across peers).
+  A sender waits only for its *own* bytes: a large frame whose buffers it
+  borrowed (they are not copied), or a backlog over :data:`BACKLOG_MAX`
+  (backpressure), and meanwhile the writer keeps every other connection
+  moving.
 - Reading, two modes. **Thread mode** (:meth:`Connection.start`; workers'
   inbound connections, whose handlers run actor code): one reader thread per
   connection does blocking ``recv_into`` into a reused buffer, parses every
@@ -28,6 +39,7 @@ Design, for latency:
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import select
@@ -37,10 +49,11 @@ import threading
 import time
 
 from .._core import pack_header, unpack_header
-from ..errors import AuthenticationError, BrokenTransportError, ClosedTransportError, FrameError
+from ..errors import AuthenticationError, BrokenTransportError, ClosedTransportError, FrameError, TransportError
 from . import auth, framing
 
-__all__ = ["Connection", "Listener", "Poller", "connect", "default_poller", "parse_address"]
+__all__ = ["Connection", "Listener", "Poller", "Writer", "connect", "default_poller", "default_writer",
+           "parse_address", "BACKLOG_MAX"]
 
 log = logging.getLogger("mesharray.transport")
 
@@ -50,6 +63,10 @@ PARK_MAX = 0.05
 _SMALL = 1 << 14
 _CORK_MAX = 1 << 16  # flush corked frames once this many bytes are queued
 _CORK_AGE = 0.0005  # ... or once the oldest has waited this long while handling a batch
+_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0x40)
+#: bytes a connection may hold unwritten before its senders wait for the peer to read
+#: (env ``MESHARRAY_SEND_BACKLOG``); they resume once half of it is written
+BACKLOG_MAX = int(os.environ.get("MESHARRAY_SEND_BACKLOG", str(64 << 20)))
 
 
 def parse_address(address: str):
@@ -101,6 +118,15 @@ class Connection:
         self._out_n = 0
         self._out_t0 = 0.0
         self.on_cork = None  # called when the queue of corked frames becomes non-empty
+        # written frames the socket has not taken yet (memoryviews, in order), drained
+        # by the process's Writer; positions count every byte ever handed to the socket
+        self._backlog: collections.deque = collections.deque()
+        self._backlog_n = 0
+        self._queued_pos = 0
+        self._written_pos = 0
+        self._write_error: BaseException | None = None
+        self._writer: "Writer | None" = None  # set while the writer watches this connection
+        self._wcond = threading.Condition(self._send_lock)
         if sock.family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -141,7 +167,7 @@ class Connection:
                         self._flush_locked()
                         return
                     else:
-                        self.sock.sendall(data)
+                        self._write_locked(data)
                         return
                 if first and self.on_cork is not None:
                     self.on_cork(self)
@@ -149,7 +175,9 @@ class Connection:
                 with self._send_lock:
                     if self._out:
                         self._flush_locked()
-                    self._sendmsg([hdr, *parts])
+                    self._write_parts_locked([hdr, *parts])
+        except TransportError:
+            raise
         except OSError as exc:
             raise BrokenTransportError(f"connection {self.name} broke while sending: {exc}") from exc
 
@@ -157,7 +185,7 @@ class Connection:
         data = b"".join(self._out)
         self._out.clear()
         self._out_n = 0
-        self.sock.sendall(data)
+        self._write_locked(data)
 
     def flush(self) -> None:
         """Write the queued (corked) frames now; errors are left to the reader to report."""
@@ -170,10 +198,58 @@ class Connection:
                 except OSError:
                     self._out.clear()
 
-    def _sendmsg(self, parts) -> None:
+    # -- non-blocking writes (see the module docstring) ---------------------------
+    def _write_locked(self, data: bytes) -> None:
+        """Write ``data`` (owned: nobody changes it later) without blocking on the peer."""
+        if self._write_error is not None:
+            self._raise_write_error()
+        nb = len(data)
+        self._queued_pos += nb
+        if not self._backlog:
+            try:
+                sent = self.sock.send(data, _DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            self._written_pos += sent
+            if sent == nb:
+                return
+            self._backlog.append(memoryview(data)[sent:])
+            self._backlog_n += nb - sent
+            self._watch_locked()
+        else:
+            self._backlog.append(memoryview(data))
+            self._backlog_n += nb
+        if self._backlog_n > BACKLOG_MAX:
+            self._wait_locked(lambda: self._backlog_n <= BACKLOG_MAX // 2)
+
+    def _write_parts_locked(self, parts) -> None:
+        """Write a large frame whose buffers are borrowed: returns once the socket has them all."""
+        if self._write_error is not None:
+            self._raise_write_error()
         views = [memoryview(p).cast("B") if not isinstance(p, bytes) else memoryview(p) for p in parts]
+        self._queued_pos += sum(v.nbytes for v in views)
+        end = self._queued_pos
+        if not self._backlog:
+            self._send_views(views)
+            if not views:
+                return
+            self._watch_locked()
+        for v in views:
+            self._backlog.append(v)
+            self._backlog_n += v.nbytes
+        # the caller may reuse its buffers once we return: wait for the writer (which
+        # meanwhile keeps every other connection of this process moving)
+        self._wait_locked(lambda: self._written_pos >= end)
+
+    def _send_views(self, views: list) -> None:
+        """Write from the front of ``views`` until the socket would block (consumes ``views``)."""
+        sock = self.sock
         while views:
-            sent = self.sock.sendmsg(views[:512])
+            try:
+                sent = sock.sendmsg(views[:512], (), _DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return
+            self._written_pos += sent
             while sent:
                 v = views[0]
                 if sent >= v.nbytes:
@@ -182,6 +258,78 @@ class Connection:
                 else:
                     views[0] = v[sent:]
                     sent = 0
+
+    def _drain_locked(self) -> bool:
+        """The writer's part: write what the socket takes now; True once the backlog is empty."""
+        backlog = self._backlog
+        try:
+            while backlog:
+                chunk = [backlog[i] for i in range(min(len(backlog), 512))]
+                before = sum(v.nbytes for v in chunk)
+                self._send_views(chunk)
+                done = before - sum(v.nbytes for v in chunk)
+                self._backlog_n -= done
+                while done:  # drop what the socket took from the front of the backlog
+                    v = backlog[0]
+                    if done >= v.nbytes:
+                        done -= v.nbytes
+                        backlog.popleft()
+                    else:
+                        backlog[0] = v[done:]
+                        done = 0
+                if chunk:
+                    return False
+        except OSError as exc:
+            self._fail_writes_locked(BrokenTransportError(f"connection {self.name} broke while sending: {exc}"))
+        finally:
+            self._wcond.notify_all()
+        return True
+
+    def _fail_writes_locked(self, exc: BaseException) -> None:
+        if self._write_error is None:
+            self._write_error = exc
+        self._backlog.clear()
+        self._backlog_n = 0
+        self._wcond.notify_all()
+
+    def _raise_write_error(self):
+        err = self._write_error
+        raise type(err)(str(err)) from err
+
+    def _watch_locked(self) -> None:
+        if self._writer is None:
+            w = default_writer()
+            w.watch(self)
+            self._writer = w
+
+    def _wait_locked(self, ready) -> None:
+        while not ready():
+            if self._write_error is not None:
+                self._raise_write_error()
+            if self._closed:
+                raise ClosedTransportError(f"connection {self.name} closed while sending")
+            self._wcond.wait(0.5)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Write the corked frames and wait until the peer has taken everything written.
+
+        Returns False if ``timeout`` seconds passed first, or the connection
+        broke or closed with frames still unwritten.
+        """
+        self.flush()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._send_lock:
+            while self._backlog and not self._closed and self._write_error is None:
+                left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+                if left <= 0:
+                    return False
+                self._wcond.wait(left)
+            return not self._backlog
+
+    @property
+    def backlog_bytes(self) -> int:
+        """Bytes written by senders that the peer has not taken yet."""
+        return self._backlog_n
 
     # -- receiving -------------------------------------------------------
     def start(self) -> None:
@@ -447,6 +595,7 @@ class Connection:
         self._closed = True
         if self.closed_error is None:
             self.closed_error = exc
+        self._drop_backlog()
         try:
             self.sock.close()
         except OSError:
@@ -462,10 +611,20 @@ class Connection:
     def closed(self) -> bool:
         return self._closed
 
+    def _drop_backlog(self) -> None:
+        # what the peer never took is lost with the connection; senders waiting on it wake
+        w = self._writer
+        if w is not None:
+            w.unwatch(self)
+        with self._send_lock:
+            self._writer = None
+            self._fail_writes_locked(ClosedTransportError(f"connection {self.name} is closed"))
+
     def close(self, join: bool = True) -> None:
         """Close the socket; the reader thread sees EOF and ends."""
         if not self._closed:
             self._closed = True
+            self._drop_backlog()
             try:
                 self.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -619,6 +778,81 @@ class Poller:
                 else:
                     self.discard(conn)
                     conn._poll_done()
+
+
+class Writer:
+    """One thread that finishes the writes the peers' sockets could not take at once.
+
+    A connection whose socket buffer is full keeps the rest of its frames in
+    its backlog (see :meth:`Connection._write_locked`) and is watched here
+    (epoll, level-triggered ``EPOLLOUT``) until the backlog is empty, so a
+    sender never blocks on one slow peer while it has frames for the others.
+    """
+
+    def __init__(self) -> None:
+        self._ep = select.epoll()
+        self._conns: dict[int, Connection] = {}
+        self._lock = threading.Lock()
+        self.thread = threading.Thread(target=self._loop, name="mesharray-writer", daemon=True)
+        self.thread.start()
+
+    def watch(self, conn: Connection) -> None:
+        """Start draining ``conn`` (its send lock is held by the caller)."""
+        try:
+            fd = conn.sock.fileno()
+            if fd < 0:
+                raise OSError("socket is closed")
+            with self._lock:
+                self._conns[fd] = conn
+                self._ep.register(fd, select.EPOLLOUT)
+        except (OSError, ValueError) as exc:
+            conn._fail_writes_locked(ClosedTransportError(f"connection {conn.name} is closed: {exc}"))
+
+    def unwatch(self, conn: Connection) -> None:
+        with self._lock:
+            for fd, c in list(self._conns.items()):
+                if c is conn:
+                    del self._conns[fd]
+                    try:
+                        self._ep.unregister(fd)
+                    except (OSError, ValueError):
+                        pass
+
+    def _loop(self) -> None:
+        while True:
+            events = self._ep.poll()
+            for fd, _ in events:
+                conn = self._conns.get(fd)
+                if conn is None:
+                    continue
+                with conn._send_lock:
+                    if conn._writer is not self:
+                        continue
+                    if conn._drain_locked():
+                        conn._writer = None
+                        with self._lock:
+                            if self._conns.get(fd) is conn:
+                                del self._conns[fd]
+                                try:
+                                    self._ep.unregister(fd)
+                                except (OSError, ValueError):
+                                    pass
+
+
+_writer: Writer | None = None
+_writer_lock = threading.Lock()
+
+
+def default_writer() -> Writer:
+    """The process's writer thread (started on first use, recreated after fork)."""
+    global _writer
+    w = _writer
+    if w is None or not w.thread.is_alive():
+        with _writer_lock:
+            if _writer is None or not _writer.thread.is_alive():
+                _writer = Writer()
+            w = _writer
+    return w
 
 
 _poller: Poller | None = None

@@ -101,6 +101,20 @@ class Probe(ma.Actor):
         return os.getpid()
 
     @ma.endpoint
+    def wait_for_file(self, path: str, limit: float = 20.0) -> bool:
+        # blocks this actor's reader thread until another rank makes `path`
+        deadline = time.monotonic() + limit
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    @ma.endpoint
+    def make_file(self, path: str) -> None:
+        open(path, "w").close()
+
+    @ma.endpoint
     def die(self, how: str) -> None:
         if how == "exit":
             os._exit(3)

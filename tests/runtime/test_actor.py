@@ -120,6 +120,23 @@ def test_messages_from_one_sender_run_in_send_order(procs):
     assert [x for x in seen[1] if True] == sorted(seen[1]) and len(seen[1]) == 500 + len(range(0, 500, 7))
 
 
+def test_a_busy_actor_does_not_hold_back_messages_to_the_others(probes, tmp_path):
+    # Rank 0 blocks until rank 1 acts; meanwhile far more than a socket buffer is
+    # sent to rank 0. A sender that blocked on rank 0's full socket would never send
+    # rank 1 its message: a deadlock across peers (this is how a collective, whose
+    # members wait for each other in their reader threads, used to hang).
+    flag = str(tmp_path / "go")
+    waiter, other = probes.slice(procs=0), probes.slice(procs=1)
+    done = waiter.wait_for_file.call_one(flag)
+    t0 = time.monotonic()
+    for _ in range(3000):
+        waiter.echo.broadcast(b"z" * 3000)  # ~9 MB queued for the busy rank
+    other.make_file.broadcast(flag)
+    assert done.get(timeout=30) is True
+    assert time.monotonic() - t0 < 15
+    assert waiter.echo.call_one(1).get(timeout=30) == 1  # and everything behind it ran
+
+
 def test_pipelined_call_one_all_resolve_in_order(procs):
     c = procs.spawn("c_pipe", Counter, 0).slice(procs=2)
     futs = []

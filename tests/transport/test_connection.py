@@ -184,3 +184,124 @@ def test_worker_with_wrong_secret_is_refused_by_a_controller():
         assert ctl.workers == {}
     finally:
         ctl.stop()
+
+
+class Gated:
+    """A listener whose reader handles frames only once ``gate`` is set (a busy peer)."""
+
+    def __init__(self, kind="unix"):
+        self.gate = threading.Event()
+        self.frames = []
+        self.conns = []
+        self.done = threading.Event()
+        self.expect = None
+        self.listener = Listener(SECRET, self._on_socket, kind=kind)
+
+    def _on_socket(self, sock):
+        c = Connection(sock, handler=self._on_frame, name="gated")
+        self.conns.append(c)
+        c.start()
+
+    def _on_frame(self, conn, kind, flags, msg_id, target, view, payload):
+        self.gate.wait(20)
+        self.frames.append((msg_id, bytes(payload)))
+        if self.expect is not None and len(self.frames) >= self.expect:
+            self.done.set()
+
+    def close(self):
+        self.gate.set()
+        self.listener.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_a_send_to_a_busy_peer_does_not_block_the_sender_nor_other_peers():
+    busy, idle = Gated(), Echo()
+    try:
+        slow = Connection(connect(busy.listener.address, SECRET), name="to-busy")
+        fast, got, ev = _client(idle.listener.address)
+        frame = b"x" * 4000
+        n = 4000  # 16 MB: far more than the socket buffers hold while the peer does not read
+        busy.expect = n
+        t0 = time.monotonic()
+        for i in range(n):
+            slow.send(1, 0, i, 0, 0, [frame])
+        assert time.monotonic() - t0 < 5
+        assert slow.backlog_bytes > 0  # the rest waits in the backlog, not in the sender
+        fast.send(2, 0, 7, 0, 0, [b"ping"])
+        assert ev.wait(5) and bytes(got[0][5]) == b"ping"
+        busy.gate.set()
+        assert busy.done.wait(20)
+        # everything arrived, in order, once the peer read it
+        assert [m for m, _ in busy.frames] == list(range(n))
+        assert all(p == frame for _, p in busy.frames)
+        deadline = time.monotonic() + 5
+        while slow.backlog_bytes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert slow.backlog_bytes == 0
+        slow.close()
+        fast.close()
+    finally:
+        busy.close()
+        idle.close()
+
+
+def test_a_large_frame_returns_once_the_socket_has_its_borrowed_buffers():
+    import numpy as np
+
+    mine, peer = socket.socketpair()
+    c = Connection(mine, name="to-sleeper")
+    received = bytearray()
+
+    def read_later():  # a peer that reads nothing for half a second
+        time.sleep(0.5)
+        while len(received) < 24 + (8 << 20):
+            chunk = peer.recv(1 << 20)
+            if not chunk:
+                break
+            received.extend(chunk)
+
+    reader = threading.Thread(target=read_later)
+    try:
+        data = np.arange(8 << 20, dtype=np.uint8)  # 8 MiB, written without a copy
+        reader.start()
+        t0 = time.monotonic()
+        c.send(1, 0, 1, 0, 0, [memoryview(data)])
+        # the caller may reuse its buffer as soon as send returns: it waited for the peer
+        assert time.monotonic() - t0 > 0.3
+        data[:] = 0
+        reader.join(10)
+        assert bytes(received[24:]) == np.arange(8 << 20, dtype=np.uint8).tobytes()
+    finally:
+        c.close()
+        peer.close()
+        reader.join(10)
+
+
+def test_backlog_is_bounded_and_a_closed_peer_fails_the_waiting_sender(monkeypatch):
+    from mesharray.errors import TransportError
+    from mesharray.transport import connection
+
+    monkeypatch.setattr(connection, "BACKLOG_MAX", 1 << 20)
+    busy = Gated()
+    try:
+        c = Connection(connect(busy.listener.address, SECRET), name="to-busy")
+        failed = []
+
+        def flood():
+            try:
+                for i in range(10_000):
+                    c.send(1, 0, i, 0, 0, [b"y" * 4000])
+            except TransportError as exc:
+                failed.append(exc)
+
+        t = threading.Thread(target=flood)
+        t.start()
+        time.sleep(0.5)
+        assert t.is_alive()  # waits: the backlog is over its bound
+        assert c.backlog_bytes <= (1 << 20) + 4100
+        c.close()  # closing wakes the waiting sender with an error, not a hang
+        t.join(5)
+        assert not t.is_alive() and failed
+    finally:
+        busy.close()
