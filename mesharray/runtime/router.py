@@ -88,10 +88,7 @@ class Router:
             self.on_reply(conn, msg_id, target, payload)
 
     def _on_close(self, conn, exc) -> None:
-        addr = conn.peer.get("address", conn.name)
-        err = ActorDiedError(ranks=conn.peer.get("ranks", ()), pid=conn.peer.get("pid"),
-                             reason=f"connection to {addr} lost")
-        self.mark_dead(addr, conn, err)
+        self.mark_dead(conn.peer.get("address", conn.name), conn, _lost(conn))
 
     def mark_dead(self, address: str, conn: Connection | None, err: BaseException) -> None:
         """Fail every pending call on ``address`` and every later send with ``err``."""
@@ -154,7 +151,12 @@ class Router:
         if conn.on_cork is None:
             conn.on_cork = _mark_dirty
         if cb is None:
-            conn.send(kind, 0, 0, target, view, parts, cork=True)
+            try:
+                conn.send(kind, 0, 0, target, view, parts, cork=True)
+            except (BrokenTransportError, ClosedTransportError) as exc:
+                # the peer went away and its close handler has not run yet: the same
+                # error every later send will get, not a transport detail
+                raise (conn.died or _lost(conn)) from exc
             self.sent_oneway += 1
             return
         self.sent_calls += 1
@@ -172,6 +174,11 @@ class Router:
             c = conn.pending.pop(mid, None)
             if c is not None:
                 c(P.DIED, err)
+
+def _lost(conn: Connection) -> ActorDiedError:
+    return ActorDiedError(ranks=conn.peer.get("ranks", ()), pid=conn.peer.get("pid"),
+                          reason=f"connection to {conn.peer.get('address', conn.name)} lost")
+
 
 _dirty: set = set()
 _dirty_lock = threading.Lock()

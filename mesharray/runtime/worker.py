@@ -260,6 +260,9 @@ class Worker:
                 rec = slot.failure
             if reply:
                 conn.send(P.REPLY, 0, msg_id, P.ERR, 0, _error_parts(rec))
+            else:  # a broadcast has nobody to tell but the log: never drop it silently
+                print(f"broadcast of {_method_name(payload)!r} to a missing actor dropped: "
+                      f"{rec['exc']}", file=sys.stderr, flush=True)
             return
         n = payload[0]
         key = bytes(payload[:1 + n])
@@ -365,12 +368,21 @@ class Worker:
         for c in list(self.inbound):
             c.close(join=False)
         if self.controller is not None:
+            # replies and log lines the controller has not read yet go out first
+            self.controller.drain(2.0)
             self.controller.close(join=False)
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop_thread.join(2.0)
             if not self._loop.is_running():
                 self._loop.close()
+
+
+def _method_name(payload) -> str:
+    try:
+        return bytes(payload[1:1 + payload[0]]).decode()
+    except Exception:
+        return "?"
 
 
 def _coords(shape, rank):
