@@ -839,40 +839,33 @@ class Writer:
                                     pass
 
 
-_writer: Writer | None = None
-_writer_lock = threading.Lock()
+_threads: dict = {}  # class -> the process's one instance (Poller, Writer)
+_threads_lock = threading.Lock()
 
 
-def default_writer() -> Writer:
-    """The process's writer thread (started on first use, recreated after fork)."""
-    global _writer
-    w = _writer
-    if w is None or not w.thread.is_alive():
-        with _writer_lock:
-            if _writer is None or not _writer.thread.is_alive():
-                _writer = Writer()
-            w = _writer
-    return w
-
-
-_poller: Poller | None = None
-_poller_lock = threading.Lock()
+def _process_thread(cls):
+    """The process's one ``cls`` (an object owning a thread): started on first use, again after fork."""
+    obj = _threads.get(cls)
+    if obj is None or not obj.thread.is_alive():
+        with _threads_lock:
+            obj = _threads.get(cls)
+            if obj is None or not obj.thread.is_alive():
+                obj = _threads[cls] = cls()
+    return obj
 
 
 def default_poller() -> Poller:
     """The process's poller (started on first use, recreated after fork)."""
-    global _poller
-    p = _poller
-    if p is None or not p.thread.is_alive():
-        with _poller_lock:
-            if _poller is None or not _poller.thread.is_alive():
-                _poller = Poller()
-            p = _poller
-    return p
+    return _process_thread(Poller)
+
+
+def default_writer() -> Writer:
+    """The process's writer thread (started on first use, recreated after fork)."""
+    return _process_thread(Writer)
 
 
 def _poller_thread():
-    p = _poller
+    p = _threads.get(Poller)
     return p.thread if p is not None else None
 
 
