@@ -118,6 +118,7 @@ class Connection:
         self._out_n = 0
         self._out_t0 = 0.0
         self.on_cork = None  # called when the queue of corked frames becomes non-empty
+        self.t_oneway = 0.0  # when the runtime last sent a one-way frame (its burst detection)
         # written frames the socket has not taken yet (memoryviews, in order), drained
         # by the process's Writer; positions count every byte ever handed to the socket
         self._backlog: collections.deque = collections.deque()
