@@ -217,7 +217,7 @@ class _DataActor(Actor):
             op, out = ins[0], ins[1]
             try:
                 if op == "fetch":
-                    result = _host(_block(out))
+                    result = _pack_small(_host(_block(out)))
                     continue
                 if op == "free":
                     for b in out:
@@ -360,6 +360,24 @@ class _InputFailed(MeshArrayError):
         return (_InputFailed, (self.ranks, self.bid))
 
 
+#: host blocks below this many bytes travel as (dtype, shape, bytes): pickling an ndarray
+#: costs ~20 us a side, which is most of a small fetch's CPU time
+_SMALL_FETCH = 1 << 16
+
+
+def _pack_small(a: np.ndarray) -> Any:
+    if a.nbytes < _SMALL_FETCH and a.dtype.kind in "biufcmM":
+        return (a.dtype.str, a.shape, a.tobytes())
+    return a
+
+
+def _unpack_small(v: Any) -> np.ndarray:
+    if type(v) is tuple:
+        dt, shape, raw = v
+        return np.frombuffer(raw, dtype=dt).reshape(shape).copy()  # writable, like an unpickled array
+    return np.asarray(v)
+
+
 def _host(block: Any) -> np.ndarray:
     if isinstance(block, np.ndarray):
         return block
@@ -452,6 +470,7 @@ class _DataContext:
         self._views: dict[tuple, Any] = {}
         self._torch_init: str | None = None
         self.plans: dict = {}  # DistributedStorage.reduce's plans by layout and request
+        self.layouts: dict = {}  # elementwise result layouts by operand layouts
 
     def new_id(self) -> int:
         return next(self._ids)
@@ -523,7 +542,7 @@ class _DataContext:
         out = {}
         for r, f in futs:
             try:
-                out[r] = np.asarray(f.get())
+                out[r] = _unpack_small(f.get())
             except BaseException as exc:
                 self._raise_failure(exc, bid)
         return out
@@ -937,47 +956,30 @@ class DistributedStorage:
         ctx = first.ctx
         per_element = ufunc.signature is not None
         sizes = tuple(plan.sizes)
-        # which rank computes each result position, and the check that every distributed
-        # operand's block for that position is on that rank
-        laid = []
+        # Where each result position is computed depends only on the operands' layouts:
+        # worked out once per layout (a loop of `a * 2 + b` then costs only its messages)
+        key = [ufunc.__name__, sizes, tuple(plan.names), per_element]
         for x in dist:
-            perm, target = plan.layout(x, pad_local=not per_element)
             st = x._storage
-            mperm = perm[: st.ranks.ndim]
-            r = st.ranks.transpose(mperm).reshape(target[: len(sizes)])
-            h = None
-            if st.holders is not None:
-                h = st.holders.transpose(mperm + (st.holders.ndim - 1,)).reshape(target[: len(sizes)] + (st.holders.shape[-1],))
-            laid.append((x, r, h))
-        lead = next((t for t in laid if t[1].shape == sizes), laid[0])
-        R = np.broadcast_to(lead[1], sizes)
-        for x, r, h in laid:
+            key.append((tuple(x._shape.names), st.ranks.shape, st.ranks.tobytes(), x.local_shape,
+                        None if st.holders is None else (st.holders.shape, st.holders.tobytes())))
+        key = tuple(key)
+        for x in dist:
             if x._storage.ctx is not ctx:
                 raise MeshShapeError("distributed operands belong to different process meshes")
-            rb = np.broadcast_to(r, sizes)
-            ok = rb == R
-            if h is not None:
-                hb = np.broadcast_to(h, sizes + (h.shape[-1],))
-                ok = ok | (hb == R[..., None]).any(-1)
-            if not ok.all():
-                raise MeshShapeError(
-                    f"distributed operands of {ufunc.__name__} live on different ranks for some positions "
-                    f"(mesh dims {dict(zip(plan.names, sizes))}); reduce or fetch one of them first"
-                )
-        if R.size and len(np.unique(R)) != R.size:
-            raise MeshShapeError(
-                f"the result of {ufunc.__name__} would need several blocks on one rank "
-                f"(a distributed operand broadcast along mesh dims {dict(zip(plan.names, sizes))}); "
-                "fetch it or reduce with keepdims=True first"
-            )
-        pos_of = {int(R[p]): p for p in np.ndindex(*sizes)}
+        layout = ctx.layouts.get(key)
+        if layout is None:
+            if len(ctx.layouts) > 256:
+                ctx.layouts.clear()
+            layout = ctx.layouts[key] = _ew_layout(ufunc, plan, dist, ctx, per_element, sizes)
+        R, pos_of, ranks = layout
         operands = []
         proxies = []
         for x in inputs:
             if isinstance(x, MeshArray) and isinstance(x._storage, DistributedStorage):
                 st = x._storage
                 operands.append(("b", st.bid))
-                proxies.append(_proxy(st._dtype, x.local_shape))
+                proxies.append(_proxy(st._dtype, x.local_shape) if per_element else _sample(st._dtype))
             elif isinstance(x, MeshArray):
                 aligned = plan.align(x, pad_local=not per_element)
                 m = len(sizes)
@@ -1007,10 +1009,62 @@ class DistributedStorage:
                 dt = ufunc(*[p if not isinstance(p, np.ndarray) else p.reshape(-1)[:1] if p.size else np.zeros(1, p.dtype) for p in proxies], **extra).dtype
                 local = tuple(plan.local_shape)
         bid = ctx.new_id()
-        ranks = sorted(pos_of)
         ctx.send(ranks, [("ew", bid, ufunc.__name__, operands, extra)])
-        return (DistributedStorage(ctx, bid, np.asarray(R, dtype=np.int64).copy(), local, dt, first.engine,
-                                   None, first.collective),)
+        return (DistributedStorage(ctx, bid, R, local, dt, first.engine, None, first.collective,
+                                   _all_ranks=tuple(ranks)),)
+
+
+def _ew_layout(ufunc: np.ufunc, plan: Any, dist: list, ctx: Any, per_element: bool, sizes: tuple) -> tuple:
+    """Which rank computes each position of an elementwise result: ``(R, pos_of, ranks)``.
+
+    Raises :class:`MeshShapeError` when the distributed operands' blocks for a
+    position are not on one rank, or a rank would have to compute two positions.
+    ``R`` is shared by every result of this layout (read-only).
+    """
+    laid = []
+    for x in dist:
+        perm, target = plan.layout(x, pad_local=not per_element)
+        st = x._storage
+        mperm = perm[: st.ranks.ndim]
+        r = st.ranks.transpose(mperm).reshape(target[: len(sizes)])
+        h = None
+        if st.holders is not None:
+            h = st.holders.transpose(mperm + (st.holders.ndim - 1,)).reshape(target[: len(sizes)] + (st.holders.shape[-1],))
+        laid.append((x, r, h))
+    lead = next((t for t in laid if t[1].shape == sizes), laid[0])
+    R = np.broadcast_to(lead[1], sizes)
+    for x, r, h in laid:
+        rb = np.broadcast_to(r, sizes)
+        ok = rb == R
+        if h is not None:
+            hb = np.broadcast_to(h, sizes + (h.shape[-1],))
+            ok = ok | (hb == R[..., None]).any(-1)
+        if not ok.all():
+            raise MeshShapeError(
+                f"distributed operands of {ufunc.__name__} live on different ranks for some positions "
+                f"(mesh dims {dict(zip(plan.names, sizes))}); reduce or fetch one of them first"
+            )
+    if R.size and len(np.unique(R)) != R.size:
+        raise MeshShapeError(
+            f"the result of {ufunc.__name__} would need several blocks on one rank "
+            f"(a distributed operand broadcast along mesh dims {dict(zip(plan.names, sizes))}); "
+            "fetch it or reduce with keepdims=True first"
+        )
+    R = np.asarray(R, dtype=np.int64).copy()
+    R.setflags(write=False)
+    pos_of = {int(R[p]): p for p in np.ndindex(*sizes)}
+    return R, pos_of, sorted(pos_of)
+
+
+_SAMPLES: dict = {}
+
+
+def _sample(dtype: np.dtype) -> np.ndarray:
+    # one element of ``dtype``: what NumPy needs to tell a ufunc's result dtype
+    a = _SAMPLES.get(dtype)
+    if a is None:
+        a = _SAMPLES[dtype] = np.zeros(1, dtype=dtype)
+    return a
 
 
 def _proxy(dtype: Any, shape: tuple) -> np.ndarray:

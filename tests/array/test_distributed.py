@@ -360,3 +360,37 @@ def test_worker_death_before_fire_and_forget_reduction_raises_at_fetch():
             y.fetch()
         assert info.value.ranks == [1] or 1 in info.value.ranks
         assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "int8", "uint16", "bool", "complex64", "datetime64[s]"])
+def test_small_fetched_values_are_writable_arrays_of_their_dtype(procs, dtype):
+    src = np.arange(2 * 2 * 3).reshape(2, 2, 3).astype(dtype)
+    a = procs.from_numpy(src)
+    got = _np(a)
+    assert got.dtype == np.dtype(dtype) and got.shape == (2, 2, 3)
+    np.testing.assert_array_equal(got, src)
+    one = _np(a[0, 1])  # one block: handed over as it arrived
+    assert one.flags.writeable and one.dtype == np.dtype(dtype) and one.shape == (3,)
+    one[...] = src[0, 0]  # the caller owns what it fetched
+    if np.dtype(dtype).kind == "f":
+        s = _np(a.sum(axis=("hosts", "procs")))
+        assert s.flags.writeable and s.shape == (3,)
+        np.testing.assert_allclose(s, src.sum(axis=(0, 1)))
+
+
+def test_elementwise_layouts_are_reused_per_operand_layout_not_confused(procs):
+    src = np.arange(2 * 2 * 2.0).reshape(2, 2, 2)
+    a = procs.from_numpy(src)
+    for _ in range(3):  # the second and third go through the cached layouts
+        np.testing.assert_array_equal(_np(a[:, 0:1] + 1), src[:, 0:1] + 1)
+        np.testing.assert_array_equal(_np(a[:, 1:2] + 1), src[:, 1:2] + 1)
+        np.testing.assert_array_equal(_np(a[::-1] * a[::-1]), src[::-1] ** 2)
+        with pytest.raises(MeshShapeError, match="different ranks"):
+            a[:, 0:1] + a[:, 1:2]
+    other = ma.proc_mesh(hosts=2, procs=2)
+    try:
+        b = other.from_numpy(src)
+        with pytest.raises(MeshShapeError, match="different process meshes"):
+            a + b
+    finally:
+        other.stop()
