@@ -513,7 +513,22 @@ class _DataContext:
         """Fire-and-forget a program to ``ranks`` (ordered after earlier messages)."""
         if ranks:
             ranks = sorted(set(int(r) for r in ranks))
-            self.view(ranks).run.broadcast(self._with_frees(ranks, program))
+            self.post(ranks, self._with_frees(ranks, program))
+
+    def post(self, ranks: list, program: list) -> None:
+        """Broadcast ``program`` to ``ranks`` (sorted, unique), past any dead rank.
+
+        A dead rank is not an error here: the blocks it should have made are
+        missing, and whatever uses or fetches them raises
+        :class:`~mesharray.ActorDiedError` (survivors of a collective with it
+        notice its death in their wait).
+        """
+        from .errors import ActorDiedError
+
+        try:
+            self.view(ranks).run.broadcast(program)
+        except ActorDiedError:
+            pass
 
     def call(self, ranks: Sequence[int], program: list) -> Any:
         """Run a program on ``ranks`` and wait for every rank.
@@ -814,7 +829,7 @@ class DistributedStorage:
         if cur != self.bid:
             program.append(("free", [cur]))
         # fire-and-forget (see _send_collective); members are sorted and unique
-        ctx.view(members).run.broadcast(ctx._with_frees(members, program))
+        ctx.post(members, ctx._with_frees(members, program))
         res = DistributedStorage(ctx, out, ranks, new_local, rdt_work, self.engine, holders, self.collective,
                                  _all_ranks=all_ranks)
         if rdt_work != rdt:  # any/all computed as uint8 max/min

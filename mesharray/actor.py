@@ -44,7 +44,7 @@ import queue
 import random
 from typing import Any
 
-from .errors import ActorError, SerializationError
+from .errors import ActorDiedError, ActorError, SerializationError
 from .mesh import MeshTrait
 from .runtime import protocol as P
 from .runtime.context import current
@@ -333,15 +333,18 @@ class Endpoint:
         router = get_router()
         addrs = mesh._addresses
         conns = []
+        dead = None  # a broadcast reaches every live actor first, then reports the dead
         for i, r in enumerate(ranks):
             try:
                 conns.append(router.connection(addrs[r]))
             except Exception as exc:
                 conns.append(None)
-                cb = cbs[i] if cbs is not None else None
-                if cb is None:
-                    raise
-                cb(P.DIED, exc)
+                if cbs is None:
+                    if not isinstance(exc, ActorDiedError):
+                        raise
+                    dead = dead or exc
+                else:
+                    cbs[i](P.DIED, exc)
         seg = placed = None
         if p.big and all(c is not None and c.same_host for c in conns):
             from .transport import shm
@@ -368,7 +371,15 @@ class Endpoint:
             else:
                 parts = [self._method, *framing.encode(p)]
             vid = router.view_id(conn, shape)
-            router.send(conn, P.CALL, aid, vid, parts, None if cbs is None else cbs[i], park)
+            if cbs is not None:
+                router.send(conn, P.CALL, aid, vid, parts, cbs[i], park)
+                continue
+            try:
+                router.send(conn, P.CALL, aid, vid, parts, None)
+            except ActorDiedError as exc:
+                dead = dead or exc
+        if dead is not None:
+            raise dead
         return conns
 
     def call(self, *args, **kwargs) -> Future:
@@ -474,7 +485,9 @@ class Endpoint:
         """Send to every actor without waiting for, or receiving, any reply.
 
         Ordered with the other messages of this sender; an exception in the
-        endpoint is printed by the worker (the actor survives).
+        endpoint is printed by the worker (the actor survives). Actors on
+        processes known to be dead are skipped: the message still reaches every
+        other actor, then :class:`~mesharray.ActorDiedError` is raised.
         """
         shape = self._mesh._shape
         self._send(list(shape), shape, args, kwargs, None)

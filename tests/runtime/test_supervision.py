@@ -56,6 +56,22 @@ def test_worker_death_fails_pending_and_later_calls(how, code, sig):
     # stop() still worked: context exit returned, nothing left behind (conftest checks)
 
 
+def test_broadcast_reaches_the_live_actors_then_reports_the_dead_one():
+    from actors import Counter
+
+    with ma.proc_mesh(hosts=1, procs=3, forward_logs=False) as procs:
+        c = procs.spawn("c", Counter, 0)
+        assert c.get.call().get(timeout=10).tolist() == [[0, 0, 0]]
+        os.kill(procs.pids[1], signal.SIGKILL)
+        with pytest.raises(ma.ActorDiedError) as ei:
+            for _ in range(200):  # until the death is known (at once, or at the first write after it)
+                c.incr.broadcast()
+                time.sleep(0.005)
+        assert 1 in ei.value.ranks
+        n0, n2 = (c.slice(procs=i).get.call_one().get(timeout=10) for i in (0, 2))
+        assert n0 == n2 >= 1  # every broadcast reached both survivors, the failing one included
+
+
 class Stopper:
     """An owner whose ``__supervise__`` stops the mesh, as a user might."""
 
