@@ -146,6 +146,7 @@ def test_workers_exit_when_the_controller_dies(tmp_path):
     root = os.path.dirname(os.path.dirname(here))
     script = tmp_path / "ctl.py"
     script.write_text(_ORPHAN_SCRIPT.format(root=root, here=here))
+    before = {ch.pid for ch in psutil.Process().children(recursive=True)}
     ctl = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(x) for x in ctl.stdout.readline().split()]
@@ -160,5 +161,8 @@ def test_workers_exit_when_the_controller_dies(tmp_path):
             ctl.kill()
             ctl.wait()
         ctl.stdout.close()
+        # only what this test started: killing the session's multiprocessing resource
+        # tracker too made every later test that uses multiprocessing fail
         for ch in psutil.Process().children(recursive=True):
-            ch.kill()
+            if ch.pid not in before:
+                ch.kill()
