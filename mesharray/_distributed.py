@@ -986,7 +986,7 @@ class DistributedStorage:
         if layout is None:
             if len(ctx.layouts) > 256:
                 ctx.layouts.clear()
-            layout = ctx.layouts[key] = _ew_layout(ufunc, plan, dist, ctx, per_element, sizes)
+            layout = ctx.layouts[key] = _ew_layout(ufunc, plan, dist, per_element, sizes)
         R, pos_of, ranks = layout
         operands = []
         proxies = []
@@ -1029,7 +1029,7 @@ class DistributedStorage:
                                    _all_ranks=tuple(ranks)),)
 
 
-def _ew_layout(ufunc: np.ufunc, plan: Any, dist: list, ctx: Any, per_element: bool, sizes: tuple) -> tuple:
+def _ew_layout(ufunc: np.ufunc, plan: Any, dist: list, per_element: bool, sizes: tuple) -> tuple:
     """Which rank computes each position of an elementwise result: ``(R, pos_of, ranks)``.
 
     Raises :class:`MeshShapeError` when the distributed operands' blocks for a

@@ -370,14 +370,14 @@ class Endpoint:
                 parts = [self._method, *framing.encode(p, seg=seg, placed=placed, slot=i)]
             else:
                 parts = [self._method, *framing.encode(p)]
-            vid = router.view_id(conn, shape)
-            if cbs is not None:
-                router.send(conn, P.CALL, aid, vid, parts, cbs[i], park)
-                continue
             try:
-                router.send(conn, P.CALL, aid, vid, parts, None)
-            except ActorDiedError as exc:
-                dead = dead or exc
+                vid = router.view_id(conn, shape)
+                router.send(conn, P.CALL, aid, vid, parts, None if cbs is None else cbs[i], park)
+            except ActorDiedError as exc:  # the peer died under us (a call's fails its future)
+                if cbs is None:
+                    dead = dead or exc
+                else:
+                    cbs[i](P.DIED, exc)
         if dead is not None:
             raise dead
         return conns

@@ -133,7 +133,10 @@ class Router:
                 vid = conn.views_out.get(shape)
                 if vid is None:
                     vid = len(conn.views_out) + 1
-                    conn.send(P.VIEW, 0, 0, vid, 0, [pickle.dumps(shape, protocol=5)])
+                    try:
+                        conn.send(P.VIEW, 0, 0, vid, 0, [pickle.dumps(shape, protocol=5)])
+                    except (BrokenTransportError, ClosedTransportError) as exc:
+                        raise (conn.died or _lost(conn)) from exc
                     conn.views_out[shape] = vid
         return vid
 
@@ -185,7 +188,9 @@ class Router:
             if c is not None:
                 c(P.DIED, err)
 
+
 def _lost(conn: Connection) -> ActorDiedError:
+    """The error of a peer whose connection ended before its close handler said why."""
     return ActorDiedError(ranks=conn.peer.get("ranks", ()), pid=conn.peer.get("pid"),
                           reason=f"connection to {conn.peer.get('address', conn.name)} lost")
 

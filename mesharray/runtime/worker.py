@@ -261,7 +261,7 @@ class Worker:
             if reply:
                 conn.send(P.REPLY, 0, msg_id, P.ERR, 0, _error_parts(rec))
             else:  # a broadcast has nobody to tell but the log: never drop it silently
-                print(f"broadcast of {_method_name(payload)!r} to a missing actor dropped: "
+                print(f"broadcast of {P.decode_method(payload)[0]!r} to a missing actor dropped: "
                       f"{rec['exc']}", file=sys.stderr, flush=True)
             return
         n = payload[0]
@@ -376,13 +376,6 @@ class Worker:
             self._loop_thread.join(2.0)
             if not self._loop.is_running():
                 self._loop.close()
-
-
-def _method_name(payload) -> str:
-    try:
-        return bytes(payload[1:1 + payload[0]]).decode()
-    except Exception:
-        return "?"
 
 
 def _coords(shape, rank):

@@ -40,6 +40,7 @@ Design, for latency:
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import os
 import select
@@ -265,7 +266,7 @@ class Connection:
         backlog = self._backlog
         try:
             while backlog:
-                chunk = [backlog[i] for i in range(min(len(backlog), 512))]
+                chunk = list(itertools.islice(backlog, 512))
                 before = sum(v.nbytes for v in chunk)
                 self._send_views(chunk)
                 done = before - sum(v.nbytes for v in chunk)
@@ -810,7 +811,8 @@ class Writer:
             conn._fail_writes_locked(ClosedTransportError(f"connection {conn.name} is closed: {exc}"))
 
     def unwatch(self, conn: Connection) -> None:
-        with self._lock:
+        """Stop draining ``conn`` (its backlog is empty, or it is closing)."""
+        with self._lock:  # a handful of entries: only connections with a backlog
             for fd, c in list(self._conns.items()):
                 if c is conn:
                     del self._conns[fd]
@@ -831,13 +833,7 @@ class Writer:
                         continue
                     if conn._drain_locked():
                         conn._writer = None
-                        with self._lock:
-                            if self._conns.get(fd) is conn:
-                                del self._conns[fd]
-                                try:
-                                    self._ep.unregister(fd)
-                                except (OSError, ValueError):
-                                    pass
+                        self.unwatch(conn)
 
 
 _threads: dict = {}  # class -> the process's one instance (Poller, Writer)
