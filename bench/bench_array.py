@@ -27,7 +27,7 @@ MiB = 1 << 20
 
 def bench_distributed(ranks: int, nbytes: int, reps: int) -> float:
     import mesharray as ma
-    from mesharray._distributed import data_context
+    from mesharray.darray import data_context
 
     with ma.proc_mesh(hosts=1, procs=ranks) as procs:
         a = procs.rand((nbytes // 4,), "float32", seed=0)

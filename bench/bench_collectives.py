@@ -92,7 +92,7 @@ def bench_shm(size: int, nbytes: int, reps: int) -> float:
 
 def bench_mesharray(size: int, nbytes_list: list[int], reps: int) -> dict[int, float]:
     import mesharray as ma
-    from mesharray._distributed import data_context
+    from mesharray.darray import data_context
 
     out = {}
     with ma.proc_mesh(hosts=1, procs=size) as procs:

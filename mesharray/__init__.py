@@ -58,10 +58,15 @@ _LAZY = {
     "HostMesh": "mesharray.proc",
     "Endpoint": "mesharray.actor",
     "Buffer": "mesharray.buffer",
-    "allgather": "mesharray._array_factory",
-    "broadcast_from": "mesharray._array_factory",
-    "reduce_scatter": "mesharray._array_factory",
+    "allgather": "mesharray.darray",
+    "broadcast_from": "mesharray.darray",
+    "reduce_scatter": "mesharray.darray",
 }
+
+# Modules whose objects can make distributed arrays (a ProcMesh's zeros, ones, ...):
+# the first use of one also loads mesharray.darray, which installs itself into proc
+# (it sits above proc, so proc never imports it).
+_WIRES_ARRAYS = {"mesharray.proc", "mesharray.actor", "mesharray.array", "mesharray.buffer"}
 
 __all__ = [
     "__version__",
@@ -93,6 +98,8 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'mesharray' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
+    if module in _WIRES_ARRAYS:
+        importlib.import_module("mesharray.darray")
     globals()[name] = value
     return value
 

@@ -33,7 +33,7 @@ from ._core import Shape, broadcast_shapes
 from .errors import DimensionError, InvalidIndexError, MeshIndexError, MeshShapeError
 from .mesh import MeshTrait, _mesh_size
 
-__all__ = ["MeshArray"]
+__all__ = ["GatheredStorage", "MeshArray"]
 
 
 # -----------------------------------------------------------------------------------
@@ -41,11 +41,11 @@ __all__ = ["MeshArray"]
 # -----------------------------------------------------------------------------------
 
 
-class _Gathered:
+class GatheredStorage:
     """Values held at the controller: one ndarray, mesh axes first, local axes last.
 
     This class *is* the storage protocol a MeshArray talks to; a distributed
-    storage (``mesharray/_distributed.py``, blocks living in the workers)
+    storage (:mod:`mesharray.darray`, blocks living in the workers)
     implements the same members. MeshArray decides every layout (which Shape,
     which axes, how operands broadcast) and hands it over; a storage only moves
     or computes values. Every method returns a new storage (never a MeshArray).
@@ -99,7 +99,7 @@ class _Gathered:
         return self.array
 
     # -- layout changes
-    def take(self, mesh_key: tuple, local_key: tuple, new_shape: Shape) -> _Gathered:
+    def take(self, mesh_key: tuple, local_key: tuple, new_shape: Shape) -> GatheredStorage:
         # a trailing ``...`` keeps every result an ndarray (an object element that
         # is itself a list must stay an element, not become axes)
         v = self.array[mesh_key + (Ellipsis,)] if mesh_key else self.array
@@ -113,48 +113,48 @@ class _Gathered:
                 v = np.moveaxis(v, tuple(range(-m, 0)), tuple(range(m)))
             else:
                 v = v[(slice(None),) * m + local_key + (Ellipsis,)]
-        return _Gathered(v)
+        return GatheredStorage(v)
 
-    def relayout(self, old_shape: Shape, perm: tuple[int, ...] | None, new_shape: Shape) -> _Gathered:
+    def relayout(self, old_shape: Shape, perm: tuple[int, ...] | None, new_shape: Shape) -> GatheredStorage:
         v = self.array
         m = old_shape.ndim
         local = v.shape[m:]
         if perm is not None:
             v = v.transpose(perm + tuple(range(m, v.ndim)))
-        return _Gathered(v.reshape(tuple(new_shape.sizes) + local))
+        return GatheredStorage(v.reshape(tuple(new_shape.sizes) + local))
 
     def setitem(self, key: tuple, value: Any) -> None:
         self.array[key] = value
 
-    def reshape_local(self, mesh_ndim: int, local_shape: tuple[int, ...]) -> _Gathered:
+    def reshape_local(self, mesh_ndim: int, local_shape: tuple[int, ...]) -> GatheredStorage:
         v = self.array
-        return _Gathered(v.reshape(v.shape[:mesh_ndim] + tuple(local_shape)))
+        return GatheredStorage(v.reshape(v.shape[:mesh_ndim] + tuple(local_shape)))
 
-    def astype(self, dtype: Any, copy: bool) -> _Gathered:
-        return _Gathered(self.array.astype(dtype, copy=copy))
+    def astype(self, dtype: Any, copy: bool) -> GatheredStorage:
+        return GatheredStorage(self.array.astype(dtype, copy=copy))
 
-    def copy(self) -> _Gathered:
-        return _Gathered(self.array.copy())
+    def copy(self) -> GatheredStorage:
+        return GatheredStorage(self.array.copy())
 
     # -- compute
-    def reduce(self, op: str, func: Any, axes: tuple[int, ...] | None, keepdims: bool, kwargs: dict) -> _Gathered:
+    def reduce(self, op: str, func: Any, axes: tuple[int, ...] | None, keepdims: bool, kwargs: dict) -> GatheredStorage:
         if op in ("argmin", "argmax") and axes is not None:
             r = func(self.array, axis=axes[0], keepdims=keepdims, **kwargs)
         else:
             r = func(self.array, axis=axes, keepdims=keepdims, **kwargs)
-        return _Gathered(np.asarray(r))
+        return GatheredStorage(np.asarray(r))
 
     @staticmethod
-    def elementwise(ufunc: np.ufunc, plan: _Plan, inputs: list, kwargs: dict) -> tuple[_Gathered, ...]:
+    def elementwise(ufunc: np.ufunc, plan: _Plan, inputs: list, kwargs: dict) -> tuple[GatheredStorage, ...]:
         if ufunc.signature is not None:
-            return tuple(_Gathered(r) for r in _gufunc_per_element(ufunc, plan, inputs, kwargs))
+            return tuple(GatheredStorage(r) for r in _gufunc_per_element(ufunc, plan, inputs, kwargs))
         args = [plan.align(x) if isinstance(x, MeshArray) else x for x in inputs]
         if isinstance(kwargs.get("where"), MeshArray):
             kwargs = dict(kwargs, where=plan.align(kwargs["where"]))
         if "out" in kwargs:  # the plan checked that MeshArray outputs have the result's layout
             kwargs = dict(kwargs, out=tuple(o._values() if isinstance(o, MeshArray) else o for o in kwargs["out"]))
         out = ufunc(*args, **kwargs)
-        return tuple(_Gathered(np.asarray(r)) for r in (out if isinstance(out, tuple) else (out,)))
+        return tuple(GatheredStorage(np.asarray(r)) for r in (out if isinstance(out, tuple) else (out,)))
 
 
 def _storage_class(operands: Sequence[Any]) -> Any:
@@ -165,9 +165,9 @@ def _storage_class(operands: Sequence[Any]) -> Any:
     decides how to treat gathered operands next to it).
     """
     for x in operands:
-        if isinstance(x, MeshArray) and type(x._storage) is not _Gathered:
+        if isinstance(x, MeshArray) and type(x._storage) is not GatheredStorage:
             return type(x._storage)
-    return _Gathered
+    return GatheredStorage
 
 
 # -----------------------------------------------------------------------------------
@@ -234,8 +234,8 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
     **Storage.** Values live in ``self._storage``, behind a small protocol
     (``to_numpy``, ``take``, ``relayout``, ``reshape_local``, ``astype``,
     ``copy``, ``reduce``, ``elementwise``). This module implements the
-    *gathered* storage (one ndarray at the controller, ``_Gathered``); a
-    distributed storage (blocks in the workers, ``mesharray/_distributed.py``)
+    *gathered* storage (one ndarray at the controller, ``GatheredStorage``); a
+    distributed storage (blocks in the workers, :mod:`mesharray.darray`)
     implements the same protocol. MeshArray itself only decides layouts (names,
     Shapes, axes, broadcasting plans) and never touches values except through
     the storage; ``_storage_class(operands)`` is the one place that picks the
@@ -289,16 +289,29 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
                 )
             shape = Shape(dict(_unique_names(names, array.shape)))
         self._shape = shape
-        self._storage = _Gathered(array)
+        self._storage = GatheredStorage(array)
 
     # -- construction ---------------------------------------------------------------
 
     @classmethod
-    def _from_parts(cls, shape: Shape, storage: Any) -> MeshArray:
+    def from_storage(cls, shape: Shape, storage: Any) -> MeshArray:
+        """A MeshArray over mesh ``shape`` whose values are held by ``storage``.
+
+        For storage implementations (``GatheredStorage`` here, the distributed
+        storage of :mod:`mesharray.darray`): ``storage`` implements the
+        protocol described in :class:`GatheredStorage`.
+        """
         self = object.__new__(cls)
         self._shape = shape
         self._storage = storage
         return self
+
+    _from_parts = from_storage
+
+    @property
+    def storage(self) -> Any:
+        """What holds the values: a ``GatheredStorage`` (at the controller) or a distributed storage."""
+        return self._storage
 
     @classmethod
     def from_results(cls, mesh_shape: Shape, values: Sequence[Any]) -> MeshArray:
@@ -340,7 +353,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
             array = np.empty(n, dtype=object)
             for i, v in enumerate(values):
                 array[i] = v
-        return cls._from_parts(mesh_shape, _Gathered(array.reshape(sizes + array.shape[1:])))
+        return cls._from_parts(mesh_shape, GatheredStorage(array.reshape(sizes + array.shape[1:])))
 
     # -- MeshTrait hooks --------------------------------------------------------------
 
@@ -466,7 +479,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         """
         if self._storage.kind == "gathered":
             return self
-        return MeshArray._from_parts(self._shape, _Gathered(self._storage.to_numpy()))
+        return MeshArray._from_parts(self._shape, GatheredStorage(self._storage.to_numpy()))
 
     def tolist(self) -> Any:
         """Nested Python lists (Python scalars as leaves), like ``ndarray.tolist``."""
@@ -486,7 +499,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
     def __deepcopy__(self, memo: dict) -> MeshArray:
         import copy as _copy
 
-        return MeshArray._from_parts(self._shape, _Gathered(_copy.deepcopy(self._values(), memo)))
+        return MeshArray._from_parts(self._shape, GatheredStorage(_copy.deepcopy(self._values(), memo)))
 
     def __reduce__(self) -> tuple:
         if self._storage.kind != "gathered":
@@ -703,12 +716,12 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
             # np.where(cond, x, y) is elementwise: operands broadcast as a ufunc's do
             plan = _plan(list(args), ())
             aligned = [plan.align(x) if isinstance(x, MeshArray) else x for x in args]
-            return _wrap(plan.shape, _Gathered(np.asarray(np.where(*aligned))))
+            return _wrap(plan.shape, GatheredStorage(np.asarray(np.where(*aligned))))
         if func in _SAME_SHAPE_FUNCTIONS and args and isinstance(args[0], MeshArray):
             a = args[0]
             result = func(a._values(), *_plain(args[1:]), **_plain(kwargs))
             if isinstance(result, np.ndarray) and result.shape == a.shape:
-                return MeshArray._from_parts(a._shape, _Gathered(result))
+                return MeshArray._from_parts(a._shape, GatheredStorage(result))
             return result
         # Anything else sees the plain values and returns plain NumPy results.
         return func(*_plain(args), **_plain(kwargs))
@@ -834,7 +847,7 @@ _SCALAR_TYPES = (bool, int, float, complex, np.generic)
 
 
 def _rebuild(shape: Shape, values: np.ndarray) -> MeshArray:
-    return MeshArray._from_parts(shape, _Gathered(values))
+    return MeshArray._from_parts(shape, GatheredStorage(values))
 
 
 def _as_names(names: Any) -> list[str]:
@@ -858,7 +871,7 @@ def _unique_names(names: list[str], shape: tuple[int, ...]) -> list[tuple[str, i
 
 def _wrap(shape: Shape, storage: Any) -> Any:
     """A MeshArray, or the bare element when there is no axis left (as NumPy gives a scalar)."""
-    if shape.ndim == 0 and type(storage) is _Gathered and storage.array.ndim == 0:
+    if shape.ndim == 0 and type(storage) is GatheredStorage and storage.array.ndim == 0:
         return storage.array[()]
     return MeshArray._from_parts(shape, storage)
 

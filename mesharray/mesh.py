@@ -83,6 +83,20 @@ class MeshTrait:
 
     # -- views -----------------------------------------------------------------------
 
+    def with_shape(self, shape: Shape) -> Any:
+        """The same object over another :class:`~mesharray.Shape` of its ranks.
+
+        What every view below is built on; for layers above (e.g. a view of
+        an actor mesh over an explicit list of ranks). ``shape`` must name
+        ranks the object has.
+
+        >>> from mesharray.mesh import _ShapeMesh
+        >>> import mesharray as ma
+        >>> _ShapeMesh(ma.Shape(procs=4)).with_shape(ma.Shape(procs=2)).sizes
+        {'procs': 2}
+        """
+        return self._with_mesh_shape(shape)
+
     def __getitem__(self, key: Any) -> Any:
         """A view selected by a NumPy-style index or by a ``{name: selector}`` dict.
 

@@ -20,36 +20,93 @@ with a :class:`~mesharray.MeshFailure` for each actor mesh that loses a rank
 from __future__ import annotations
 
 import itertools
+import numbers
 import os
 import threading
-from typing import Any
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
 
 from ._core import Shape
-from .actor import Actor, ActorMesh
-from .errors import ActorError, MeshFailure
+from .actor import Actor, ActorMesh, _one_cb
+from .array import MeshArray
+from .bootstrap import local as _local
+from .bootstrap import mpi as _mpi
+from .bootstrap._detect import resolve_bootstrap
+from .bootstrap.launch import Launch
+from .errors import MeshFailure
 from .mesh import MeshTrait
 from .runtime import protocol as P
 from .runtime.controller import Controller
 from .runtime.future import Future
 from .transport import framing
 
-try:  # the data helper's factory methods (zeros, ones, ...) when present
-    from ._array_factory import ArrayFactory as _ArrayFactory
-
-    _BASES: tuple = (_ArrayFactory, MeshTrait)
-except ImportError:  # pragma: no cover - depends on what is merged
-    _BASES = (MeshTrait,)
-
-__all__ = ["ProcMesh", "proc_mesh", "this_host", "HostMesh"]
+__all__ = ["ProcMesh", "proc_mesh", "this_host", "HostMesh", "install_array_factory"]
 
 _actor_ids = itertools.count(1).__next__
+
+
+class ArrayFactory(Protocol):
+    """What makes the distributed arrays of ``ProcMesh.zeros`` and friends.
+
+    Distributed arrays live in a layer above process meshes
+    (:mod:`mesharray.darray`), which installs itself here with
+    :func:`install_array_factory` when imported; ``import mesharray`` does so
+    on the first use of a process mesh.
+    """
+
+    def make(self, procs: ProcMesh, kind: str, local_shape: tuple[int, ...], dtype: np.dtype, engine: str,
+             extra: Any = None, collective: str | None = None) -> MeshArray: ...
+    def scatter(self, procs: ProcMesh, arr: np.ndarray, engine: str, collective: str | None = None) -> MeshArray: ...
+    def apply(self, procs: ProcMesh, fn: Callable[..., Any], arrays: Sequence[Any]) -> MeshArray: ...
+
+
+_array_factory: ArrayFactory | None = None
+
+
+def install_array_factory(factory: ArrayFactory) -> None:
+    """Install what ``ProcMesh.zeros``, ``ones``, ... and ``apply`` run (:mod:`mesharray.darray` does)."""
+    global _array_factory
+    _array_factory = factory
+
+
+def _factory() -> ArrayFactory:
+    if _array_factory is None:
+        raise RuntimeError(
+            "distributed arrays are not loaded: import mesharray (or mesharray.darray) before "
+            "making arrays on a ProcMesh"
+        )
+    return _array_factory
+
+
+def _local_shape(shape: Any) -> tuple[int, ...]:
+    if isinstance(shape, (numbers.Integral, np.integer)) and not isinstance(shape, bool):
+        shape = (int(shape),)
+    if not isinstance(shape, (tuple, list)):
+        raise TypeError(f"local shape must be an int or a tuple of ints, got {type(shape).__name__}")
+    out = []
+    for s in shape:
+        if not isinstance(s, (numbers.Integral, np.integer)) or isinstance(s, bool):
+            raise TypeError(f"local shape entries must be ints, got {type(s).__name__}: {s!r}")
+        if s < 0:
+            raise ValueError(f"local shape entries must be >= 0, got {tuple(shape)}")
+        out.append(int(s))
+    return tuple(out)
+
+
+def _dtype(dtype: Any) -> np.dtype:
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"data type {dtype!r} not understood") from None
 
 
 class _Root:
     """What all views of one process mesh share."""
 
-    def __init__(self, controller: Controller, shape: Shape, bootstrap=None, owner=None) -> None:
+    def __init__(self, controller: Controller, shape: Shape, bootstrap: Any = None, owner: Any = None) -> None:
         self.controller = controller
+        self.mesh: ProcMesh | None = None  # the root mesh (set by ProcMesh._from_controller)
         self.shape = shape
         self.bootstrap = bootstrap
         self.owner = owner
@@ -90,11 +147,18 @@ class _Root:
                 self.stopped = True
 
 
-class ProcMesh(*_BASES):
+class ProcMesh(MeshTrait):
     """A mesh of worker processes (or a view of one).
 
     Made by :func:`proc_mesh` or ``this_host().spawn_procs(...)``. Index and
-    slice it like a NumPy array; spawn actors on it with :meth:`spawn`.
+    slice it like a NumPy array; spawn actors on it with :meth:`spawn`; make
+    distributed arrays on it with :meth:`zeros`, :meth:`ones`, :meth:`full`,
+    :meth:`arange`, :meth:`rand`, :meth:`rank_array`, :meth:`from_numpy`
+    (each takes the *local* shape, each rank's block; the array's shape is
+    ``mesh sizes + local shape``; ``engine`` is a tensor engine name such as
+    ``"numpy"``, ``"torch"``, ``"cuda"``, or ``"auto"``; ``collective`` is the
+    backend of reductions across ranks: None for the engine's preference, or
+    ``"torch"`` for torch.distributed).
 
     Examples
     --------
@@ -109,19 +173,35 @@ class ProcMesh(*_BASES):
         self._shape = shape
 
     @classmethod
-    def _from_controller(cls, controller: Controller, shape: Shape, bootstrap=None, owner=None) -> "ProcMesh":
+    def _from_controller(cls, controller: Controller, shape: Shape, bootstrap: Any = None,
+                         owner: Any = None) -> ProcMesh:
         """A root mesh over the workers ``controller`` adopted (ranks ``0..shape.size-1``).
 
-        For bootstraps: ``bootstrap.close()`` is called after the workers were
-        stopped.
+        ``bootstrap.close()`` is called after the workers were stopped.
         """
-        return cls(_Root(controller, shape, bootstrap, owner), shape)
+        root = _Root(controller, shape, bootstrap, owner)
+        root.mesh = cls(root, shape)
+        return root.mesh
+
+    @classmethod
+    def _from_launch(cls, launch: Launch, owner: Any = None) -> ProcMesh:
+        """The root mesh of what a bootstrap launched (the same mesh for the same launch)."""
+        if launch.mesh is None:
+            launch.mesh = cls._from_controller(launch.controller, launch.shape, launch, owner)
+        return launch.mesh
+
+    @property
+    def root_mesh(self) -> ProcMesh:
+        """The whole mesh this one is a view of (itself when it is not a view)."""
+        root = self._root
+        assert root.mesh is not None
+        return root.mesh
 
     @property
     def _mesh_shape(self) -> Shape:
         return self._shape
 
-    def _with_mesh_shape(self, shape: Shape) -> "ProcMesh":
+    def _with_mesh_shape(self, shape: Shape) -> ProcMesh:
         return ProcMesh(self._root, shape)
 
     @property
@@ -160,8 +240,6 @@ class ProcMesh(*_BASES):
         futs = []
         for r in self._shape:
             fut = Future._new()
-            from .actor import _one_cb
-
             try:
                 conn = router.connection(root.addresses[r])
                 router.send(conn, P.SPAWN, actor_id, 0, parts, _one_cb(fut))
@@ -175,6 +253,96 @@ class ProcMesh(*_BASES):
                          self._shape, root.addresses, self)
         root.actor_meshes.append(mesh)
         return mesh
+
+    # -- distributed arrays (made by mesharray.darray; see install_array_factory) ----------
+
+    def _make(self, kind: str, shape: Any, dtype: Any, engine: str, extra: Any = None,
+              collective: str | None = None) -> MeshArray:
+        return _factory().make(self, kind, _local_shape(shape), _dtype(dtype), engine, extra, collective)
+
+    def zeros(self, shape: Any = (), dtype: Any = "float64", *, engine: str = "numpy",
+              collective: str | None = None) -> MeshArray:
+        """A distributed array of zeros with local shape ``shape``.
+
+        >>> procs.zeros((3,)).shape      # doctest: +SKIP
+        (1, 4, 3)
+        """
+        return self._make("zeros", shape, dtype, engine, None, collective)
+
+    def ones(self, shape: Any = (), dtype: Any = "float64", *, engine: str = "numpy",
+             collective: str | None = None) -> MeshArray:
+        """A distributed array of ones.
+
+        >>> procs.ones(2, dtype="int32").fetch().tolist()   # doctest: +SKIP
+        """
+        return self._make("ones", shape, dtype, engine, None, collective)
+
+    def empty(self, shape: Any = (), dtype: Any = "float64", *, engine: str = "numpy",
+              collective: str | None = None) -> MeshArray:
+        """A distributed array whose blocks are allocated but not initialised.
+
+        >>> procs.empty((1 << 20,), "float32")   # doctest: +SKIP
+        """
+        return self._make("empty", shape, dtype, engine, None, collective)
+
+    def full(self, shape: Any, fill_value: Any, dtype: Any = None, *, engine: str = "numpy",
+             collective: str | None = None) -> MeshArray:
+        """A distributed array filled with ``fill_value``.
+
+        >>> procs.full((2,), 7).fetch()   # doctest: +SKIP
+        """
+        if dtype is None:
+            dtype = np.asarray(fill_value).dtype
+        if not np.isscalar(fill_value):
+            raise TypeError(f"fill_value must be a scalar, got {type(fill_value).__name__}")
+        return self._make("full", shape, dtype, engine, fill_value, collective)
+
+    def arange(self, shape: Any, dtype: Any = "int64", *, engine: str = "numpy",
+               collective: str | None = None) -> MeshArray:
+        """Each rank's block is ``arange(prod(shape)).reshape(shape)``.
+
+        >>> procs.arange(3).fetch()   # doctest: +SKIP
+        """
+        return self._make("arange", shape, dtype, engine, None, collective)
+
+    def rand(self, shape: Any = (), dtype: Any = "float64", *, seed: int | None = None, engine: str = "numpy",
+             collective: str | None = None) -> MeshArray:
+        """Uniform [0, 1) blocks; with ``seed``, rank r draws from ``seed + r`` (reproducible).
+
+        >>> procs.rand((2,), seed=0)   # doctest: +SKIP
+        """
+        dt = _dtype(dtype)
+        if dt.kind != "f":
+            raise TypeError(f"rand needs a floating dtype, got {dt}")
+        return self._make("rand", shape, dt, engine, seed, collective)
+
+    def rank_array(self, dtype: Any = "int64", *, engine: str = "numpy", collective: str | None = None) -> MeshArray:
+        """Each rank's global rank, as a distributed array with no local axes.
+
+        >>> procs.rank_array().fetch().tolist()   # doctest: +SKIP
+        [[0, 1, 2, 3]]
+        """
+        return self._make("rank", (), dtype, engine, None, collective)
+
+    def from_numpy(self, array: Any, *, engine: str = "numpy", collective: str | None = None) -> MeshArray:
+        """Scatter ``array``: its leading axes are the mesh dims, the rest each rank's block.
+
+        >>> procs.from_numpy(np.arange(8).reshape(1, 4, 2))   # doctest: +SKIP
+        """
+        return _factory().scatter(self, np.asarray(array), engine, collective)
+
+    def apply(self, fn: Callable[..., Any], *arrays: Any) -> MeshArray:
+        """Run ``fn(*blocks)`` on each rank with its blocks of ``arrays``; a new distributed array.
+
+        Non-distributed arguments are passed as they are.
+
+        >>> procs.apply(lambda x: x[::-1], procs.arange(3))   # doctest: +SKIP
+        """
+        if not callable(fn):
+            raise TypeError(f"apply needs a callable, got {type(fn).__name__}")
+        return _factory().apply(self, fn, arrays)
+
+    # -- lifetime ---------------------------------------------------------------------
 
     def stop(self) -> None:
         """Stop every process of the mesh (the whole root, also when called on a view).
@@ -264,30 +432,15 @@ def proc_mesh(hosts: int | None = None, procs: int | None = None, *, bootstrap: 
     {'hosts': 1, 'procs': 2}
     >>> procs.stop()                              # doctest: +SKIP
     """
-    from .bootstrap._detect import resolve_bootstrap
-
     if resolve_bootstrap(bootstrap) == "mpi":
-        from .bootstrap import mpi
-
-        return mpi.bootstrap(hosts=hosts, procs=procs, timeout=timeout, owner=owner, name=name,
-                             heartbeat_timeout=heartbeat_timeout, heartbeat_interval=heartbeat_interval)
-    hosts = 1 if hosts is None else hosts
-    procs = 1 if procs is None else procs
-    timeout = 60.0 if timeout is None else timeout
-    for label, v in (("hosts", hosts), ("procs", procs)):
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise TypeError(f"{label} must be an int, got {type(v).__name__}")
-        if v < 1:
-            raise ValueError(f"{label} must be >= 1, got {v}")
-    from .bootstrap.local import start_local
-
-    shape = Shape({"hosts": hosts, "procs": procs})
-    ctl = Controller(heartbeat_timeout=heartbeat_timeout, heartbeat_interval=heartbeat_interval, name=name)
-    for r in range(shape.size):  # labels before the workers start printing
-        c = shape.coordinates(r)
-        ctl.labels[r] = f"hosts={c['hosts']},procs={c['procs']}" if hosts > 1 else f"procs={c['procs']}"
-    boot = start_local(ctl, shape.size, forward_logs=forward_logs, timeout=timeout)
-    return ProcMesh._from_controller(ctl, shape, boot, owner)
+        launch = _mpi.bootstrap(hosts=hosts, procs=procs, timeout=timeout, name=name,
+                                heartbeat_timeout=heartbeat_timeout, heartbeat_interval=heartbeat_interval)
+    else:
+        launch = _local.launch(1 if hosts is None else hosts, 1 if procs is None else procs,
+                               forward_logs=forward_logs, timeout=60.0 if timeout is None else timeout,
+                               heartbeat_timeout=heartbeat_timeout, heartbeat_interval=heartbeat_interval,
+                               name=name)
+    return ProcMesh._from_launch(launch, owner)
 
 
 class HostMesh:

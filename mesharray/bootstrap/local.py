@@ -27,7 +27,10 @@ import sys
 import threading
 import time
 
+from .._core import Shape
 from ..errors import BootstrapError
+from ..runtime.controller import Controller
+from .launch import Launch
 
 __all__ = ["LocalBootstrap", "start_local"]
 
@@ -172,6 +175,27 @@ def start_local(controller, nprocs: int, forward_logs: bool = True, timeout: flo
         boot.close()
         raise
     return boot
+
+
+def launch(hosts: int, procs: int, *, forward_logs: bool = True, timeout: float = 60.0,
+           heartbeat_timeout: float = 5.0, heartbeat_interval: float = 0.5, name: str = "procs") -> Launch:
+    """Start ``hosts * procs`` workers on this host, laid out as ``{hosts, procs}``.
+
+    What ``proc_mesh(bootstrap="local")`` runs; ``hosts > 1`` lays the
+    workers out as if they were on several hosts (all on this machine).
+    """
+    for label, v in (("hosts", hosts), ("procs", procs)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"{label} must be an int, got {type(v).__name__}")
+        if v < 1:
+            raise ValueError(f"{label} must be >= 1, got {v}")
+    shape = Shape({"hosts": hosts, "procs": procs})
+    ctl = Controller(heartbeat_timeout=heartbeat_timeout, heartbeat_interval=heartbeat_interval, name=name)
+    for r in range(shape.size):  # labels before the workers start printing
+        c = shape.coordinates(r)
+        ctl.labels[r] = f"hosts={c['hosts']},procs={c['procs']}" if hosts > 1 else f"procs={c['procs']}"
+    boot = start_local(ctl, shape.size, forward_logs=forward_logs, timeout=timeout)
+    return Launch(ctl, shape, boot.close)
 
 
 # --------------------------------------------------------------------------- zygote

@@ -96,11 +96,16 @@ import sys
 import threading
 import time
 import traceback
-import zlib
 from typing import Any, Iterable, Sequence
 
-from ..errors import BootstrapError
+from .._core import Shape
+from ..collectives import mpi_comms
+from ..collectives.mpi_comms import is_active, local_comm, mesh_comm, world_comm, world_rank, world_size
+from ..errors import ActorDiedError, BootstrapError
+from ..runtime.controller import Controller
+from ..runtime.worker import run_worker
 from ._detect import detect_launcher
+from .launch import Launch
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -135,29 +140,10 @@ _INSTALL_HINT = "pip install 'mesharray[mpi]'"
 class _State:
     """What the MPI bootstrap left in this process (one per process)."""
 
-    def __init__(self, MPI: Any, world: Any, local: Any, node_of: tuple[int, ...]) -> None:
-        self.MPI = MPI
-        self.world = world
-        self.local = local
-        self.node_of = node_of
-        self.rank: int = world.Get_rank()
-        self.size: int = world.Get_size()
-        self.comms: dict[tuple[int, ...], Any] = {}
-        self.lock = threading.Lock()
-        self.creating: dict[tuple[int, ...], threading.Lock] = {}
-        self.mesh: Any = None
+    def __init__(self) -> None:
+        self.launch: Launch | None = None
         self.worker_thread: threading.Thread | None = None
         self.controller: Any = None
-
-    def free(self) -> None:
-        """Drop mesharray's communicators (MPI_Finalize releases them).
-
-        Not ``MPI_Comm_free``: it is collective by the standard, and a member
-        that died (under ``mpirun --enable-recovery``) would make it hang.
-        """
-        with self.lock:
-            self.comms.clear()
-        self.local = self.world = None
 
 
 _state: _State | None = None
@@ -240,9 +226,7 @@ def mesh_layout(node_of: Sequence[int]) -> tuple[tuple[str, ...], tuple[int, ...
     return ("procs",), (len(node_of),), tuple(range(len(node_of)))
 
 
-def _make_shape(names: tuple[str, ...], sizes: tuple[int, ...], ranks: tuple[int, ...]) -> Any:
-    from .._core import Shape
-
+def _make_shape(names: tuple[str, ...], sizes: tuple[int, ...], ranks: tuple[int, ...]) -> Shape:
     if ranks == tuple(range(len(ranks))):
         return Shape(dict(zip(names, sizes)))
     import numpy as np
@@ -251,173 +235,6 @@ def _make_shape(names: tuple[str, ...], sizes: tuple[int, ...], ranks: tuple[int
 
 
 # --------------------------------------------------------------------------- communicators
-
-
-def _require_state() -> _State:
-    state = _state
-    if state is None or state.world is None:
-        raise BootstrapError(
-            "no MPI mesh in this process: MPI communicators of a mesh exist only in the "
-            "processes of a mesh made by proc_mesh(bootstrap='mpi') under mpirun"
-        )
-    return state
-
-
-def is_active() -> bool:
-    """True in a process that is part of a mesh made by the MPI bootstrap.
-
-    Examples
-    --------
-    >>> from mesharray.bootstrap.mpi import is_active
-    >>> is_active()     # a plain python process
-    False
-    """
-    state = _state
-    return state is not None and state.world is not None
-
-
-def world_rank() -> int:
-    """This process's MPI world rank (= its global rank in the mesh)."""
-    return _require_state().rank
-
-
-def world_size() -> int:
-    """The number of ranks of the MPI world (= of the root mesh)."""
-    return _require_state().size
-
-
-def world_comm() -> Any:
-    """mesharray's communicator over the whole world (a ``Dup`` of ``COMM_WORLD``).
-
-    Its rank ``i`` is world rank ``i``. Messages on it never match the user's
-    messages on ``COMM_WORLD``.
-
-    Examples
-    --------
-    >>> from mesharray.bootstrap.mpi import world_comm
-    >>> world_comm().allreduce(1)        # doctest: +SKIP
-    4
-    """
-    return _require_state().world
-
-
-def local_comm() -> Any:
-    """mesharray's communicator over this host's ranks (``COMM_TYPE_SHARED`` split)."""
-    return _require_state().local
-
-
-def _normalize_ranks(ranks: Any, size: int) -> tuple[int, ...]:
-    if hasattr(ranks, "mesh_shape"):  # a ProcMesh / ActorMesh / MeshArray
-        ranks = ranks.mesh_shape
-    if hasattr(ranks, "ranks") and callable(ranks.ranks):  # a Shape
-        ranks = ranks.ranks()
-    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Iterable):
-        raise TypeError(
-            f"ranks must be an iterable of ints, a Shape or a mesh, not {type(ranks).__name__}"
-        )
-    out = []
-    for r in ranks:
-        try:
-            out.append(int(r.__index__()))
-        except AttributeError:
-            raise TypeError(f"ranks must be ints; got {type(r).__name__} {r!r}") from None
-    if not out:
-        raise ValueError("ranks is empty; a communicator needs at least one rank")
-    bad = [r for r in out if not 0 <= r < size]
-    if bad:
-        raise ValueError(f"ranks {bad} are not in the MPI world of size {size}")
-    if len(set(out)) != len(out):
-        dup = sorted({r for r in out if out.count(r) > 1})
-        raise ValueError(f"ranks must be distinct; {dup} appear more than once")
-    return tuple(out)
-
-
-def mesh_comm(ranks: Any = None) -> Any:
-    """An MPI communicator over the given mesh ranks, for collectives inside workers.
-
-    Call it in a process of an MPI-bootstrapped mesh (inside an actor, or the
-    data plane's MPI collectives). Communicator rank ``i`` is ``ranks[i]``, so
-    the order of ``ranks`` is the order of the result (a transposed mesh gives
-    its own communicator). Sub-communicators are made with
-    ``MPI_Comm_create_group`` — collective over the members only, so a sliced
-    mesh never needs the other ranks — and cached per rank tuple for the life
-    of the process: the second call is a dictionary lookup.
-
-    Like any MPI collective, the *first* call for a given rank tuple must be
-    made by every member, and members that create several communicators must
-    create them in the same order.
-
-    Parameters
-    ----------
-    ranks : iterable of int, Shape, mesh, or None
-        The world ranks (a mesh's global ranks), in communicator order; a
-        ``Shape`` or a mesh-like object (anything with ``mesh_shape``) uses its
-        ranks in row-major order. None means the whole world (:func:`world_comm`).
-
-    Returns
-    -------
-    mpi4py.MPI.Intracomm
-        Owned by mesharray; do not ``Free`` it.
-
-    Raises
-    ------
-    BootstrapError
-        This process is not part of an MPI-bootstrapped mesh.
-    TypeError
-        ``ranks`` is not made of ints.
-    ValueError
-        A rank is outside the world, repeated, or this process is not among them.
-
-    Examples
-    --------
-    Inside an actor of a mesh launched with ``mpirun -n 4``:
-
-    >>> from mesharray.bootstrap.mpi import mesh_comm
-    >>> comm = mesh_comm([1, 3])            # doctest: +SKIP
-    >>> comm.allreduce(comm.Get_rank())     # doctest: +SKIP
-    1
-    """
-    state = _require_state()
-    if ranks is None:
-        return state.world
-    key = _normalize_ranks(ranks, state.size)
-    if key == tuple(range(state.size)):
-        return state.world
-    if state.rank not in key:
-        raise ValueError(
-            f"this process (rank {state.rank}) is not in ranks {list(key)}; only members "
-            f"of a communicator can create or use it"
-        )
-    with state.lock:
-        comm = state.comms.get(key)
-        if comm is not None:
-            return comm
-        creating = state.creating.setdefault(key, threading.Lock())
-    # Creation blocks until every member joins: hold only this key's lock, so a
-    # thread using an already-made communicator is never stuck behind it.
-    with creating:
-        with state.lock:
-            comm = state.comms.get(key)
-            if comm is not None:
-                return comm
-        MPI = state.MPI
-        world_group = state.world.Get_group()
-        try:
-            group = world_group.Incl(list(key))
-        finally:
-            world_group.Free()
-        try:
-            # tag: concurrent creations of different groups must not match each
-            # other's internal messages; TAG_UB is at least 32767 by the standard
-            comm = state.world.Create_group(group, tag=zlib.crc32(repr(key).encode()) % 32768)
-        finally:
-            group.Free()
-        assert comm != MPI.COMM_NULL  # we checked membership above
-        _prepare(MPI, comm)
-        with state.lock:
-            state.comms[key] = comm
-            state.creating.pop(key, None)
-        return comm
 
 
 # --------------------------------------------------------------------------- launching
@@ -580,39 +397,14 @@ def _poll(request: Any, deadline: float | None = None) -> bool:
     return True
 
 
-def _prepare(MPI: Any, comm: Any) -> Any:
-    """Make mpi4py's hidden per-communicator context now, while every member is here.
-
-    mpi4py's object reductions (``comm.allreduce(obj)``, ``reduce``, ``scan``)
-    duplicate the communicator on first use, and do so *holding the GIL*. On
-    rank 0 actors run in a thread of the controller's process: a first
-    ``allreduce`` there would freeze the controller until the other ranks
-    arrive — which may need the controller to send them their call. Creating
-    that context together with the communicator, while all members are in the
-    creation collective anyway, makes later calls release the GIL as usual.
-    """
-    make = getattr(MPI, "_commctx_intra", None)
-    if make is not None:
-        make(comm)
-    return comm
-
-
-def _make_comms(MPI: Any) -> _State:
-    """Collective over the world: mesharray's own communicators and the topology."""
-    world = _prepare(MPI, MPI.COMM_WORLD.Dup())
-    local = _prepare(MPI, world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank()))
-    leader = local.allreduce(world.Get_rank(), op=MPI.MIN)
-    node_of = tuple(world.allgather(leader))
-    return _State(MPI, world, local, node_of)
-
-
 def bootstrap(*, hosts: int | None = None, procs: int | None = None,
-              timeout: float | None = None, owner: Any = None, **options: Any) -> Any:
-    """Join the MPI world; return it as a ProcMesh on rank 0, serve on the others.
+              timeout: float | None = None, **options: Any) -> Launch:
+    """Join the MPI world; return its launch on rank 0, serve on the others.
 
     This is what ``ma.proc_mesh(bootstrap="mpi")`` (or ``"auto"`` under a
-    launcher) runs. On rank 0 it returns the world's :class:`~mesharray.ProcMesh`
-    (the same object on every later call); on every other rank it never
+    launcher) runs. On rank 0 it returns the world's
+    :class:`~mesharray.bootstrap.launch.Launch`, of which ``proc_mesh`` makes
+    the ``ProcMesh`` (the same object on every later call); on every other rank it never
     returns: the process serves as a worker until the controller finishes, then
     finalizes MPI and exits with status 0.
 
@@ -624,16 +416,14 @@ def bootstrap(*, hosts: int | None = None, procs: int | None = None,
     timeout : float, optional
         Seconds to wait for every rank to join (default 30, or
         ``$MESHARRAY_BOOTSTRAP_TIMEOUT``).
-    owner : object, optional
-        Its ``__supervise__(failure)`` sees each :class:`~mesharray.MeshFailure`.
     **options
         Passed on to the runtime's controller (``heartbeat_timeout``,
         ``heartbeat_interval``, ``name``).
 
     Returns
     -------
-    ProcMesh
-        On rank 0 only.
+    Launch
+        On rank 0 only (the same one on every later call).
 
     Raises
     ------
@@ -659,14 +449,14 @@ def bootstrap(*, hosts: int | None = None, procs: int | None = None,
     MPI = import_mpi()
     with _state_lock:
         state = _state
-        if state is not None and state.mesh is not None:
-            _check_sizes(state.mesh.sizes, hosts, procs)
-            return state.mesh
+        if state is not None and state.launch is not None:
+            _check_sizes(state.launch.shape.extent, hosts, procs)
+            return state.launch
         if state is not None:
             raise BootstrapError("the mpi bootstrap already ran in this process and failed")
         if MPI.COMM_WORLD.Get_rank() != 0:
             _serve(MPI)  # never returns
-        return _bootstrap_controller(MPI, hosts, procs, timeout, owner, options)
+        return _bootstrap_controller(MPI, hosts, procs, timeout, options)
 
 
 def _check_sizes(sizes: dict, hosts: int | None, procs: int | None) -> None:
@@ -690,7 +480,7 @@ def _check_sizes(sizes: dict, hosts: int | None, procs: int | None) -> None:
 
 
 def _bootstrap_controller(MPI: Any, hosts: int | None, procs: int | None,
-                          timeout: float, owner: Any, options: dict) -> Any:
+                          timeout: float, options: dict) -> Launch:
     global _state
     comm = MPI.COMM_WORLD
     size = comm.Get_size()
@@ -725,7 +515,8 @@ def _bootstrap_controller(MPI: Any, hosts: int | None, procs: int | None,
 
     # 3. mesharray's communicators (every rank has joined, so this cannot hang
     # on a missing rank)
-    state = _make_comms(MPI)
+    node_of = mpi_comms.install(MPI)
+    state = _State()
     _state = state
 
     # 4. rank 0's worker in a thread; adopt all N workers
@@ -744,16 +535,16 @@ def _bootstrap_controller(MPI: Any, hosts: int | None, procs: int | None,
     for req in requests:
         _poll(req)
 
-    names, sizes, ranks = mesh_layout(state.node_of)
+    names, sizes, ranks = mesh_layout(node_of)
     shape = _make_shape(names, sizes, ranks)
-    mesh = _runtime_proc_mesh(controller, shape, owner)
-    state.mesh = mesh
+    launch = Launch(controller, shape, _join_worker_thread)
+    state.launch = launch
     state.controller = controller
     _check_sizes(dict(zip(names, sizes)), hosts, procs)
     # LIFO: runs before mpi4py finalizes MPI, so workers are told to stop first
     atexit.register(_shutdown_controller)
     _abort_on_unhandled(MPI)
-    return mesh
+    return launch
 
 
 def _thread_worker(address: str, secret: bytes) -> None:
@@ -772,14 +563,18 @@ def _shutdown_controller() -> None:
     status is non-zero either way, since a rank died.
     """
     state = _state
-    if state is None or state.mesh is None:
+    if state is None or state.launch is None:
         return
-    mesh = state.mesh
+    launch = state.launch
     dead = _dead_ranks(state.controller)
     try:
-        _runtime_stop(mesh)
+        if launch.mesh is not None:
+            launch.mesh.stop()  # the mesh made from the launch stops its root (idempotent)
+        else:
+            launch.controller.stop()
+            launch.close()
     finally:
-        state.free()
+        mpi_comms.release()
     if dead:
         sys.stderr.write(
             f"mesharray: ranks {_fmt_ranks(dead)} died during the job; aborting the MPI job "
@@ -789,15 +584,12 @@ def _shutdown_controller() -> None:
 
 
 def _dead_ranks(controller: Any) -> list[int]:
-    from ..errors import ActorDiedError
-
     workers = getattr(controller, "workers", {}) if controller is not None else {}
     return sorted(r for r, info in workers.items() if isinstance(info.error, ActorDiedError))
 
 
 def _serve(MPI: Any) -> None:
     """Ranks 1..N-1: join, get the controller's address, serve, finalize, exit."""
-    global _state
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     code = 0
@@ -809,8 +601,7 @@ def _serve(MPI: Any) -> None:
             if done:
                 break
             time.sleep(_POLL_S)
-        state = _make_comms(MPI)
-        _state = state
+        mpi_comms.install(MPI)
         _runtime_run_worker(payload["address"], payload["secret"], rank)
     except KeyboardInterrupt:
         # Ctrl-C reaches every rank through mpirun; rank 0 reports it
@@ -828,9 +619,7 @@ def _exit_worker(MPI: Any, code: int) -> None:
         except Exception:
             pass
     if code == 0:
-        state = _state
-        if state is not None:
-            state.free()
+        mpi_comms.release()
         if MPI.Is_initialized() and not MPI.Is_finalized():
             MPI.Finalize()
     # os._exit, not sys.exit: the user's script must not go on (no finally, no atexit)
@@ -893,9 +682,7 @@ def _route_ip(peer_host: str) -> str:
             return socket.gethostbyname(socket.gethostname())
 
 
-def _runtime_controller(host: str, options: dict) -> Any:
-    from ..runtime.controller import Controller
-
+def _runtime_controller(host: str, options: dict) -> Controller:
     listen = "unix" if host.startswith("127.") or host == "localhost" else "tcp"
     return Controller(listen=listen, host=host, **options)
 
@@ -913,27 +700,14 @@ def _runtime_adopt(controller: Any, size: int, timeout: float, joined: dict) -> 
         ) from exc
 
 
-class _Handle:
-    """Given to the ProcMesh as its bootstrap: closed after the workers stopped."""
-
-    def __init__(self, state: _State) -> None:
-        self.state = state
-
-    def close(self) -> None:
-        thread = self.state.worker_thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=10.0)
-
-
-def _runtime_proc_mesh(controller: Any, shape: Any, owner: Any) -> Any:
-    from ..proc import ProcMesh
-
-    return ProcMesh._from_controller(controller, shape, _Handle(_state), owner)
+def _join_worker_thread() -> None:
+    """The launch's close: after the workers stopped, rank 0's worker thread ends."""
+    thread = _state.worker_thread if _state is not None else None
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(timeout=10.0)
 
 
 def _runtime_run_worker(address: str, secret: bytes, rank: int) -> None:
-    from ..runtime.worker import run_worker
-
     if address.startswith("unix:"):
         listen, listen_host = "unix", "127.0.0.1"
     else:
@@ -944,7 +718,3 @@ def _runtime_run_worker(address: str, secret: bytes, rank: int) -> None:
     # their stdout/stderr itself
     run_worker(address, secret, rank, listen=listen, listen_host=listen_host,
                exit_process=False, forward_logs=False)
-
-
-def _runtime_stop(mesh: Any) -> None:
-    mesh.stop()

@@ -11,6 +11,6 @@ class BlockProbe(ma.Actor):
 
     @ma.endpoint
     def count(self):
-        from mesharray import _distributed
+        from mesharray.darray.worker import STORE
 
-        return len(_distributed._BLOCKS)
+        return len(STORE.blocks)

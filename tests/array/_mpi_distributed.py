@@ -8,9 +8,9 @@ import mesharray as ma
 class Kinds(ma.Actor):
     @ma.endpoint
     def kinds(self):
-        from mesharray import _distributed
+        from mesharray.darray.worker import STORE
 
-        return sorted({type(g).__name__ for g in _distributed._GROUPS.values()})
+        return sorted({type(g).__name__ for g in STORE.groups.values()})
 
 
 procs = ma.proc_mesh()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import mesharray as ma
-from mesharray._distributed import data_context
+from mesharray.darray import data_context
 from mesharray.errors import ActorDiedError, MeshShapeError
 
 proc_mod = pytest.importorskip("mesharray.proc", reason="needs the runtime (ProcMesh)")
@@ -337,7 +337,7 @@ def test_input_failing_on_one_rank_surfaces_at_fetch_as_the_original_error(procs
     z = mid.sum(axis="hosts")
     del mid
     gc.collect()
-    from mesharray._distributed import data_context
+    from mesharray.darray import data_context
 
     data_context(procs).flush_frees()  # the intermediate is gone from the workers
     with pytest.raises(ma.ActorError) as info:

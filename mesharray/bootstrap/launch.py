@@ -1,0 +1,48 @@
+"""``Launch``: what every bootstrap returns.
+
+A bootstrap starts (or finds) worker processes and lets a
+:class:`~mesharray.runtime.controller.Controller` adopt them; it hands the
+result up as a :class:`Launch`, and :mod:`mesharray.proc` makes the
+``ProcMesh`` from it. No bootstrap imports ``proc``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .._core import Shape
+from ..runtime.controller import Controller
+
+__all__ = ["Launch"]
+
+
+class Launch:
+    """Workers adopted by a controller, laid out as a mesh.
+
+    Attributes
+    ----------
+    controller : Controller
+        Adopted the workers of global ranks ``0 .. shape.size - 1``.
+    shape : Shape
+        The root mesh's dims over those ranks (``{hosts, procs}`` for a local
+        launch; the MPI topology under mpirun).
+    mesh : object or None
+        Kept by the layer above: the ``ProcMesh`` made from this launch (the
+        MPI bootstrap hands the same launch to a second ``proc_mesh()``).
+    """
+
+    __slots__ = ("controller", "shape", "mesh", "_close")
+
+    def __init__(self, controller: Controller, shape: Shape, close: Callable[[], None] | None = None) -> None:
+        self.controller = controller
+        self.shape = shape
+        self.mesh: Any = None
+        self._close = close
+
+    def close(self) -> None:
+        """After the controller stopped the workers: reap them, kill what is left, join threads."""
+        if self._close is not None:
+            self._close()
+
+    def __repr__(self) -> str:
+        return f"<Launch {self.shape} at {self.controller.address}>"

@@ -1,0 +1,40 @@
+"""Distributed arrays: ``MeshArray`` storage whose blocks live in the workers.
+
+The package sits above process meshes (``ProcMesh`` never imports it) and is
+built of:
+
+- :mod:`~mesharray.darray.instructions`: the instruction schema both sides share;
+- :mod:`~mesharray.darray.worker`: the worker's block store and the executor
+  (the system actor ``DataActor``);
+- :mod:`~mesharray.darray.context`: the controller's per-mesh context (system
+  actors, block ids, references and frees, sending programs, fetching);
+- :mod:`~mesharray.darray.storage`: ``DistributedStorage``, which plans each
+  ``MeshArray`` operation into a program (reductions through
+  :func:`~mesharray.reduction_plan`);
+- :mod:`~mesharray.darray.factory`: making arrays (``ProcMesh.zeros`` and
+  friends run these) and the collectives over mesh dims.
+
+Importing this package installs the factory into :mod:`mesharray.proc`
+(``import mesharray`` does so on the first use of a process mesh).
+"""
+
+from __future__ import annotations
+
+from .. import proc as _proc
+from . import factory
+from .context import DataContext, data_context
+from .factory import allgather, broadcast_from, reduce_scatter
+from .storage import DistributedStorage
+from .worker import local_block
+
+__all__ = [
+    "DataContext",
+    "DistributedStorage",
+    "allgather",
+    "broadcast_from",
+    "data_context",
+    "local_block",
+    "reduce_scatter",
+]
+
+_proc.install_array_factory(factory)

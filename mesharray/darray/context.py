@@ -1,0 +1,228 @@
+"""The controller side of distributed arrays: one :class:`DataContext` per process mesh.
+
+It spawns the system actors (:class:`~mesharray.darray.worker.DataActor`, one
+per rank) on first use, mints block ids, counts the controller's references
+to each block and batches the frees, sends programs fire-and-forget, runs the
+calls that wait (fetch, meta), and caches the plans of reductions and
+elementwise layouts so that a loop of small ops costs only its messages.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import socket
+import threading
+import weakref
+from typing import Any, Sequence
+
+import numpy as np
+
+from .._core import Shape
+from ..actor import ActorMesh
+from ..errors import ActorDiedError, ActorError
+from ..proc import ProcMesh
+import mesharray.darray.instructions as I
+from .worker import DataActor, InputFailed, unpack_small
+
+__all__ = ["DataContext", "data_context"]
+
+_CONTEXTS: weakref.WeakKeyDictionary[ProcMesh, DataContext] = weakref.WeakKeyDictionary()
+_CTX_LOCK = threading.Lock()
+
+
+class DataContext:
+    """Per process mesh: the system actors and the controller's block bookkeeping."""
+
+    # Frees are batched: a loop of small ops would otherwise send one extra
+    # message per temporary. Pending frees ride along with the next program sent
+    # to their ranks, or go out after FREE_DELAY seconds, or at once when they
+    # hold more than FREE_BYTES of blocks.
+    FREE_DELAY = 0.02
+    FREE_BYTES = 64 << 20
+
+    def __init__(self, root: ProcMesh) -> None:
+        self.mesh = root
+        self.shape = root.mesh_shape
+        self.token = secrets.token_hex(4)
+        self.actors: ActorMesh = root.spawn("__mesharray_data__", DataActor, self.token)
+        self._ids = itertools.count(1)
+        self._refs: dict[int, int] = {}
+        # re-entrant: a garbage collection inside a locked section may run a finalizer
+        self._lock = threading.RLock()
+        self._pending: dict[int, set] = {}
+        self._pending_bytes = 0
+        self._timer: threading.Timer | None = None
+        self._views: dict[tuple, ActorMesh] = {}
+        self._torch_init: str | None = None
+        self._pids = dict(zip(root.mesh_shape, root.pids))
+        self.plans: dict = {}  # DistributedStorage.reduce's plans by layout and request
+        self.layouts: dict = {}  # elementwise result layouts by operand layouts
+
+    @property
+    def stopped(self) -> bool:
+        return self.mesh.stopped
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def pids(self, groups: list) -> dict:
+        """Process ids of the ranks in ``groups`` (lets a collective notice a peer that never joins)."""
+        return {r: int(self._pids.get(r) or 0) for g in groups for r in g}
+
+    def torch_init_method(self) -> str:
+        """Rendezvous address of torch.distributed for ``collective="torch"`` (rank 0 hosts the store)."""
+        if self._torch_init is None:
+            # rank 0 listens here; the port is free now, and the store binds it at init
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                self._torch_init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        return self._torch_init
+
+    def view(self, ranks: Sequence[int]) -> ActorMesh:
+        """The system actors of ``ranks`` (a flat actor mesh over exactly those ranks)."""
+        key = tuple(ranks)
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) > 256:
+                self._views.clear()
+            v = self.actors.with_shape(Shape.from_ranks(("ranks",), (len(key),), np.asarray(key, dtype=np.int64)))
+            self._views[key] = v
+        return v
+
+    def send(self, ranks: Sequence[int], program: list) -> None:
+        """Fire-and-forget a program to ``ranks`` (ordered after earlier messages)."""
+        if ranks:
+            ranks = sorted(set(int(r) for r in ranks))
+            self.post(ranks, self.with_frees(ranks, program))
+
+    def post(self, ranks: list, program: list) -> None:
+        """Broadcast ``program`` to ``ranks`` (sorted, unique), past any dead rank.
+
+        A dead rank is not an error here: the blocks it should have made are
+        missing, and whatever uses or fetches them raises
+        :class:`~mesharray.ActorDiedError` (survivors of a collective with it
+        notice its death in their wait).
+        """
+        try:
+            self.view(ranks).run.broadcast(program)
+        except ActorDiedError:
+            pass
+
+    def call(self, ranks: Sequence[int], program: list) -> Any:
+        """Run a program on ``ranks`` and wait for every rank.
+
+        A rank that died, or a survivor whose collective saw a peer die, fails
+        the call with :class:`~mesharray.ActorDiedError` naming the dead ranks.
+        """
+        ranks = sorted(set(int(r) for r in ranks))
+        try:
+            return ranks, self.view(ranks).run.call(self.with_frees(ranks, program)).get()
+        except ActorError as exc:
+            if isinstance(exc.exception, ActorDiedError):
+                raise exc.exception from exc
+            raise
+
+    def fetch(self, ranks: Sequence[int], bid: int) -> dict:
+        """Each rank's block ``bid`` as a host array: ``{rank: ndarray}``.
+
+        A block whose making failed raises that failure: the original exception
+        (in :class:`~mesharray.ActorError`), or :class:`~mesharray.ActorDiedError`
+        naming the dead ranks when a rank died (before or during a collective).
+        """
+        futs = [(r, self.view([r]).run.call_one([I.Fetch(bid)])) for r in ranks]
+        out = {}
+        for r, f in futs:
+            try:
+                out[r] = unpack_small(f.get())
+            except BaseException as exc:
+                self._raise_failure(exc, bid)
+        return out
+
+    def meta(self, rank: int, bid: int) -> tuple[tuple, Any]:
+        """Local shape and dtype of block ``bid`` on ``rank`` (raises the failure of its making)."""
+        return self.view([rank]).meta.call_one(bid).get()
+
+    def _raise_failure(self, exc: BaseException, bid: int, hops: int = 0) -> None:
+        inner = exc.exception if isinstance(exc, ActorError) else None
+        if isinstance(inner, ActorDiedError):
+            raise inner from exc
+        if isinstance(inner, InputFailed) and hops < 8:
+            # a collective's input failed on other ranks: their block holds the original error
+            try:
+                self.view([inner.ranks[0]]).run.call_one([I.Fetch(inner.bid)]).get()
+            except BaseException as deeper:
+                self._raise_failure(deeper, inner.bid, hops + 1)
+        raise exc
+
+    def incref(self, bid: int) -> None:
+        with self._lock:
+            self._refs[bid] = self._refs.get(bid, 0) + 1
+
+    def decref(self, bid: int, ranks: tuple, nbytes: int = 0) -> None:
+        with self._lock:
+            n = self._refs.get(bid, 0) - 1
+            if n > 0:
+                self._refs[bid] = n
+                return
+            self._refs.pop(bid, None)
+            if self.mesh.stopped or not ranks:
+                return
+            self._pending[bid] = set(ranks)
+            self._pending_bytes += nbytes
+            now = self._pending_bytes > self.FREE_BYTES or len(self._pending) > 512
+            if not now and self._timer is None:
+                self._timer = threading.Timer(self.FREE_DELAY, self.flush_frees)
+                self._timer.daemon = True
+                self._timer.start()
+        if now:
+            self.flush_frees()
+
+    def with_frees(self, ranks: list, program: list) -> list:
+        """``program`` preceded by the pending frees of blocks on ``ranks`` (taken off the pending set)."""
+        if not self._pending:
+            return program
+        mine = set(ranks)
+        frees = []
+        with self._lock:
+            for bid, rs in list(self._pending.items()):
+                if rs & mine:
+                    frees.append(bid)
+                    rs -= mine
+                    if not rs:
+                        del self._pending[bid]
+            if not self._pending:
+                self._pending_bytes = 0
+        return [I.Free(frees)] + program if frees else program
+
+    def flush_frees(self) -> None:
+        """Send every pending free now."""
+        with self._lock:
+            pending, self._pending, self._pending_bytes = self._pending, {}, 0
+            timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+        if not pending or self.mesh.stopped:
+            return
+        by_rank: dict[int, list] = {}
+        for bid, rs in pending.items():
+            for r in rs:
+                by_rank.setdefault(r, []).append(bid)
+        try:
+            bids = sorted({b for v in by_rank.values() for b in v})
+            self.view(sorted(by_rank)).run.broadcast([I.Free(bids)])
+        except Exception:  # the mesh is going away (or a rank died): nothing to free there
+            pass
+
+
+def data_context(procs: ProcMesh) -> DataContext:
+    """The data context of ``procs``' root mesh (spawning its system actors on first use)."""
+    root = procs.root_mesh
+    ctx = _CONTEXTS.get(root)
+    if ctx is None:
+        with _CTX_LOCK:
+            ctx = _CONTEXTS.get(root)
+            if ctx is None:
+                ctx = DataContext(root)
+                _CONTEXTS[root] = ctx
+    return ctx

@@ -1,0 +1,160 @@
+"""Making distributed arrays, and the collectives over their mesh dims.
+
+:func:`make`, :func:`scatter` and :func:`apply` are what ``ProcMesh.zeros``,
+``ones``, ``full``, ``arange``, ``rand``, ``rank_array``, ``from_numpy`` and
+``apply`` run (this package installs them into :mod:`mesharray.proc` when it
+is imported: distributed arrays sit above process meshes, so ``proc`` never
+imports them). :func:`allgather`, :func:`broadcast_from` and
+:func:`reduce_scatter` are public as ``mesharray.allgather`` and so on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..array import MeshArray
+from ..engines import resolve_engine_name
+from ..errors import DimensionError, MeshShapeError
+from ..proc import ProcMesh
+import mesharray.darray.instructions as I
+from .context import data_context
+from .storage import DistributedStorage, distributed
+
+__all__ = ["allgather", "apply", "broadcast_from", "make", "reduce_scatter", "scatter"]
+
+
+def _ranks(procs: ProcMesh) -> np.ndarray:
+    shape = procs.mesh_shape
+    return np.asarray(shape.ranks(), dtype=np.int64).reshape(tuple(shape.sizes))
+
+
+def make(procs: ProcMesh, kind: str, local_shape: tuple[int, ...], dtype: np.dtype, engine: str,
+         extra: Any = None, collective: str | None = None) -> MeshArray:
+    """A new distributed array over ``procs``: each rank makes its block (``kind``: see :class:`~.instructions.New`)."""
+    ctx = data_context(procs)
+    ranks = _ranks(procs)
+    engine = resolve_engine_name(engine)
+    bid = ctx.new_id()
+    ctx.send(ranks.ravel().tolist(), [I.New(bid, kind, tuple(local_shape), np.dtype(dtype).name, engine, extra)])
+    st = DistributedStorage(ctx, bid, ranks, tuple(local_shape), dtype, engine, None,
+                            collective)
+    return MeshArray.from_storage(procs.mesh_shape, st)
+
+
+def scatter(procs: ProcMesh, arr: np.ndarray, engine: str, collective: str | None = None) -> MeshArray:
+    """``arr``'s leading axes are the mesh dims: each rank gets its block (waits until every rank has it)."""
+    ctx = data_context(procs)
+    shape = procs.mesh_shape
+    sizes = tuple(shape.sizes)
+    if arr.shape[: len(sizes)] != sizes:
+        raise MeshShapeError(
+            f"from_numpy needs an array whose leading axes are the mesh sizes {dict(zip(shape.names, sizes))}; "
+            f"got shape {arr.shape}"
+        )
+    engine = resolve_engine_name(engine)
+    ranks = _ranks(procs)
+    bid = ctx.new_id()
+    futs = []
+    for pos in np.ndindex(*sizes):
+        r = int(ranks[pos])
+        put = I.Put(bid, I.Value(np.asarray(arr[pos], order="C")), engine)
+        futs.append(ctx.view([r]).run.call_one([put]))
+    for f in futs:
+        f.get()
+    st = DistributedStorage(ctx, bid, ranks, arr.shape[len(sizes):], arr.dtype, engine, None,
+                            collective)
+    return MeshArray.from_storage(shape, st)
+
+
+def apply(procs: ProcMesh, fn: Callable[..., Any], arrays: Sequence[Any]) -> MeshArray:
+    """Run ``fn`` on each rank's blocks of ``arrays``; the results form a new distributed array."""
+    dist = [a for a in arrays if distributed(a) is not None]
+    if not dist:
+        raise TypeError("apply needs at least one distributed MeshArray")
+    st0 = dist[0].storage
+    for a in dist[1:]:
+        st = a.storage
+        if st.ranks.shape != st0.ranks.shape or not (st.ranks == st0.ranks).all():
+            raise MeshShapeError(
+                f"apply needs distributed arrays on the same ranks; got mesh dims {dist[0].mesh_sizes} and {a.mesh_sizes}"
+            )
+    operands: list[I.Operand] = []
+    for a in arrays:
+        st = distributed(a)
+        operands.append(I.BlockRef(st.bid) if st is not None else I.Value(a))
+    ctx = st0.ctx
+    bid = ctx.new_id()
+    ranks = st0._unique()
+    ctx.send(ranks, [I.Apply(bid, fn, operands)])
+    # the result's local shape and dtype are known only after running: ask one rank
+    # (this also raises the error of a failing fn)
+    local, dtype = ctx.meta(ranks[0], bid)
+    return MeshArray.from_storage(dist[0].mesh_shape, DistributedStorage(
+        ctx, bid, st0.ranks.copy(), tuple(local), dtype, st0.engine, None, st0.collective))
+
+
+# -- collectives over mesh dims ---------------------------------------------------------
+
+
+def _group_op(a: Any, dims: Any, kind: str, arg: Any) -> MeshArray:
+    st = distributed(a)
+    if st is None:
+        raise TypeError(f"{kind} needs a distributed MeshArray (made by a ProcMesh), got {type(a).__name__}")
+    names = tuple(a.names)
+    items = (dims,) if isinstance(dims, (str, int, np.integer)) else tuple(dims)
+    axes = []
+    for d in items:
+        if isinstance(d, str):
+            if d not in names:
+                raise DimensionError(d, names)
+            axes.append(names.index(d))
+        elif isinstance(d, (int, np.integer)) and not isinstance(d, bool) and -len(names) <= d < len(names):
+            axes.append(int(d) % len(names))
+        else:
+            raise DimensionError(d, names)
+    return MeshArray.from_storage(a.mesh_shape, st.group_op(kind, tuple(sorted(set(axes))), arg))
+
+
+def allgather(a: MeshArray, dims: Any) -> MeshArray:
+    """Every rank gets the blocks of all ranks of its group over mesh ``dims``, stacked.
+
+    The result keeps ``a``'s mesh dims; its local shape is
+    ``(group size,) + a.local_shape`` (members in row-major order of ``dims``).
+    Runs one allgather per group of ``reduction_plan(a's shape, dims)``.
+
+    Examples
+    --------
+    >>> import mesharray as ma
+    >>> with ma.proc_mesh(procs=2) as procs:
+    ...     ma.allgather(procs.rank_array(), "procs").fetch().tolist()
+    [[[0, 1], [0, 1]]]
+    """
+    return _group_op(a, dims, "allgather", None)
+
+
+def broadcast_from(a: MeshArray, dims: Any, root: int = 0) -> MeshArray:
+    """Every rank gets the block of member ``root`` (negative counts from the end) of its group over ``dims``.
+
+    Examples
+    --------
+    >>> import mesharray as ma
+    >>> with ma.proc_mesh(procs=2) as procs:
+    ...     ma.broadcast_from(procs.rank_array(), "procs", root=1).fetch().tolist()
+    [[1, 1]]
+    """
+    return _group_op(a, dims, "broadcast", root)
+
+
+def reduce_scatter(a: MeshArray, dims: Any, op: str = "sum") -> MeshArray:
+    """Reduce across each group over mesh ``dims``; member i keeps the i-th part of the first local axis.
+
+    Examples
+    --------
+    >>> import mesharray as ma
+    >>> with ma.proc_mesh(procs=2) as procs:
+    ...     ma.reduce_scatter(procs.ones((4,)), "procs").fetch().tolist()
+    [[[2.0, 2.0], [2.0, 2.0]]]
+    """
+    return _group_op(a, dims, "reduce_scatter", op)

@@ -1,0 +1,200 @@
+"""The instruction schema of distributed arrays: what the controller sends, what a worker runs.
+
+Both sides import these types, so the wire format is written down once. A
+*program* is a list of instructions; the controller sends it to the ranks that
+hold the blocks involved (fire-and-forget, ordered per sender), and each
+rank's :class:`~mesharray.darray.worker.DataActor` runs it in order.
+
+Blocks are named by integer ids minted by the controller; the same id names
+the block of one array on every rank holding one. An instruction that makes a
+block (``out``) and fails keeps its exception as that block's failure, raised
+when the block is used or fetched; :class:`Fetch`, :class:`SetItem` and
+:class:`Collective` report differently (see the worker).
+
+Operands of elementwise ops and ``apply`` are :class:`BlockRef` (a block of
+this rank), :class:`PerRank` (a value per global rank) or :class:`Value` (the
+same value everywhere).
+
+These are ``NamedTuple``s: fields by name in the code, a plain tuple's cost on
+the wire (pickled by reference to their class, which both sides import).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Union
+
+__all__ = [
+    "AsType",
+    "BlockRef",
+    "Collective",
+    "Copy",
+    "Elementwise",
+    "Fetch",
+    "Free",
+    "GetItem",
+    "Instruction",
+    "MAKES_BLOCK",
+    "New",
+    "Operand",
+    "PerRank",
+    "Put",
+    "Reduce",
+    "Reshape",
+    "SetItem",
+    "Value",
+]
+
+
+# -- operands ------------------------------------------------------------------------
+
+
+class BlockRef(NamedTuple):
+    """This rank's block ``bid``."""
+
+    bid: int
+
+
+class PerRank(NamedTuple):
+    """A value per global rank: ``values[rank]``."""
+
+    values: dict
+
+
+class Value(NamedTuple):
+    """The same value on every rank."""
+
+    value: Any
+
+
+Operand = Union[BlockRef, PerRank, Value]
+
+
+# -- instructions that make block ``out`` ---------------------------------------------
+
+
+class New(NamedTuple):
+    """A fresh block: ``kind`` is zeros, ones, empty, full (``extra``: the value),
+    rand (``extra``: seed or None; rank r uses seed + r), arange, or rank (filled
+    with the rank)."""
+
+    out: int
+    kind: str
+    shape: tuple
+    dtype: str
+    engine: str
+    extra: Any = None
+
+
+class Put(NamedTuple):
+    """A block from a host value (``value`` is an operand, usually :class:`PerRank` or :class:`Value`)."""
+
+    out: int
+    value: Operand
+    engine: str
+
+
+class Elementwise(NamedTuple):
+    """``numpy.<name>(*operands, **kwargs)`` (or the engine's op; ``matmul`` included)."""
+
+    out: int
+    name: str
+    operands: list
+    kwargs: dict
+
+
+class Apply(NamedTuple):
+    """``fn(*operands)``, a user function run on each rank's blocks."""
+
+    out: int
+    fn: Any
+    operands: list
+
+
+class Reduce(NamedTuple):
+    """Reduce block ``src`` over its local ``axes`` with ``op`` (sum, prod, min, max, mean, any, all)."""
+
+    out: int
+    src: int
+    op: str
+    axes: tuple
+    keepdims: bool
+    dtype: str | None
+
+
+class AsType(NamedTuple):
+    out: int
+    src: int
+    dtype: str
+
+
+class Reshape(NamedTuple):
+    out: int
+    src: int
+    shape: tuple
+
+
+class GetItem(NamedTuple):
+    """A copy of ``src[key]`` (a key over local axes only)."""
+
+    out: int
+    src: int
+    key: tuple
+
+
+class Copy(NamedTuple):
+    out: int
+    src: int
+
+
+class Collective(NamedTuple):
+    """A collective among the ranks of each group; this rank's result is block ``out``.
+
+    ``op`` is a reduction (``"sum"``, ``"prod"``, ``"min"``, ``"max"``, ``"mean"``)
+    for an allreduce, or ``"allgather"``, ``"broadcast:ROOT"``,
+    ``"reduce_scatter:OP"``. ``groups`` are the groups of
+    :func:`~mesharray.reduction_plan` (global ranks, the root first); a rank
+    takes part in the one holding it. ``backend`` is None (MPI under mpirun,
+    else shared memory) or ``"torch"``; ``torch_init`` is ``(init_method,
+    world_size)`` for torch; ``pids`` maps ranks to process ids (a member that
+    never joins is noticed). Failures are kept as ``out``'s, never raised out
+    of the program: the collective is sent fire-and-forget.
+    """
+
+    out: int
+    src: int
+    op: str
+    groups: list
+    backend: str | None
+    dtype: str
+    torch_init: tuple = ()
+    pids: dict | None = None
+
+
+# -- instructions that make no block ---------------------------------------------------
+
+
+class SetItem(NamedTuple):
+    """``block[key] = value`` in place (``value`` an operand)."""
+
+    block: int
+    key: tuple
+    value: Operand
+
+
+class Fetch(NamedTuple):
+    """Return block ``block`` to the caller (as host memory)."""
+
+    block: int
+
+
+class Free(NamedTuple):
+    """Drop these blocks (their failures are kept a little longer for chains of errors)."""
+
+    blocks: list
+
+
+Instruction = Union[New, Put, Elementwise, Apply, Reduce, AsType, Reshape, GetItem, Copy, Collective,
+                    SetItem, Fetch, Free]
+
+#: the instruction types whose failure is kept as the failure of their ``out`` block
+MAKES_BLOCK = (New, Put, Elementwise, Apply, Reduce, AsType, Reshape, GetItem, Copy)

@@ -1,0 +1,599 @@
+"""``DistributedStorage``: the storage of a ``MeshArray`` whose blocks live in the workers.
+
+The controller keeps only metadata (a block id, the global rank holding each
+mesh position, the local shape and dtype); the blocks live in the workers'
+:class:`~mesharray.darray.worker.BlockStore`. :class:`~mesharray.MeshArray`
+decides every layout and hands it over; this class turns each operation into
+a program of :mod:`~mesharray.darray.instructions` for the ranks involved.
+
+Operations that make blocks are sent fire-and-forget (ordered per sender, so
+they pipeline like a stream); a failure is kept with the block it should have
+made and raised when that block is used or fetched. Shapes and dtypes are
+checked at the controller before anything is sent. Reductions over mesh axes
+run one collective per group of :func:`~mesharray.reduction_plan`, also sent
+fire-and-forget (planned once per layout and request); fetching the result asks
+only the ranks that hold it (the group roots: one call for a 0-d result), and
+since messages are ordered per rank it runs after the collective. The members of
+a group first agree on whose input exists (on the shared-memory backend this
+rides on the reduction's own arrival flags), so a rank whose input failed never
+leaves its peers waiting; a failure is kept as the result block's and raised
+by its fetch (or any later use): the original error, or
+:class:`~mesharray.ActorDiedError` naming the ranks when a member died, which
+the survivors notice in their wait instead of hanging.
+
+Collective backend per group (chosen in the worker): MPI when the mesh was
+launched under mpirun, else the built-in shared-memory backend (ranks on one
+host); ``collective="torch"`` on the array asks for torch.distributed (gloo
+on CPU, NCCL/RCCL on GPUs).
+
+Blocks are freed on the workers when the last controller array using them is
+garbage-collected (a fire-and-forget :class:`~mesharray.darray.instructions.Free`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+from typing import Any
+
+import numpy as np
+
+from .._core import Shape, reduction_plan
+from ..array import GatheredStorage, MeshArray
+from ..engines import get_engine
+from ..errors import EngineUnavailableError, MeshShapeError
+import mesharray.darray.instructions as I
+from .context import DataContext
+from .worker import COLLECTIVE_OP, local_block
+
+__all__ = ["DistributedStorage", "distributed"]
+
+_REDUCE_NAMES = {"add.reduce": "sum", "multiply.reduce": "prod", "minimum.reduce": "min",
+                 "maximum.reduce": "max", "sum": "sum", "prod": "prod", "min": "min", "max": "max",
+                 "mean": "mean", "any": "any", "all": "all"}
+
+
+@functools.lru_cache(maxsize=None)
+def _prefers_nccl(engine: str) -> bool:
+    try:
+        return get_engine(engine).collective_backend == "nccl"
+    except EngineUnavailableError:  # no such device at the controller: the workers' hosts decide
+        return False
+
+
+def distributed(a: Any) -> DistributedStorage | None:
+    """The distributed storage of ``a`` if it is a distributed ``MeshArray``, else None."""
+    if isinstance(a, MeshArray):
+        st = a.storage
+        if isinstance(st, DistributedStorage):
+            return st
+    return None
+
+
+def groups_of(ranks: np.ndarray, mesh_axes: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The groups of :func:`~mesharray.reduction_plan` over ``mesh_axes`` of a rank layout.
+
+    ``ranks`` holds the global rank of each mesh position (it may repeat a rank:
+    an advanced-index view); each group's members are in row-major order of the
+    reduced axes, its first member the group's root.
+    """
+    names = tuple(f"d{i}" for i in range(ranks.ndim))
+    shape = Shape.from_ranks(names, tuple(ranks.shape), np.ascontiguousarray(ranks, dtype=np.int64).reshape(-1))
+    groups, _ = reduction_plan(shape, tuple(names[a] for a in mesh_axes))
+    return [tuple(row) for row in groups.tolist()]
+
+
+class DistributedStorage:
+    """The storage protocol of ``MeshArray`` (see ``mesharray.array.GatheredStorage``) over blocks in workers.
+
+    Attributes
+    ----------
+    ctx : DataContext
+    bid : int
+        Block id (the same on every rank holding a block of this array).
+    ranks : numpy.ndarray of int64
+        Global rank holding each mesh position (shape: the mesh sizes).
+    holders : numpy.ndarray or None
+        Ranks holding a copy of each position's block (``keepdims`` results of
+        a reduction live on every member of their group), shape ``sizes + (H,)``.
+    """
+
+    kind = "distributed"
+    __slots__ = ("ctx", "bid", "ranks", "holders", "_local", "_dtype", "engine", "collective", "__weakref__")
+
+    def __init__(self, ctx: DataContext, bid: int, ranks: np.ndarray, local_shape: tuple, dtype: Any,
+                 engine: str, holders: np.ndarray | None = None, collective: str | None = None,
+                 _all_ranks: tuple | None = None) -> None:
+        self.ctx = ctx
+        self.bid = bid
+        self.ranks = np.asarray(ranks, dtype=np.int64)
+        self.holders = holders
+        self._local = tuple(int(x) for x in local_shape)
+        self._dtype = np.dtype(dtype)
+        self.engine = engine
+        self.collective = collective
+        ctx.incref(bid)
+        all_ranks = _all_ranks if _all_ranks is not None else tuple(sorted(
+            set(self.ranks.ravel().tolist()) | (set(holders.ravel().tolist()) if holders is not None else set())))
+        nbytes = math.prod(self._local) * self._dtype.itemsize * max(1, len(all_ranks))
+        weakref.finalize(self, ctx.decref, bid, all_ranks, nbytes)
+
+    def _derive(self, bid: int, ranks: np.ndarray | None = None, local: tuple | None = None, dtype: Any = None,
+                holders: Any = False) -> "DistributedStorage":
+        return DistributedStorage(self.ctx, bid, self.ranks if ranks is None else ranks,
+                                  self._local if local is None else local,
+                                  self._dtype if dtype is None else dtype, self.engine,
+                                  self.holders if holders is False else holders, self.collective)
+
+    def _unique(self) -> list[int]:
+        return sorted(set(self.ranks.ravel().tolist()))
+
+    # -- description
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    def local_shape(self, mesh_ndim: int) -> tuple[int, ...]:
+        return self._local
+
+    def __reduce__(self):
+        # an endpoint argument: the worker receives its own block
+        return (local_block, (self.bid,))
+
+    # -- whole values
+    def to_numpy(self) -> np.ndarray:
+        """Gather every position's block to the controller."""
+        by_rank = self.ctx.fetch(self._unique(), self.bid)
+        if self.ranks.size == 1:
+            # one block: hand it over as it arrived (no second copy at the controller)
+            only = np.asarray(by_rank[int(self.ranks.reshape(-1)[0])], dtype=self._dtype)
+            return only.reshape(self.ranks.shape + self._local)
+        out = np.empty(self.ranks.shape + self._local, dtype=self._dtype)
+        for pos in np.ndindex(*self.ranks.shape):
+            out[pos] = by_rank[int(self.ranks[pos])]
+        return out
+
+    # -- layout changes (no data moves)
+    def take(self, mesh_key: tuple, local_key: tuple, new_shape: Shape) -> "DistributedStorage":
+        ranks = self.ranks[mesh_key + (Ellipsis,)] if mesh_key else self.ranks
+        holders = self.holders[mesh_key + (Ellipsis,)] if (mesh_key and self.holders is not None) else self.holders
+        ranks = np.asarray(ranks).reshape(tuple(new_shape.sizes))
+        if holders is not None:
+            holders = np.asarray(holders).reshape(tuple(new_shape.sizes) + (holders.shape[-1],))
+        if not local_key:
+            return self._derive(self.bid, ranks, holders=holders)
+        local = np.empty(self._local, dtype=np.bool_)[local_key + (Ellipsis,)].shape
+        bid = self.ctx.new_id()
+        if ranks.size:
+            self.ctx.send(np.unique(ranks).tolist(), [I.GetItem(bid, self.bid, local_key)])
+        return self._derive(bid, ranks, local=local, holders=None)
+
+    def relayout(self, old_shape: Shape, perm: tuple[int, ...] | None, new_shape: Shape) -> "DistributedStorage":
+        ranks = self.ranks if perm is None else self.ranks.transpose(perm)
+        holders = self.holders
+        if holders is not None and perm is not None:
+            holders = holders.transpose(perm + (holders.ndim - 1,))
+        sizes = tuple(new_shape.sizes)
+        return self._derive(self.bid, ranks.reshape(sizes),
+                            holders=None if holders is None else holders.reshape(sizes + (holders.shape[-1],)))
+
+    def setitem(self, key: tuple, value: Any) -> None:
+        m = self.ranks.ndim
+        mesh_key, local_key = key[:m], key[m:]
+        sel = self.ranks[mesh_key + (Ellipsis,)] if mesh_key else self.ranks
+        sel = np.asarray(sel)
+        if isinstance(value, np.ndarray) and value.ndim > len(np.empty(self._local, bool)[local_key + (Ellipsis,)].shape):
+            # one value per selected position
+            vals = np.broadcast_to(value, sel.shape + value.shape[sel.ndim:]) if value.ndim >= sel.ndim else value
+            per = {}
+            for pos in np.ndindex(*sel.shape):
+                per[int(sel[pos])] = np.array(vals[pos])
+            arg: I.Operand = I.PerRank(per)
+        else:
+            arg = I.Value(value)
+        self.ctx.send(np.unique(sel).tolist(), [I.SetItem(self.bid, tuple(local_key), arg)])
+
+    def reshape_local(self, mesh_ndim: int, local_shape: tuple[int, ...]) -> "DistributedStorage":
+        bid = self.ctx.new_id()
+        self.ctx.send(self._unique(), [I.Reshape(bid, self.bid, tuple(local_shape))])
+        return self._derive(bid, local=tuple(local_shape))
+
+    def astype(self, dtype: Any, copy: bool) -> "DistributedStorage":
+        dt = np.dtype(dtype)
+        if dt == self._dtype and not copy:
+            return self
+        bid = self.ctx.new_id()
+        self.ctx.send(self._unique(), [I.AsType(bid, self.bid, dt.name)])
+        return self._derive(bid, dtype=dt)
+
+    def copy(self) -> "DistributedStorage":
+        bid = self.ctx.new_id()
+        self.ctx.send(self._unique(), [I.Copy(bid, self.bid)])
+        return self._derive(bid)
+
+    # -- compute
+    def reduce(self, op: str, func: Any, axes: tuple[int, ...] | None, keepdims: bool, kwargs: dict) -> Any:
+        if kwargs:
+            return self._gathered_reduce(op, func, axes, keepdims, kwargs)
+        # Everything but the block ids depends only on the layout and the request:
+        # planned once, so that a tiny reduction in a loop costs only its messages.
+        key = (op, axes, keepdims, self.ranks.shape, self.ranks.tobytes(), self._local, self._dtype,
+               self.collective, self.engine)
+        plans = self.ctx.plans
+        plan = plans.get(key)
+        if plan is None:
+            plan = self._reduce_plan(op, func, axes, keepdims)
+            if len(plans) > 256:
+                plans.clear()
+            plans[key] = plan
+        if plan is None:
+            return self._gathered_reduce(op, func, axes, keepdims, kwargs)
+        first, rdt_work, rdt, new_local, coll = plan
+        ctx = self.ctx
+        cur = self.bid
+        program: list = []
+        if first is not None:
+            nb = ctx.new_id()
+            program.append(first(nb, cur))
+            cur = nb
+        if coll is None:
+            ctx.send(self._unique(), program)
+            return self._derive(cur, local=new_local, dtype=rdt_work)
+        coll_op, groups_l, members, ranks, holders, all_ranks, pids, rdt_name, backend = coll
+        out = ctx.new_id()
+        program.append(I.Collective(out, cur, coll_op, groups_l, backend, rdt_name,
+                                    (ctx.torch_init_method(), ctx.shape.size) if backend == "torch" else (), pids))
+        if cur != self.bid:
+            program.append(I.Free([cur]))
+        # fire-and-forget (see _send_collective); members are sorted and unique
+        ctx.post(members, ctx.with_frees(members, program))
+        res = DistributedStorage(ctx, out, ranks, new_local, rdt_work, self.engine, holders, self.collective,
+                                 _all_ranks=all_ranks)
+        if rdt_work != rdt:  # any/all computed as uint8 max/min
+            res = res.astype(rdt, copy=True)
+        return res
+
+    def _reduce_plan(self, op: str, func: Any, axes: tuple[int, ...] | None, keepdims: bool) -> tuple | None:
+        """What ``reduce`` sends for this layout and request (None: reduce at the controller)."""
+        m = self.ranks.ndim
+        full = m + len(self._local)
+        axes_t = tuple(range(full)) if axes is None else tuple(axes)
+        name = _REDUCE_NAMES.get(op)
+        mesh_axes = tuple(a for a in axes_t if a < m)
+        local_axes = tuple(a - m for a in axes_t if a >= m)
+        if name is None or (op.endswith(".reduce") and len(axes_t) != 1 and axes is not None):
+            return None
+        # the result dtype NumPy would give (sum of int32 -> int64, mean of ints -> float64)
+        proxy = np.zeros((1,) * full, dtype=self._dtype)
+        if op in ("argmin", "argmax"):
+            return None
+        rdt = np.asarray(func(proxy, axis=axes_t if len(axes_t) != 1 or not op.endswith(".reduce") else axes_t[0],
+                              keepdims=keepdims)).dtype
+        if mesh_axes and (rdt.kind not in "fiub" or (name in ("any", "all"))):
+            if name in ("any", "all"):
+                rdt_work = np.dtype(np.uint8)
+            else:
+                return None
+        else:
+            rdt_work = rdt
+        new_local = tuple(s for i, s in enumerate(self._local) if i not in local_axes) if not keepdims else \
+            tuple(1 if i in local_axes else s for i, s in enumerate(self._local))
+        # the local part, as a maker of the instruction from (out, src)
+        first = None
+        if local_axes:
+            first = _bind(I.Reduce, name, local_axes, keepdims, rdt_work.name)
+        elif rdt_work != self._dtype:
+            first = _bind(I.AsType, rdt_work.name)
+        if not mesh_axes:
+            return first, rdt_work, rdt, new_local, None
+        groups = groups_of(self.ranks, mesh_axes)
+        if any(len(set(g)) != len(g) for g in groups):
+            # a rank at several positions of one group (an advanced-index view): reduce here
+            return None
+        backend = self._backend(groups)
+        kept = tuple(i for i in range(m) if i not in mesh_axes)
+        sizes = tuple(self.ranks.shape[i] for i in kept)
+        if keepdims:
+            sizes = tuple(1 if i in mesh_axes else self.ranks.shape[i] for i in range(m))
+        ranks = np.asarray([g[0] for g in groups], dtype=np.int64).reshape(sizes)
+        holders = np.asarray(groups, dtype=np.int64).reshape(sizes + (len(groups[0]),))
+        # shared by every result of this plan: nothing may write them in place
+        ranks.setflags(write=False)
+        holders.setflags(write=False)
+        members = sorted({r for g in groups for r in g})
+        coll = (COLLECTIVE_OP[name], [list(g) for g in groups], members, ranks, holders, tuple(members),
+                self.ctx.pids(groups), rdt_work.name, backend)
+        return first, rdt_work, rdt, new_local, coll
+
+    def _backend(self, groups: list) -> str | None:
+        """The collective backend of a collective over ``groups`` (what ``Collective.backend`` says).
+
+        The array's ``collective`` when given. Left None, the engine's
+        preference: an engine that prefers NCCL/RCCL (GPU blocks) goes through
+        torch.distributed when the groups cover the whole mesh, as
+        torch.distributed needs; everything else through host memory (MPI
+        under mpirun, else shared memory).
+        """
+        every = sorted(r for g in groups for r in g)
+        covers = every == list(range(self.ctx.shape.size))
+        if self.collective == "torch":
+            if not covers:
+                self._refuse_torch_groups(every)
+            return "torch"
+        if self.collective is None and covers and _prefers_nccl(self.engine):
+            return "torch"
+        return self.collective
+
+    def _refuse_torch_groups(self, every: list) -> None:
+        raise ValueError(
+            f"collective='torch' reduces over groups that cover the whole mesh (torch.distributed "
+            f"makes groups collectively over every rank); these groups cover ranks {every} of {self.ctx.shape.size}"
+        )
+
+    def _send_collective(self, program: list, cur: int, op: str, groups: list, dtype: np.dtype) -> int:
+        """Append the collective ``op`` over ``groups`` to ``program``, run it and wait; the new block id."""
+        out = self.ctx.new_id()
+        backend = self._backend(groups)
+        torch_init = (self.ctx.torch_init_method(), self.ctx.shape.size) if backend == "torch" else ()
+        program.append(I.Collective(out, cur, op, [list(g) for g in groups], backend, dtype.name,
+                                    torch_init, self.ctx.pids(groups)))
+        if cur != self.bid:
+            program.append(I.Free([cur]))
+        members = sorted({r for g in groups for r in g})
+        # fire-and-forget like the elementwise programs: messages from this controller
+        # are ordered per rank, so a later fetch of ``out`` runs after the collective;
+        # a failure (a dead member included) is kept as ``out``'s and raised there
+        self.ctx.send(members, program)
+        return out
+
+    def group_op(self, kind: str, mesh_axes: tuple[int, ...], arg: Any = None) -> "DistributedStorage":
+        """allgather / broadcast / reduce_scatter inside each group of ``mesh_axes``; same mesh layout."""
+        groups = groups_of(self.ranks, mesh_axes)
+        if any(len(set(g)) != len(g) for g in groups):
+            raise MeshShapeError("a rank appears at several positions of one group (an advanced-index view); "
+                                 "collectives need each rank once per group")
+        n = len(groups[0]) if groups else 1
+        local = self._local
+        if kind == "allgather":
+            op, new_local = "allgather", (n,) + local
+        elif kind == "broadcast":
+            if not isinstance(arg, (int, np.integer)) or not -n <= arg < n:
+                raise IndexError(f"root {arg!r} is out of range for groups of {n} ranks")
+            op, new_local = f"broadcast:{int(arg) % n}", local
+        else:
+            if arg not in ("sum", "prod", "min", "max", "mean"):
+                raise ValueError(f"unknown reduction op {arg!r}; expected 'sum', 'prod', 'min', 'max' or 'mean'")
+            if not local or local[0] % n:
+                raise MeshShapeError(
+                    f"reduce_scatter splits the first local axis among the {n} ranks of each group; "
+                    f"local shape {local} does not divide"
+                )
+            if arg == "mean" and self._dtype.kind != "f":
+                raise TypeError(f"op 'mean' needs a floating dtype, got {self._dtype}; astype first")
+            op, new_local = f"reduce_scatter:{arg}", (local[0] // n,) + local[1:]
+        out = self._send_collective([], self.bid, op, groups, self._dtype)
+        return self._derive(out, local=new_local, holders=None)
+
+    def _gathered_reduce(self, op: str, func: Any, axes: Any, keepdims: bool, kwargs: dict) -> Any:
+        return GatheredStorage(self.to_numpy()).reduce(op, func, axes, keepdims, kwargs)
+
+    @staticmethod
+    def elementwise(ufunc: np.ufunc, plan: Any, inputs: list, kwargs: dict) -> tuple:
+        if kwargs.get("out") is not None or kwargs.get("where") is not None:
+            raise TypeError(f"{ufunc.__name__} of distributed arrays does not take out= or where=; assign the result instead")
+        if ufunc.nout != 1:
+            raise TypeError(f"{ufunc.__name__} has {ufunc.nout} outputs; distributed arrays support one")
+        extra = {k: v for k, v in kwargs.items() if k not in ("out", "where")}
+        dist = [x for x in inputs if distributed(x) is not None]
+        first = dist[0].storage
+        ctx = first.ctx
+        per_element = ufunc.signature is not None
+        sizes = tuple(plan.sizes)
+        # Where each result position is computed depends only on the operands' layouts:
+        # worked out once per layout (a loop of `a * 2 + b` then costs only its messages)
+        key = [ufunc.__name__, sizes, tuple(plan.names), per_element]
+        for x in dist:
+            st = x.storage
+            key.append((tuple(x.names), st.ranks.shape, st.ranks.tobytes(), x.local_shape,
+                        None if st.holders is None else (st.holders.shape, st.holders.tobytes())))
+        key = tuple(key)
+        for x in dist:
+            if x.storage.ctx is not ctx:
+                raise MeshShapeError("distributed operands belong to different process meshes")
+        layout = ctx.layouts.get(key)
+        if layout is None:
+            if len(ctx.layouts) > 256:
+                ctx.layouts.clear()
+            layout = ctx.layouts[key] = _ew_layout(ufunc, plan, dist, per_element, sizes)
+        R, pos_of, ranks = layout
+        operands: list[I.Operand] = []
+        proxies = []
+        for x in inputs:
+            st = distributed(x)
+            if st is not None:
+                operands.append(I.BlockRef(st.bid))
+                proxies.append(_proxy(st._dtype, x.local_shape) if per_element else _sample(st._dtype))
+            elif isinstance(x, MeshArray):
+                aligned = plan.align(x, pad_local=not per_element)
+                m = len(sizes)
+                per = {}
+                for rank, p in pos_of.items():
+                    idx = tuple(pi if s > 1 else 0 for pi, s in zip(p, aligned.shape[:m]))
+                    per[rank] = np.array(aligned[idx])
+                operands.append(I.PerRank(per))
+                proxies.append(_proxy(x.dtype, aligned.shape[m:]))
+            elif isinstance(x, np.ndarray) and x.ndim > len(plan.local_shape) and not per_element:
+                m = len(sizes)
+                full = x.reshape((1,) * (m + len(plan.local_shape) - x.ndim) + x.shape)
+                per = {}
+                for rank, p in pos_of.items():
+                    idx = tuple(pi if s > 1 else 0 for pi, s in zip(p, full.shape[:m]))
+                    per[rank] = np.array(full[idx])
+                operands.append(I.PerRank(per))
+                proxies.append(_proxy(x.dtype, full.shape[m:]))
+            else:
+                operands.append(I.Value(x))
+                proxies.append(x)
+        # result dtype and local shape, from NumPy on empty proxies (nothing is computed at size 0)
+        with np.errstate(all="ignore"):
+            if per_element:
+                local, dt = _matmul_meta(proxies)
+            else:
+                dt = ufunc(*[p if not isinstance(p, np.ndarray) else p.reshape(-1)[:1] if p.size else np.zeros(1, p.dtype) for p in proxies], **extra).dtype
+                local = tuple(plan.local_shape)
+        bid = ctx.new_id()
+        ctx.send(ranks, [I.Elementwise(bid, ufunc.__name__, operands, extra)])
+        return (DistributedStorage(ctx, bid, R, local, dt, first.engine, None, first.collective,
+                                   _all_ranks=tuple(ranks)),)
+
+
+def _ew_layout(ufunc: np.ufunc, plan: Any, dist: list, per_element: bool, sizes: tuple) -> tuple:
+    """Which rank computes each position of an elementwise result: ``(R, pos_of, ranks)``.
+
+    Raises :class:`MeshShapeError` when the distributed operands' blocks for a
+    position are not on one rank, or a rank would have to compute two positions.
+    ``R`` is shared by every result of this layout (read-only).
+    """
+    laid = []
+    for x in dist:
+        perm, target = plan.layout(x, pad_local=not per_element)
+        st = x._storage
+        mperm = perm[: st.ranks.ndim]
+        r = st.ranks.transpose(mperm).reshape(target[: len(sizes)])
+        h = None
+        if st.holders is not None:
+            h = st.holders.transpose(mperm + (st.holders.ndim - 1,)).reshape(target[: len(sizes)] + (st.holders.shape[-1],))
+        laid.append((x, r, h))
+    lead = next((t for t in laid if t[1].shape == sizes), laid[0])
+    R = np.broadcast_to(lead[1], sizes)
+    for x, r, h in laid:
+        rb = np.broadcast_to(r, sizes)
+        ok = rb == R
+        if h is not None:
+            hb = np.broadcast_to(h, sizes + (h.shape[-1],))
+            ok = ok | (hb == R[..., None]).any(-1)
+        if not ok.all():
+            raise MeshShapeError(
+                f"distributed operands of {ufunc.__name__} live on different ranks for some positions "
+                f"(mesh dims {dict(zip(plan.names, sizes))}); reduce or fetch one of them first"
+            )
+    if R.size and len(np.unique(R)) != R.size:
+        raise MeshShapeError(
+            f"the result of {ufunc.__name__} would need several blocks on one rank "
+            f"(a distributed operand broadcast along mesh dims {dict(zip(plan.names, sizes))}); "
+            "fetch it or reduce with keepdims=True first"
+        )
+    R = np.asarray(R, dtype=np.int64).copy()
+    R.setflags(write=False)
+    pos_of = {int(R[p]): p for p in np.ndindex(*sizes)}
+    return R, pos_of, sorted(pos_of)
+
+
+_SAMPLES: dict = {}
+
+
+def _sample(dtype: np.dtype) -> np.ndarray:
+    # one element of ``dtype``: what NumPy needs to tell a ufunc's result dtype
+    a = _SAMPLES.get(dtype)
+    if a is None:
+        a = _SAMPLES[dtype] = np.zeros(1, dtype=dtype)
+    return a
+
+
+def _proxy(dtype: Any, shape: tuple) -> np.ndarray:
+    # a zero-stride array of the right dtype and shape (no memory for big blocks)
+    base = np.zeros(1, dtype=dtype)
+    return np.lib.stride_tricks.as_strided(base, shape=tuple(shape), strides=(0,) * len(shape))
+
+
+def _matmul_meta(proxies: list) -> tuple[tuple, np.dtype]:
+    a, b = (np.asarray(p) for p in proxies[:2])
+    if a.ndim == 0 or b.ndim == 0:
+        raise ValueError("matmul: input operand does not have enough dimensions")
+    a2 = a.shape if a.ndim > 1 else (1,) + a.shape
+    b2 = b.shape if b.ndim > 1 else b.shape + (1,)
+    if a2[-1] != b2[-2]:
+        raise MeshShapeError(f"matmul: local shapes {a.shape} and {b.shape} do not match in their core dimension")
+    batch = np.broadcast_shapes(a2[:-2], b2[:-2])
+    out = batch + (a2[-2],) * (a.ndim > 1) + (b2[-1],) * (b.ndim > 1)
+    dt = np.result_type(a.dtype, b.dtype)
+    return tuple(out), dt
+
+
+def _bind(cls: Any, *rest: Any) -> Any:
+    """A maker of ``cls(out, src, *rest)`` (the local step of a reduction plan)."""
+    return lambda out, src: cls(out, src, *rest)
+
+
+def _ew_layout(ufunc: np.ufunc, plan: Any, dist: list, per_element: bool, sizes: tuple) -> tuple:
+    """Which rank computes each position of an elementwise result: ``(R, pos_of, ranks)``.
+
+    Raises :class:`MeshShapeError` when the distributed operands' blocks for a
+    position are not on one rank, or a rank would have to compute two positions.
+    ``R`` is shared by every result of this layout (read-only).
+    """
+    laid = []
+    for x in dist:
+        perm, target = plan.layout(x, pad_local=not per_element)
+        st = x.storage
+        mperm = perm[: st.ranks.ndim]
+        r = st.ranks.transpose(mperm).reshape(target[: len(sizes)])
+        h = None
+        if st.holders is not None:
+            h = st.holders.transpose(mperm + (st.holders.ndim - 1,)).reshape(target[: len(sizes)] + (st.holders.shape[-1],))
+        laid.append((x, r, h))
+    lead = next((t for t in laid if t[1].shape == sizes), laid[0])
+    R = np.broadcast_to(lead[1], sizes)
+    for x, r, h in laid:
+        rb = np.broadcast_to(r, sizes)
+        ok = rb == R
+        if h is not None:
+            hb = np.broadcast_to(h, sizes + (h.shape[-1],))
+            ok = ok | (hb == R[..., None]).any(-1)
+        if not ok.all():
+            raise MeshShapeError(
+                f"distributed operands of {ufunc.__name__} live on different ranks for some positions "
+                f"(mesh dims {dict(zip(plan.names, sizes))}); reduce or fetch one of them first"
+            )
+    if R.size and len(np.unique(R)) != R.size:
+        raise MeshShapeError(
+            f"the result of {ufunc.__name__} would need several blocks on one rank "
+            f"(a distributed operand broadcast along mesh dims {dict(zip(plan.names, sizes))}); "
+            "fetch it or reduce with keepdims=True first"
+        )
+    R = np.asarray(R, dtype=np.int64).copy()
+    R.setflags(write=False)
+    pos_of = {int(R[p]): p for p in np.ndindex(*sizes)}
+    return R, pos_of, sorted(pos_of)
+
+
+_SAMPLES: dict = {}
+
+
+def _sample(dtype: np.dtype) -> np.ndarray:
+    # one element of ``dtype``: what NumPy needs to tell a ufunc's result dtype
+    a = _SAMPLES.get(dtype)
+    if a is None:
+        a = _SAMPLES[dtype] = np.zeros(1, dtype=dtype)
+    return a
+
+
+def _proxy(dtype: Any, shape: tuple) -> np.ndarray:
+    # a zero-stride array of the right dtype and shape (no memory for big blocks)
+    base = np.zeros(1, dtype=dtype)
+    return np.lib.stride_tricks.as_strided(base, shape=tuple(shape), strides=(0,) * len(shape))
+
+
+def _matmul_meta(proxies: list) -> tuple[tuple, np.dtype]:
+    a, b = (np.asarray(p) for p in proxies[:2])
+    if a.ndim == 0 or b.ndim == 0:
+        raise ValueError("matmul: input operand does not have enough dimensions")
+    a2 = a.shape if a.ndim > 1 else (1,) + a.shape
+    b2 = b.shape if b.ndim > 1 else b.shape + (1,)
+    if a2[-1] != b2[-2]:
+        raise MeshShapeError(f"matmul: local shapes {a.shape} and {b.shape} do not match in their core dimension")
+    batch = np.broadcast_shapes(a2[:-2], b2[:-2])
+    out = batch + (a2[-2],) * (a.ndim > 1) + (b2[-1],) * (b.ndim > 1)
+    dt = np.result_type(a.dtype, b.dtype)
+    return tuple(out), dt

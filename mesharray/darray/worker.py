@@ -1,0 +1,441 @@
+"""The worker side of distributed arrays: the block store and the program executor.
+
+Each worker process keeps one :class:`BlockStore` (process-wide, so that a
+distributed ``MeshArray`` passed to an endpoint on this worker unpickles to
+its local block through :func:`local_block`) and runs the programs of
+:mod:`~mesharray.darray.instructions` in the system actor :class:`DataActor`,
+spawned once per process mesh by the controller.
+
+Every block is kept with the engine that made it, so an operation never has to
+guess an engine from a block's type.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import sys
+from typing import Any, Callable
+
+import numpy as np
+
+from ..actor import Actor, context, endpoint
+from ..collectives import new_group
+from ..engines import Engine, get_engine
+from ..errors import MeshArrayError
+import mesharray.darray.instructions as I
+
+__all__ = ["BlockStore", "DataActor", "InputFailed", "STORE", "local_block", "pack_small", "unpack_small"]
+
+#: what a mesh-axis reduction runs as a collective (any/all: max/min over uint8)
+COLLECTIVE_OP = {"sum": "sum", "prod": "prod", "min": "min", "max": "max", "mean": "mean",
+                 "any": "max", "all": "min"}
+
+#: host blocks below this many bytes travel as (dtype, shape, bytes): pickling an ndarray
+#: costs ~20 us a side, which is most of a small fetch's CPU time
+SMALL_FETCH = 1 << 16
+
+
+class InputFailed(MeshArrayError):
+    """Kept by the members of a collective whose input failed on other ranks.
+
+    The controller, on meeting it, asks ``ranks[0]`` for its block ``bid``,
+    which raises the original failure (or the next link of a chain of them).
+    """
+
+    def __init__(self, ranks: list[int], bid: int) -> None:
+        self.ranks = [int(r) for r in ranks]
+        self.bid = int(bid)
+        super().__init__(f"the input of this collective failed on rank(s) {self.ranks}")
+
+    def __reduce__(self) -> tuple:
+        return (InputFailed, (self.ranks, self.bid))
+
+
+class BlockStore:
+    """This worker's blocks by id, the engine of each, and the failures of blocks that could not be made."""
+
+    #: only large blocks are worth recycling, a few per size
+    POOL_MIN = 1 << 20
+    POOL_PER_SIZE = 4
+    #: failures of freed blocks kept (an intermediate of a chain of reductions is
+    #: freed before the controller follows the chain to its original)
+    FREED_FAILED = 64
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, Any] = {}
+        self.engines: dict[int, Engine] = {}
+        self.failed: dict[int, BaseException] = {}
+        self.freed_failed: dict[int, BaseException] = {}
+        self.groups: dict[tuple, Any] = {}
+        self._pool: dict[int, list] = {}
+
+    def get(self, bid: int) -> Any:
+        """Block ``bid``; raises the failure of the op that should have made it."""
+        failed = self.failed.get(bid)
+        if failed is not None:
+            # its original exception (type and traceback) is what the controller sees
+            raise failed
+        try:
+            return self.blocks[bid]
+        except KeyError:
+            if bid in self.freed_failed:
+                raise self.freed_failed[bid] from None
+            raise MeshArrayError(f"block {bid} is not on this worker (freed, or never made here)") from None
+
+    def engine(self, bid: int) -> Engine:
+        self.get(bid)
+        return self.engines[bid]
+
+    def put(self, bid: int, block: Any, eng: Engine) -> None:
+        self.blocks[bid] = block
+        self.engines[bid] = eng
+        self.failed.pop(bid, None)
+
+    def fail(self, bid: int, exc: BaseException) -> None:
+        self.blocks.pop(bid, None)
+        self.engines.pop(bid, None)
+        self.failed[bid] = exc
+
+    def free(self, bids: list) -> None:
+        for b in bids:
+            self._recycle(self.blocks.pop(b, None))
+            self.engines.pop(b, None)
+            exc = self.failed.pop(b, None)
+            if exc is not None:
+                # a later result's InputFailed may still point here
+                self.freed_failed[b] = exc
+                while len(self.freed_failed) > self.FREED_FAILED:
+                    del self.freed_failed[next(iter(self.freed_failed))]
+
+    def take(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
+        """An uninitialised host array, recycled when one of its size was freed.
+
+        Fresh 64 MiB allocations page-fault on every first touch, which halves
+        the bandwidth of a collective writing into them.
+        """
+        nbytes = math.prod(shape) * dtype.itemsize
+        free = self._pool.get(nbytes)
+        if free:
+            return free.pop().view(dtype).reshape(shape)
+        return np.empty(shape, dtype=dtype)
+
+    def _recycle(self, block: Any) -> None:
+        # a freed NumPy block that owns its memory (nobody else can see it: views were
+        # never handed out beyond this worker's endpoints) is kept for reuse
+        if not isinstance(block, np.ndarray) or block.nbytes < self.POOL_MIN:
+            return
+        base = block if block.base is None else block.base
+        if not isinstance(base, np.ndarray) or base.base is not None or base.nbytes != block.nbytes:
+            return
+        if sys.getrefcount(base) > 4:  # still referenced elsewhere (an endpoint kept it)
+            return
+        free = self._pool.setdefault(block.nbytes, [])
+        if len(free) < self.POOL_PER_SIZE:
+            free.append(base.reshape(-1).view(np.uint8))
+
+
+#: this worker process's blocks
+STORE = BlockStore()
+
+
+def local_block(bid: int) -> Any:
+    """The block ``bid`` of this worker (what an endpoint receives for a distributed array)."""
+    return STORE.get(bid)
+
+
+def pack_small(a: np.ndarray) -> Any:
+    """A fetched host block as it travels: ``(dtype, shape, bytes)`` when small, else the array."""
+    if a.nbytes < SMALL_FETCH and a.dtype.kind in "biufcmM":
+        return (a.dtype.str, a.shape, a.tobytes())
+    return a
+
+
+def unpack_small(v: Any) -> np.ndarray:
+    """The inverse of :func:`pack_small` (a writable array, like an unpickled one)."""
+    if type(v) is tuple:
+        dt, shape, raw = v
+        return np.frombuffer(raw, dtype=dt).reshape(shape).copy()
+    return np.asarray(v)
+
+
+def _operand(a: I.Operand, rank: int) -> Any:
+    t = type(a)
+    if t is I.BlockRef:
+        return STORE.get(a.bid)
+    if t is I.PerRank:
+        return a.values[rank]
+    return a.value
+
+
+def _host(eng: Engine, block: Any) -> np.ndarray:
+    return block if isinstance(block, np.ndarray) else eng.to_numpy(block)
+
+
+def _clone(block: Any) -> Any:
+    return block.copy() if isinstance(block, np.ndarray) else block.clone()
+
+
+# -- instructions that make a block: each returns (block, engine) ---------------------
+
+
+def _new(ins: I.New, me: int) -> tuple[Any, Engine]:
+    eng = get_engine(ins.engine)
+    kind, shape, dtype = ins.kind, ins.shape, ins.dtype
+    if kind == "full":
+        return eng.full(shape, ins.extra, dtype), eng
+    if kind == "rand":
+        return eng.rand(shape, dtype, seed=None if ins.extra is None else ins.extra + me), eng
+    if kind == "rank":
+        return eng.full(shape, me, dtype), eng
+    if kind == "arange":
+        return eng.reshape(eng.arange(math.prod(shape), dtype), shape), eng
+    if kind in ("zeros", "ones", "empty"):
+        return getattr(eng, kind)(shape, dtype), eng
+    raise ValueError(f"unknown kind of new block {kind!r}")
+
+
+def _put(ins: I.Put, me: int) -> tuple[Any, Engine]:
+    eng = get_engine(ins.engine)
+    return eng.from_numpy(_operand(ins.value, me)), eng
+
+
+def _elementwise(ins: I.Elementwise, me: int) -> tuple[Any, Engine]:
+    vals = [_operand(a, me) for a in ins.operands]
+    first = next((a.bid for a in ins.operands if type(a) is I.BlockRef), None)
+    eng = STORE.engine(first) if first is not None else get_engine("numpy")
+    if ins.name == "matmul":
+        return eng.matmul(*vals), eng
+    if eng.name == "numpy":
+        return np.asarray(getattr(np, ins.name)(*vals, **ins.kwargs)), eng
+    return eng.elementwise(ins.name, *vals), eng
+
+
+def _apply(ins: I.Apply, me: int) -> tuple[Any, Engine]:
+    first = next((a.bid for a in ins.operands if type(a) is I.BlockRef), None)
+    eng = STORE.engine(first) if first is not None else get_engine("numpy")
+    r = ins.fn(*[_operand(a, me) for a in ins.operands])
+    if not eng.is_block(r):
+        r = eng.from_numpy(np.asarray(r))
+    return r, eng
+
+
+def _reduce(ins: I.Reduce, me: int) -> tuple[Any, Engine]:
+    src, eng = STORE.get(ins.src), STORE.engine(ins.src)
+    r = eng.reduce(ins.op, src, axis=ins.axes, keepdims=ins.keepdims)
+    if not eng.is_block(r):
+        r = eng.from_numpy(np.asarray(r))
+    return (eng.astype(r, ins.dtype) if ins.dtype is not None else r), eng
+
+
+def _astype(ins: I.AsType, me: int) -> tuple[Any, Engine]:
+    eng = STORE.engine(ins.src)
+    return eng.astype(STORE.get(ins.src), ins.dtype), eng
+
+
+def _reshape(ins: I.Reshape, me: int) -> tuple[Any, Engine]:
+    eng = STORE.engine(ins.src)
+    return eng.reshape(STORE.get(ins.src), ins.shape), eng
+
+
+def _getitem(ins: I.GetItem, me: int) -> tuple[Any, Engine]:
+    eng = STORE.engine(ins.src)
+    return _clone(eng.getitem(STORE.get(ins.src), ins.key)), eng
+
+
+def _copy(ins: I.Copy, me: int) -> tuple[Any, Engine]:
+    return _clone(STORE.get(ins.src)), STORE.engine(ins.src)
+
+
+_MAKERS: dict[type, Callable[[Any, int], tuple[Any, Engine]]] = {
+    I.New: _new, I.Put: _put, I.Elementwise: _elementwise, I.Apply: _apply, I.Reduce: _reduce,
+    I.AsType: _astype, I.Reshape: _reshape, I.GetItem: _getitem, I.Copy: _copy,
+}
+
+
+def _setitem(ins: I.SetItem, me: int) -> None:
+    block, eng = STORE.get(ins.block), STORE.engine(ins.block)
+    value = _operand(ins.value, me)
+    if not isinstance(block, np.ndarray) and isinstance(value, np.ndarray):
+        value = eng.from_numpy(value)
+    block[ins.key] = value
+
+
+# -- collectives -----------------------------------------------------------------------
+
+
+def _torch_group(members: tuple[int, ...], me: int, init_method: str, world: int, all_groups: list,
+                 kind: str) -> Any:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if kind in ("cuda", "rocm") else "gloo", init_method=init_method,
+                                rank=me, world_size=world)
+    # new_group is collective over the whole world: every rank makes every group, in order
+    for grp in all_groups:
+        key = (tuple(grp), "torch")
+        if key not in STORE.groups:
+            pg = dist.new_group(list(grp)) if len(grp) < world else None
+            STORE.groups[key] = new_group("torch", group=pg)
+    return STORE.groups[(members, "torch")]
+
+
+def _host_group(members: tuple[int, ...], me: int, token: str, pids: list[int]) -> Any:
+    """MPI when this mesh was launched under mpirun, else shared memory among the members."""
+    from ..collectives import mpi_comms
+
+    if mpi_comms.is_active():
+        return new_group("mpi", comm=mpi_comms.mesh_comm(list(members)))
+    digest = hashlib.sha1(repr(members).encode()).hexdigest()[:12]
+    return new_group("shm", name=f"ma-{token}-{digest}", rank=members.index(me), size=len(members),
+                     timeout=float(os.environ.get("MESHARRAY_COLLECTIVE_TIMEOUT", "60")),
+                     global_ranks=members, peer_pids=pids)
+
+
+class DataActor(Actor):
+    """The system actor holding this worker's blocks of distributed arrays."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self.rank: int | None = None
+
+    def _me(self) -> int:
+        if self.rank is None:
+            self.rank = int(context().global_rank)
+        return self.rank
+
+    @endpoint
+    def meta(self, bid: int) -> tuple:
+        """Local shape and dtype of block ``bid`` (raises its failure if it could not be made)."""
+        b, eng = STORE.get(bid), STORE.engine(bid)
+        return tuple(eng.shape_of(b)), eng.dtype_of(b)
+
+    @endpoint
+    def run(self, program: list) -> Any:
+        """Run instructions in order; returns the result of the last :class:`Fetch`, if any."""
+        me = self._me()
+        result = None
+        for ins in program:
+            t = type(ins)
+            make = _MAKERS.get(t)
+            if make is not None:
+                try:
+                    block, eng = make(ins, me)
+                except BaseException as exc:
+                    STORE.fail(ins.out, exc)
+                else:
+                    STORE.put(ins.out, block, eng)
+            elif t is I.Fetch:
+                bid = ins.block
+                result = pack_small(_host(STORE.engine(bid), STORE.get(bid)))
+            elif t is I.Free:
+                STORE.free(ins.blocks)
+            elif t is I.Collective:
+                self._collective(me, ins)
+            elif t is I.SetItem:
+                _setitem(ins, me)
+            else:
+                raise TypeError(f"not a distributed-array instruction: {ins!r}")
+        return result
+
+    def _collective(self, me: int, ins: I.Collective) -> None:
+        # Sent fire-and-forget: any failure is kept as the failure of block ``out``
+        # (raised by the next fetch/use of it), never raised out of the program.
+        STORE.blocks.pop(ins.out, None)
+        try:
+            block, eng = self._collective_inner(me, ins)
+        except BaseException as exc:
+            STORE.fail(ins.out, exc)
+        else:
+            STORE.put(ins.out, block, eng)
+
+    def _group(self, members: tuple[int, ...], me: int, ins: I.Collective, eng: Engine | None) -> Any:
+        g = STORE.groups.get((members, ins.backend))
+        if g is not None:
+            return g
+        if ins.backend == "torch":
+            init_method, world = ins.torch_init
+            g = _torch_group(members, me, init_method, world, [list(x) for x in ins.groups],
+                             eng.name if eng else "torch")
+        else:
+            g = _host_group(members, me, self.token, [int((ins.pids or {}).get(r) or 0) for r in members])
+        STORE.groups[(members, ins.backend)] = g
+        return g
+
+    def _collective_inner(self, me: int, ins: I.Collective) -> tuple[Any, Engine]:
+        members = next(tuple(g) for g in ins.groups if me in g)
+        n = len(members)
+        dtype, op = ins.dtype, ins.op
+        eng: Engine | None
+        try:
+            block, eng = STORE.get(ins.src), STORE.engine(ins.src)
+            if eng.dtype_of(block) != np.dtype(dtype):
+                block = eng.astype(block, dtype)
+            local_err = None
+        except BaseException as exc:  # this rank's input failed: its peers must still hear of it
+            local_err, eng, block = exc, None, None
+        g = self._group(members, me, ins, eng)
+        kind, _, arg = op.partition(":")
+        if n > 1 and kind in COLLECTIVE_OP and hasattr(g, "allreduce_checked"):
+            # shared memory: the agreement rides on the reduction's own arrival flags
+            if local_err is not None:
+                g.allreduce_checked(np.zeros(1, dtype=dtype), op=op, failed=True)
+                raise local_err
+            assert eng is not None
+            host = np.asarray(eng.host_view(block), order="C")
+            res = STORE.take(host.shape, host.dtype)
+            failed = g.allreduce_checked(host, out=res, op=op)
+            if failed:
+                raise InputFailed(failed, ins.out)
+            return (eng.from_numpy(res) if eng.name != "numpy" else res), eng
+        if n > 1:
+            # Agree on whether every member's input exists before moving data: a member
+            # that skipped the collective would leave its peers waiting on it.
+            mine = np.zeros(n, dtype=np.int32)
+            mine[members.index(me)] = local_err is not None
+            flags = np.asarray(g.allreduce(mine, op="max")).reshape(-1)
+            failed = [members[j] for j in range(n) if flags[j]]
+            if failed:
+                if local_err is not None:
+                    raise local_err
+                raise InputFailed(failed, ins.out)
+        if local_err is not None:
+            raise local_err
+        assert eng is not None
+        if ins.backend == "torch":
+            x = np.asarray(block, order="C") if isinstance(block, np.ndarray) else block.contiguous()
+            if kind == "allgather":
+                res = g.allgather(x)
+            elif kind == "broadcast":
+                res = g.broadcast(_clone(x), root=int(arg))
+            elif kind == "reduce_scatter":
+                res = g.reduce_scatter(x.reshape(n, -1), op=arg).reshape((x.shape[0] // n,) + tuple(x.shape[1:]))
+            else:
+                res = g.allreduce(x, op=op)
+            return res, eng
+        host = np.asarray(eng.host_view(block), order="C")
+        if kind == "allgather":
+            res = STORE.take((n,) + host.shape, host.dtype)
+            if n == 1:
+                res[0] = host
+            else:
+                g.allgather(host, out=res)
+        elif kind == "broadcast":
+            res = STORE.take(host.shape, host.dtype)
+            res[...] = host
+            if n > 1:
+                g.broadcast(res, root=int(arg))
+        elif kind == "reduce_scatter":
+            res = STORE.take((host.shape[0] // n,) + host.shape[1:], host.dtype)
+            if n == 1:
+                res[...] = host
+            else:
+                g.reduce_scatter(host.reshape(n, -1), out=res, op=arg)
+        else:
+            res = STORE.take(host.shape, host.dtype)
+            if n == 1:
+                res[...] = host
+            else:
+                g.allreduce(host, out=res, op=op)
+        return (eng.from_numpy(res) if eng.name != "numpy" else res), eng
