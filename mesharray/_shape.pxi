@@ -104,6 +104,82 @@ cdef inline bint _is_int_like(object o):
     return True
 
 
+cdef tuple _classify(object idx):
+    # The one index classifier (Shape and MeshArray both use it): each item of a
+    # NumPy-style index as (value, kind) with kind 'i' int, 's' slice, 'n' None,
+    # 'e' ellipsis, 'a' integer array, 'm' boolean mask, 'b' 0-d bool; checked as
+    # NumPy checks it, except bounds, which need the sizes.
+    if not PyTuple_CheckExact(idx):
+        if isinstance(idx, tuple):
+            idx = tuple(idx)
+        else:
+            idx = (idx,)
+    cdef list items = []
+    cdef list kinds = []   # 'i' int, 's' slice, 'n' None, 'e' ellipsis, 'a' int array, 'm' mask, 'b' 0-d bool
+    cdef int consumed = 0, ell = 0
+    for o in idx:
+        if o is None:
+            items.append(None); kinds.append("n")
+        elif o is _ELLIPSIS:
+            ell += 1
+            if ell > 1:
+                raise MeshIndexError(_ONE_ELLIPSIS)
+            items.append(o); kinds.append("e")
+        elif PySlice_Check(o):
+            items.append(o); kinds.append("s"); consumed += 1
+        elif isinstance(o, (bool, _np.bool_)):
+            items.append(bool(o)); kinds.append("b")
+        elif PyLong_CheckExact(o) or isinstance(o, _np.integer):
+            items.append(_operator.index(o)); kinds.append("i"); consumed += 1
+        elif not isinstance(o, (_np.ndarray, list, tuple, range)) and _is_int_like(o):
+            items.append(_operator.index(o)); kinds.append("i"); consumed += 1
+        elif isinstance(o, (_np.ndarray, list, tuple, range)) or (
+                hasattr(o, "__array__") and not isinstance(o, (str, bytes))):
+            a = _np.asarray(o)
+            if a.dtype == _np.bool_:
+                if a.ndim == 0:
+                    items.append(bool(a)); kinds.append("b")
+                else:
+                    items.append(a); kinds.append("m"); consumed += a.ndim
+                continue
+            if a.size == 0 and a.dtype.kind in "fO" and not isinstance(o, _np.ndarray):
+                a = a.astype(_np.intp)  # ``[]`` is an empty integer index, as in NumPy
+            if a.dtype.kind not in "iu":
+                raise InvalidIndexError(
+                    f"arrays used as indices must be of integer (or boolean) type, not {a.dtype}")
+            if a.dtype.kind == "u" and a.size and int(a.max()) > 0x7FFFFFFFFFFFFFFF:
+                # would wrap to a negative int64 below; no mesh is that large
+                raise MeshIndexError(f"index {int(a.max())} is out of bounds for the mesh")
+            if a.ndim == 0:
+                items.append(int(a)); kinds.append("i"); consumed += 1
+            else:
+                items.append(a); kinds.append("a"); consumed += 1
+        else:
+            raise InvalidIndexError(f"{_INVALID_INDEX}; got {type(o).__name__} {o!r}")
+    return items, kinds, consumed
+
+
+def classify_index(idx, int ndim, str what="mesh"):
+    """Classify a NumPy-style index: ``(items, kinds, consumed)``.
+
+    ``kinds`` has one letter per item: ``i`` int, ``s`` slice, ``n`` None,
+    ``e`` ellipsis, ``a`` integer array, ``m`` boolean mask (consumes its
+    ndim dims), ``b`` 0-d bool. Array-likes become ndarrays, integer scalars
+    ints. Everything NumPy checks but the bounds is checked here, with NumPy's
+    messages: :class:`~mesharray.InvalidIndexError` for a type nothing
+    indexes with, :class:`~mesharray.MeshIndexError` for a second ellipsis or
+    too many indices for an object of ``ndim`` dims (called a ``what``).
+
+    >>> classify_index((0, slice(None), [1, 2]), 3)[1]
+    ['i', 's', 'a']
+    """
+    items, kinds, consumed = _classify(idx)
+    if consumed > ndim:
+        raise MeshIndexError(
+            f"too many indices for {what}: {what} is {ndim}-dimensional, but {consumed} were indexed")
+    return items, kinds, consumed
+
+
 @cython.final
 @cython.freelist(64)
 @cython.no_gc  # holds only str tuples, int tuples and an int64 array: it cannot be in a cycle
@@ -713,55 +789,10 @@ cdef class Shape:
         # Classify every item, check it as NumPy does (with our messages), then
         # either go back to the basic path (ints given as np.integer etc.) or
         # gather with NumPy for advanced indices.
-        if not PyTuple_CheckExact(idx):
-            if isinstance(idx, tuple):
-                idx = tuple(idx)
-            else:
-                idx = (idx,)
-        cdef list items = []
-        cdef list kinds = []   # 'i' int, 's' slice, 'n' None, 'e' ellipsis, 'a' int array, 'm' mask, 'b' 0-d bool
-        cdef int consumed = 0, ell = 0
-        cdef bint advanced = False
-        for o in idx:
-            if o is None:
-                items.append(None); kinds.append("n")
-            elif o is _ELLIPSIS:
-                ell += 1
-                if ell > 1:
-                    raise MeshIndexError(_ONE_ELLIPSIS)
-                items.append(o); kinds.append("e")
-            elif PySlice_Check(o):
-                items.append(o); kinds.append("s"); consumed += 1
-            elif isinstance(o, (bool, _np.bool_)):
-                items.append(bool(o)); kinds.append("b"); advanced = True
-            elif PyLong_CheckExact(o) or isinstance(o, _np.integer):
-                items.append(_operator.index(o)); kinds.append("i"); consumed += 1
-            elif not isinstance(o, (_np.ndarray, list, tuple, range)) and _is_int_like(o):
-                items.append(_operator.index(o)); kinds.append("i"); consumed += 1
-            elif isinstance(o, (_np.ndarray, list, tuple, range)) or (
-                    hasattr(o, "__array__") and not isinstance(o, (str, bytes))):
-                a = _np.asarray(o)
-                if a.dtype == _np.bool_:
-                    if a.ndim == 0:
-                        items.append(bool(a)); kinds.append("b")
-                    else:
-                        items.append(a); kinds.append("m"); consumed += a.ndim
-                    advanced = True
-                    continue
-                if a.size == 0 and a.dtype.kind in "fO" and not isinstance(o, _np.ndarray):
-                    a = a.astype(_np.intp)  # ``[]`` is an empty integer index, as in NumPy
-                if a.dtype.kind not in "iu":
-                    raise InvalidIndexError(
-                        f"arrays used as indices must be of integer (or boolean) type, not {a.dtype}")
-                if a.dtype.kind == "u" and a.size and int(a.max()) > 0x7FFFFFFFFFFFFFFF:
-                    # would wrap to a negative int64 below; no mesh is that large
-                    raise MeshIndexError(f"index {int(a.max())} is out of bounds for the mesh")
-                if a.ndim == 0:
-                    items.append(int(a)); kinds.append("i"); consumed += 1
-                else:
-                    items.append(a); kinds.append("a"); consumed += 1; advanced = True
-            else:
-                raise InvalidIndexError(f"{_INVALID_INDEX}; got {type(o).__name__} {o!r}")
+        cdef list items, kinds
+        cdef int consumed
+        items, kinds, consumed = _classify(idx)
+        cdef bint advanced = any(k in ("a", "m", "b") for k in kinds)
         if consumed > self._ndim:
             raise _too_many(self._ndim, consumed)
         # bounds (NumPy's messages, with the dim's name) and mask shapes

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
-from ._core import Shape, broadcast_shapes
+from ._core import Shape, broadcast_shapes, classify_index
 from .errors import DimensionError, InvalidIndexError, MeshIndexError, MeshShapeError
 from .mesh import MeshTrait, _mesh_size
 
@@ -988,58 +988,18 @@ def _is_advanced(k: Any) -> bool:
 def _split_key(key: Any, mesh_ndim: int, local_ndim: int, a: MeshArray) -> tuple[tuple, tuple]:
     """Split a NumPy index over ``mesh + local`` axes into the mesh part and the local part.
 
-    Array-likes become ndarrays (integer or boolean); ``...`` is expanded, so each
-    part is explicit. ``None`` (and scalar booleans) after the last mesh axis go
-    to the local part.
+    Classified by the compiled classifier that ``Shape`` indexing uses (the same
+    checks, errors and messages). Array-likes become ndarrays (integer or
+    boolean); ``...`` is expanded, so each part is explicit. ``None`` (and
+    scalar booleans) after the last mesh axis go to the local part.
     """
-    if not isinstance(key, tuple):
-        key = (key,)
-    items: list[Any] = []
-    consumed = 0
-    ellipsis_at = -1
-    for k in key:
-        if k is Ellipsis:
-            if ellipsis_at >= 0:
-                raise IndexError("an index can only have a single ellipsis ('...')")
-            ellipsis_at = len(items)
-            items.append(k)
-            continue
-        if k is None or isinstance(k, (bool, np.bool_)):
-            items.append(k)
-            continue
-        if isinstance(k, slice):
-            items.append(k)
-            consumed += 1
-            continue
-        if isinstance(k, (numbers.Integral, np.integer)):
-            items.append(int(k))
-            consumed += 1
-            continue
-        if isinstance(k, MeshArray):
-            k = _mask_values(k, a)
-        if isinstance(k, (list, tuple, np.ndarray)) or hasattr(k, "__array__"):
-            arr = np.asarray(k)
-            if arr.dtype == np.bool_:
-                consumed += arr.ndim
-            elif np.issubdtype(arr.dtype, np.integer) or (arr.size == 0 and arr.dtype == np.float64 and isinstance(k, list)):
-                arr = arr.astype(np.intp, copy=False)
-                consumed += 1
-            else:
-                raise IndexError(
-                    "arrays used as indices must be of integer (or boolean) type"
-                )
-            items.append(arr)
-            continue
-        raise InvalidIndexError(
-            "only integers, slices (`:`), ellipsis (`...`), numpy.newaxis (`None`) and "
-            f"integer or boolean arrays are valid indices, got {type(k).__name__}: {k!r}"
-        )
-    ndim = mesh_ndim + local_ndim
-    if consumed > ndim:
-        raise IndexError(
-            f"too many indices for array: array is {ndim}-dimensional, but {consumed} were indexed"
-        )
-    fill = [slice(None)] * (ndim - consumed)
+    if isinstance(key, MeshArray) or (isinstance(key, tuple) and any(isinstance(k, MeshArray) for k in key)):
+        parts = key if isinstance(key, tuple) else (key,)
+        key = tuple(_mask_values(k, a) if isinstance(k, MeshArray) else k for k in parts)
+    items, kinds, consumed = classify_index(key, mesh_ndim + local_ndim, "array")
+    items = [np.asarray(k, dtype=np.intp) if kind == "a" else k for k, kind in zip(items, kinds)]
+    ellipsis_at = kinds.index("e") if "e" in kinds else -1
+    fill = [slice(None)] * (mesh_ndim + local_ndim - consumed)
     if ellipsis_at >= 0:
         items[ellipsis_at : ellipsis_at + 1] = fill
     else:
@@ -1058,13 +1018,13 @@ def _split_key(key: Any, mesh_ndim: int, local_ndim: int, a: MeshArray) -> tuple
         elif axis >= mesh_ndim:
             local_key.append(k)
         else:
-            raise IndexError(
+            raise MeshIndexError(
                 f"a boolean index of {width} dims at axis {axis} spans both mesh axes "
                 f"(the first {mesh_ndim}) and local axes; index them separately"
             )
         axis += width
     if any(_is_advanced(k) for k in mesh_key) and any(_is_advanced(k) for k in local_key):
-        raise IndexError(
+        raise MeshIndexError(
             "advanced (array) indices on both mesh axes and local axes cannot be combined "
             "in one index; index the mesh axes and the local axes in two steps"
         )

@@ -626,3 +626,20 @@ def test_docstring_examples_run(module):
 
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize("key, kind", [
+    ((Ellipsis, Ellipsis), ma.MeshIndexError),
+    ((0, 0, 0, 0), ma.MeshIndexError),
+    (1.5, ma.InvalidIndexError),
+    ("procs", ma.InvalidIndexError),
+    ([1.5], ma.InvalidIndexError),
+])
+def test_meshes_and_arrays_classify_an_index_alike(key, kind):
+    # one compiled classifier behind Shape and MeshArray indexing: the same error types
+    shape = ma.Shape(hosts=2, procs=3)
+    arr = ma.MeshArray(np.zeros((2, 3, 4)), names=("hosts", "procs"))
+    with pytest.raises(kind):
+        shape[key if key != (0, 0, 0, 0) else (0, 0, 0)]
+    with pytest.raises(kind):
+        arr[key]
