@@ -32,7 +32,7 @@ from .actor import Actor, ActorMesh, _one_cb
 from .array import MeshArray
 from .bootstrap import local as _local
 from .bootstrap import mpi as _mpi
-from .bootstrap._detect import resolve_bootstrap
+from .bootstrap import resolve_bootstrap
 from .bootstrap.launch import Launch
 from .errors import MeshFailure
 from .mesh import MeshTrait
@@ -125,7 +125,7 @@ class _Root:
         sup = getattr(self.owner, "__supervise__", None)
         if sup is None:
             return
-        hit = [m for m in self.actor_meshes if any(r in failure.crashed_ranks for r in m._shape)]
+        hit = [m for m in self.actor_meshes if any(r in failure.crashed_ranks for r in m.mesh_shape)]
         if not hit:
             sup(failure)
         for m in hit:

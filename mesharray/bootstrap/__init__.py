@@ -8,7 +8,12 @@
 A bootstrap starts (or finds) the workers, each running
 :func:`mesharray.runtime.worker.run_worker`, and lets a
 :class:`mesharray.runtime.controller.Controller` adopt them; it may give the
-controller ``exit_status`` and ``kill`` hooks.
+controller ``exit_status`` and ``kill`` hooks. Every bootstrap returns a
+:class:`~mesharray.bootstrap.launch.Launch` (controller, mesh layout, close),
+of which :mod:`mesharray.proc` makes the ``ProcMesh``; no bootstrap imports
+``proc``. Internal: users call ``ma.proc_mesh()``.
 """
 
-__all__ = ["local", "mpi"]
+from ._detect import Launcher, detect_launcher, resolve_bootstrap
+
+__all__ = ["Launcher", "detect_launcher", "launch", "local", "mpi", "resolve_bootstrap"]

@@ -458,7 +458,7 @@ def _ew_layout(ufunc: np.ufunc, plan: Any, dist: list, per_element: bool, sizes:
     laid = []
     for x in dist:
         perm, target = plan.layout(x, pad_local=not per_element)
-        st = x._storage
+        st = x.storage
         mperm = perm[: st.ranks.ndim]
         r = st.ranks.transpose(mperm).reshape(target[: len(sizes)])
         h = None
