@@ -31,7 +31,7 @@ from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from ._core import Shape, broadcast_shapes, classify_index
 from .errors import DimensionError, InvalidIndexError, MeshIndexError, MeshShapeError
-from .mesh import MeshTrait, _mesh_size
+from .mesh import MeshTrait, mesh_size
 
 __all__ = ["GatheredStorage", "MeshArray"]
 
@@ -424,7 +424,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         >>> a.mesh_size(), a.mesh_size("procs"), a.size
         (8, 4, 24)
         """
-        return _mesh_size(self._shape, dims)
+        return mesh_size(self._shape, dims)
 
     @property
     def dtype(self) -> np.dtype:

@@ -42,7 +42,7 @@ from .errors import DimensionError
 if TYPE_CHECKING:  # pragma: no cover
     from ._core import Shape
 
-__all__ = ["MeshTrait"]
+__all__ = ["MeshTrait", "mesh_size"]
 
 
 class MeshTrait:
@@ -199,7 +199,7 @@ class MeshTrait:
         >>> m.size(), m.size("procs"), m.size(("hosts", "procs"))
         (8, 4, 8)
         """
-        return _mesh_size(self._mesh_shape, dims)
+        return mesh_size(self._mesh_shape, dims)
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -238,7 +238,8 @@ class MeshTrait:
             yield self._with_mesh_shape(shape[coords])
 
 
-def _mesh_size(shape: Shape, dims: Any) -> int:
+def mesh_size(shape: Shape, dims: Any) -> int:
+    """Number of ranks of ``shape`` along ``dims`` (a name, names, or None for all): ``MeshTrait.size``."""
     if dims is None:
         return shape.size
     sizes = dict(zip(shape.names, shape.sizes))

@@ -1,0 +1,99 @@
+"""Before/after on one machine in one run: the control-path figures of two checkouts, interleaved.
+
+Each round runs every checkout once, in a fresh process (``PYTHONPATH`` = that
+checkout, its compiled core built in place), in alternating order; the table
+gives each figure's median over the rounds and the ratio after/before, so a
+noisy machine moves both columns alike. Measures, with the public API only:
+
+- ``call_one_p50_us``: no-op ``call_one().get()`` to one actor (2 processes).
+- ``call8_p50_us``: ``call().get()`` on 8 actors (8 processes).
+- ``broadcast_per_s``: 5,000 ``broadcast()`` to one actor, then one call to sync.
+- ``sum8b_p50_us``: ``x.sum(axis="procs").fetch()`` of a 0-d float64 block on 2 ranks.
+
+Usage (the "before" checkout built with ``python setup.py build_ext --inplace``)::
+
+    git worktree add /tmp/before <commit> && (cd /tmp/before && python setup.py build_ext --inplace)
+    python bench/ab.py /tmp/before . --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+CHILD = r'''
+import json, statistics, time
+import mesharray as ma
+
+class Noop(ma.Actor):
+    @ma.endpoint
+    def ping(self):
+        return None
+
+def p50(f, n):
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter(); f(); ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e6
+
+out = {}
+with ma.proc_mesh(procs=8) as procs:
+    a = procs.spawn("noop", Noop)
+    one = a.slice(procs=1)
+    for _ in range(200):
+        one.ping.call_one().get(); a.ping.call().get()
+    out["call_one_p50_us"] = p50(lambda: one.ping.call_one().get(), 3000)
+    out["call8_p50_us"] = p50(lambda: a.ping.call().get(), 600)
+    t = time.perf_counter()
+    for _ in range(5000):
+        one.ping.broadcast()
+    one.ping.call_one().get()
+    out["broadcast_per_s"] = 5000 / (time.perf_counter() - t)
+with ma.proc_mesh(procs=2) as procs:
+    x = procs.full((), 2.0)
+    for _ in range(50):
+        x.sum(axis="procs").fetch()
+    out["sum8b_p50_us"] = p50(lambda: x.sum(axis="procs").fetch(), 600)
+print("AB-JSON " + json.dumps(out))
+'''
+
+
+def run(checkout: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(checkout)}
+    r = subprocess.run([sys.executable, "-c", CHILD], cwd=checkout, env=env, capture_output=True, text=True,
+                       timeout=300)
+    for line in r.stdout.splitlines():
+        if line.startswith("AB-JSON "):
+            return json.loads(line[8:])
+    raise RuntimeError(f"{checkout}: no figures\n{r.stdout}\n{r.stderr}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("before")
+    ap.add_argument("after")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args(argv)
+    runs: dict[str, list[dict]] = {"before": [], "after": []}
+    for i in range(args.rounds):
+        order = [("before", args.before), ("after", args.after)]
+        for name, path in order if i % 2 == 0 else order[::-1]:
+            runs[name].append(run(path))
+        print(f"round {i + 1}/{args.rounds} done", file=sys.stderr)
+    print(f"| figure | before | after | after/before |  ({args.rounds} interleaved rounds, medians)")
+    print("|---|---|---|---|")
+    for key in runs["before"][0]:
+        b = statistics.median(r[key] for r in runs["before"])
+        a = statistics.median(r[key] for r in runs["after"])
+        print(f"| {key} | {b:.1f} | {a:.1f} | {a / b:.2f} |")
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    main()
+    print(f"({time.time() - t0:.0f} s)", file=sys.stderr)

@@ -1,0 +1,95 @@
+"""Dependencies point one way: no module imports from a layer above its own.
+
+The layers, bottom to top, are those of ``docs/internals.md`` ("Layers"). Every
+import counts, those inside functions too; names imported from another part
+of the package may not be ``_private`` ones.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PKG = pathlib.Path(__file__).resolve().parents[2] / "mesharray"
+
+LAYERS = [
+    ("mesharray._core", "mesharray.errors"),
+    ("mesharray.mesh", "mesharray.array", "mesharray.transport", "mesharray.engines", "mesharray.collectives"),
+    ("mesharray.telemetry", "mesharray.runtime"),
+    ("mesharray.actor", "mesharray.buffer"),
+    ("mesharray.bootstrap",),
+    ("mesharray.proc",),
+    ("mesharray.darray",),
+    ("mesharray", "mesharray.__main__", "mesharray.testing"),
+]
+
+
+def _layer(mod: str) -> int:
+    best = (-1, -1)
+    for i, names in enumerate(LAYERS):
+        for n in names:
+            if (mod == n or mod.startswith(n + ".")) and len(n) > best[1]:
+                best = (i, len(n))
+    assert best[0] >= 0, f"{mod} is in no layer: add it to LAYERS and to docs/internals.md"
+    return best[0]
+
+
+def _part(mod: str) -> str:
+    return ".".join(mod.split(".")[:2])
+
+
+def _imports():
+    """(importer, imported module, imported name or None, line) for every import in the package."""
+    for path in sorted(PKG.rglob("*.py")):
+        parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        if is_pkg:
+            parts = parts[:-1]
+        mod = ".".join(parts)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    yield mod, a.name, None, node.lineno
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = parts if is_pkg else parts[:-1]
+                    base = base[: len(base) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                for a in node.names:
+                    if node.module:
+                        yield mod, target, a.name, node.lineno
+                    else:  # from . import submodule
+                        yield mod, f"{target}.{a.name}", None, node.lineno
+
+
+def test_every_module_is_in_a_layer():
+    for mod, _, _, _ in _imports():
+        _layer(mod)
+
+
+def test_no_module_imports_from_a_layer_above():
+    up = [f"{mod}:{line} imports {target}" for mod, target, _, line in _imports()
+          if target.startswith("mesharray") and _layer(target) > _layer(mod)]
+    assert up == []
+
+
+def test_no_private_name_is_imported_across_parts():
+    # within one part (mesharray.runtime, mesharray.darray, one module) private names are fine
+    leaks = [f"{mod}:{line} imports {name} from {target}" for mod, target, name, line in _imports()
+             if target.startswith("mesharray") and name and name.startswith("_") and not name.startswith("__")
+             and _part(target) != _part(mod) and target != "mesharray._core"]
+    assert leaks == []
+
+
+@pytest.mark.parametrize("lower, upper", [("mesharray.proc", "mesharray.darray"),
+                                          ("mesharray.bootstrap", "mesharray.proc")])
+def test_named_seams(lower, upper):
+    # the two seams the layering was built around: proc never imports darray,
+    # no bootstrap imports proc
+    hits = [f"{mod}:{line}" for mod, target, _, line in _imports()
+            if (mod == lower or mod.startswith(lower + ".")) and (target == upper or target.startswith(upper + "."))]
+    assert hits == []
