@@ -88,6 +88,7 @@ cached; :func:`world_comm` is the one over the whole world and
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import os
 import shutil
 import socket
@@ -153,8 +154,14 @@ _state_lock = threading.Lock()
 # --------------------------------------------------------------------------- mpi4py
 
 
-def import_mpi() -> Any:
+def import_mpi(timeout: float | None = None) -> Any:
     """Import and return ``mpi4py.MPI``, or fail with the extra to install.
+
+    Importing it runs ``MPI_Init``, which waits for every rank of the job. A
+    rank that exits before it (with any status) or never gets there would
+    leave the others waiting there forever; with ``timeout``, a process still
+    inside ``MPI_Init`` after that many seconds says so and exits with status
+    1, which ends the job.
 
     Returns
     -------
@@ -172,8 +179,14 @@ def import_mpi() -> Any:
     >>> from mesharray.bootstrap.mpi import import_mpi
     >>> MPI = import_mpi()      # doctest: +SKIP
     """
+    watchdog = timeout is not None and "mpi4py.MPI" not in sys.modules
+    if watchdog:
+        # MPI_Init runs inside the import holding the GIL: no Python thread can
+        # time it out, but faulthandler's watchdog is a C thread (it dumps where
+        # this rank is stuck, then exits with status 1)
+        faulthandler.dump_traceback_later(timeout, exit=True)
     try:
-        from mpi4py import MPI
+        MPI = _mpi_init_waits_for_every_rank_of_the_job()
     except ImportError as exc:
         launcher = detect_launcher()
         where = f" (launched by {launcher.describe()})" if launcher else ""
@@ -181,6 +194,17 @@ def import_mpi() -> Any:
             f"the mpi bootstrap needs mpi4py, which cannot be imported{where}: {exc}; "
             f"install it with: {_INSTALL_HINT}"
         ) from exc
+    finally:
+        if watchdog:
+            faulthandler.cancel_dump_traceback_later()
+    return MPI
+
+
+def _mpi_init_waits_for_every_rank_of_the_job() -> Any:
+    # Named for what a hung job shows: faulthandler's dump ends in this frame when
+    # a rank exited (even with status 0) or never started MPI
+    from mpi4py import MPI
+
     return MPI
 
 
@@ -446,7 +470,7 @@ def bootstrap(*, hosts: int | None = None, procs: int | None = None,
             raise TypeError(f"{name} must be an int, not {type(value).__name__}")
         if value < 1:
             raise ValueError(f"{name} must be >= 1; got {value}")
-    MPI = import_mpi()
+    MPI = import_mpi(timeout)
     with _state_lock:
         state = _state
         if state is not None and state.launch is not None:
@@ -455,7 +479,10 @@ def bootstrap(*, hosts: int | None = None, procs: int | None = None,
         if state is not None:
             raise BootstrapError("the mpi bootstrap already ran in this process and failed")
         if MPI.COMM_WORLD.Get_rank() != 0:
-            _serve(MPI)  # never returns
+            _serve(MPI, timeout)  # never returns
+        # from here on, an exception nobody catches on the controller aborts the job
+        # (a size mismatch included): the other ranks are waiting for it
+        _abort_on_unhandled(MPI)
         return _bootstrap_controller(MPI, hosts, procs, timeout, options)
 
 
@@ -588,18 +615,29 @@ def _dead_ranks(controller: Any) -> list[int]:
     return sorted(r for r, info in workers.items() if isinstance(info.error, ActorDiedError))
 
 
-def _serve(MPI: Any) -> None:
-    """Ranks 1..N-1: join, get the controller's address, serve, finalize, exit."""
+def _serve(MPI: Any, timeout: float) -> None:
+    """Ranks 1..N-1: join, get the controller's address, serve, finalize, exit.
+
+    A rank that has joined waits for the controller's address at most twice
+    the bootstrap timeout (the controller waits ``timeout`` for the other
+    joins): past that the controller is gone or hung, and the rank exits
+    with status 1, which ends the job.
+    """
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     code = 0
     try:
         comm.send((socket.gethostname(), os.getpid()), dest=0, tag=_TAG_JOIN)
         req = comm.irecv(source=0, tag=_TAG_ADDRESS)
+        deadline = time.monotonic() + 2 * timeout + 5.0
         while True:
             done, payload = req.test()
             if done:
                 break
+            if time.monotonic() > deadline:
+                raise BootstrapError(
+                    f"rank {rank} joined the mesh but rank 0 (the controller) did not answer within "
+                    f"{2 * timeout + 5.0:g} s; it is hung or gone")
             time.sleep(_POLL_S)
         mpi_comms.install(MPI)
         _runtime_run_worker(payload["address"], payload["secret"], rank)
