@@ -70,9 +70,20 @@ def _set_pdeathsig() -> None:
 
 
 def _pickle_exc(exc: BaseException):
+    # An exception class the user defined in their script (``__main__``) came
+    # here by value with the actor's code: plain pickle cannot name it, but
+    # cloudpickle sends it back by value with the id it came with, so the
+    # controller gets its own class again and ``except Boom`` catches it.
     try:
         data = pickle.dumps(exc, protocol=5)
         pickle.loads(data)
+        return exc
+    except Exception:
+        pass
+    try:
+        import cloudpickle
+
+        cloudpickle.loads(cloudpickle.dumps(exc, protocol=5))
         return exc
     except Exception:
         return RuntimeError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
