@@ -35,7 +35,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from .errors import DimensionError
 
@@ -83,7 +83,7 @@ class MeshTrait:
 
     # -- views -----------------------------------------------------------------------
 
-    def __getitem__(self, key: Any) -> Any:
+    def __getitem__(self, key: Any) -> Self:
         """A view selected by a NumPy-style index or by a ``{name: selector}`` dict.
 
         Positional keys follow NumPy's indexing rules (ints, negative ints,
@@ -102,7 +102,7 @@ class MeshTrait:
         """
         return self._with_mesh_shape(self._mesh_shape[key])
 
-    def slice(self, **dims: Any) -> Any:
+    def slice(self, **dims: Any) -> Self:
         """A view selected by dimension name: ``m.slice(procs=1, hosts=slice(0, 2))``.
 
         An int removes the dim, a slice (any step, negative bounds) keeps it;
@@ -118,7 +118,7 @@ class MeshTrait:
         """
         return self._with_mesh_shape(self._mesh_shape.slice(**dims))
 
-    def rename(self, **old_to_new: str) -> Any:
+    def rename(self, **old_to_new: str) -> Self:
         """The same ranks with dims renamed: ``m.rename(procs="gpus")``.
 
         Examples
@@ -130,7 +130,7 @@ class MeshTrait:
         """
         return self._with_mesh_shape(self._mesh_shape.rename(**old_to_new))
 
-    def flatten(self, name: str) -> Any:
+    def flatten(self, name: str) -> Self:
         """All dims merged into one dim ``name``, in row-major order (sparse views too).
 
         Examples
@@ -143,7 +143,7 @@ class MeshTrait:
         """
         return self._with_mesh_shape(self._mesh_shape.flatten(name))
 
-    def split(self, **spec: Any) -> Any:
+    def split(self, **spec: Any) -> Self:
         """One dim split into several: ``m.split(procs=("a", "b"), b=2)``.
 
         Examples
@@ -155,7 +155,7 @@ class MeshTrait:
         """
         return self._with_mesh_shape(self._mesh_shape.split(**spec))
 
-    def transpose(self, *dims: str | int) -> Any:
+    def transpose(self, *dims: str | int) -> Self:
         """The same ranks with dims reordered (names or axis numbers; none reverses).
 
         Examples
@@ -217,7 +217,7 @@ class MeshTrait:
         """Number of ranks."""
         return self._mesh_shape.size
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Self]:
         """0-d views, one per rank, in row-major order."""
         shape = self._mesh_shape
         for coords in _row_major(shape.sizes):

@@ -22,11 +22,12 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar, cast
 
 from ._core import Shape
 from .actor import Actor, ActorMesh
-from .errors import ActorError, MeshFailure
+from .errors import MeshFailure
 from .mesh import MeshTrait
 from .runtime import protocol as P
 from .runtime.controller import Controller
@@ -43,6 +44,9 @@ except ImportError:  # pragma: no cover - depends on what is merged
 __all__ = ["ProcMesh", "proc_mesh", "this_host", "HostMesh"]
 
 _actor_ids = itertools.count(1).__next__
+
+_A = TypeVar("_A", bound=Actor)
+_P = ParamSpec("_P")
 
 
 class _Root:
@@ -90,7 +94,7 @@ class _Root:
                 self.stopped = True
 
 
-class ProcMesh(*_BASES):
+class ProcMesh(*_BASES):  # type: ignore[misc]  # a base chosen at import; gone once the factories move
     """A mesh of worker processes (or a view of one).
 
     Made by :func:`proc_mesh` or ``this_host().spawn_procs(...)``. Index and
@@ -135,10 +139,13 @@ class ProcMesh(*_BASES):
         w = self._root.controller.workers
         return [w[r].pid for r in self._shape]
 
-    def spawn(self, name: str, actor_class: type, *args: Any, **kwargs: Any) -> ActorMesh:
+    def spawn(self, name: str, actor_class: Callable[_P, _A], *args: _P.args, **kwargs: _P.kwargs) -> _A:
         """Construct ``actor_class(*args, **kwargs)`` on every process of this (view of the) mesh.
 
-        Returns an :class:`~mesharray.ActorMesh` with this mesh's dims. Raises
+        Returns an :class:`~mesharray.ActorMesh` with this mesh's dims. For a
+        type checker the result is an ``actor_class`` (as in Monarch): so the
+        mesh's endpoints keep their types, ``mesh.typo`` is an error, and the
+        constructor's arguments are checked (see :mod:`mesharray.actor`). Raises
         :class:`~mesharray.ActorError` if a constructor raises (for the first
         failing rank), ``RuntimeError`` on a stopped mesh.
 
@@ -174,7 +181,7 @@ class ProcMesh(*_BASES):
         mesh = ActorMesh(name, actor_id, actor_class.__qualname__, dict(actor_class._mesharray_endpoints),
                          self._shape, root.addresses, self)
         root.actor_meshes.append(mesh)
-        return mesh
+        return cast(_A, mesh)  # an ActorMesh typed as its actor class: see mesharray.actor
 
     def stop(self) -> None:
         """Stop every process of the mesh (the whole root, also when called on a view).
