@@ -193,3 +193,8 @@ def reduce_scatter(a: Any, dims: Any, op: str = "sum"):
     from ._distributed import _group_op
 
     return _group_op(a, dims, "reduce_scatter", op)
+
+
+for _fn in (allgather, broadcast_from, reduce_scatter):
+    _fn.__module__ = "mesharray"  # public as mesharray.<name> (this module is internal)
+del _fn

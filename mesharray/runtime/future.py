@@ -215,3 +215,6 @@ class Future(Generic[T]):
 def _wake(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)
+
+
+Future.__module__ = "mesharray"  # public as mesharray.Future (the runtime is internal)
