@@ -45,7 +45,9 @@ the mesh's endpoints, a typo such as ``c.gett`` is an error, and the mesh API
 (indexing, ``slice``, ``sizes``, ``name``, ``stop``, ...) comes from the
 :class:`Actor` base. At run time nothing of this exists: ``@endpoint`` returns
 the function itself, ``spawn`` returns an :class:`ActorMesh`, and
-``ActorMesh.__getattr__`` makes each :class:`Endpoint`.
+``ActorMesh.__getattr__`` makes each :class:`Endpoint`. One consequence: inside
+an actor, ``self.get`` is the endpoint to the checker too, so code an actor
+calls on itself belongs in a plain (undecorated) method.
 """
 
 from __future__ import annotations
@@ -85,10 +87,17 @@ if TYPE_CHECKING:  # pragma: no cover
         ``ProcMesh.spawn(name, Cls)`` is typed ``Cls`` so that the endpoints of
         the mesh keep their types; this gives that type the rest of the
         :class:`ActorMesh` API. Actor instances have none of it at run time.
+        The data-like members are declared as plain attributes, not read-only
+        properties, so that an actor may keep its own ``self.name`` or
+        ``self.shape`` (of a compatible type) without a type error.
         """
 
-        @property
-        def name(self) -> str: ...
+        name: str
+        names: tuple[str, ...]
+        shape: tuple[int, ...]
+        sizes: dict[str, int]
+        ndim: int
+
         def stop(self) -> None: ...
 
 else:
