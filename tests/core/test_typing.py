@@ -30,6 +30,8 @@ SNIPPET = textwrap.dedent(
     class Counter(ma.Actor):
         def __init__(self, start: int) -> None:
             self.value = start
+            self.name = "counter"  # an actor's own attributes may share names with the mesh's
+            self.shape = (2, 3)
 
         @ma.endpoint
         def incr(self, by: int = 1) -> None:
