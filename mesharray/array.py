@@ -30,7 +30,7 @@ import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from ._core import Shape, broadcast_shapes
-from .errors import DimensionError, InvalidIndexError, MeshShapeError
+from .errors import DimensionError, InvalidIndexError, MeshIndexError, MeshShapeError
 from .mesh import MeshTrait, _mesh_size
 
 __all__ = ["MeshArray"]

@@ -27,7 +27,7 @@ from typing import Any, ParamSpec, TypeVar, cast
 
 from ._core import Shape
 from .actor import Actor, ActorMesh
-from .errors import MeshFailure
+from .errors import ActorError, MeshFailure
 from .mesh import MeshTrait
 from .runtime import protocol as P
 from .runtime.controller import Controller

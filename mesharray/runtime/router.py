@@ -22,6 +22,7 @@ import threading
 import time
 
 from ..errors import ActorDiedError, BrokenTransportError, ClosedTransportError
+from ..transport import framing
 from ..transport.connection import Connection, connect
 from . import protocol as P
 from .context import current
