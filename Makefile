@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH  := torch==2.13.0
 SRC    := $(wildcard mesharray/*.pyx mesharray/*.pxi mesharray/*.pxd) setup.py pyproject.toml
 
-.PHONY: demo test test-core test-mpi bench install clean
+.PHONY: demo test test-core test-mpi lint bench install clean
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -35,8 +35,15 @@ demo: $(VENV)/.installed
 	$(PY) examples/linreg.py
 
 test: $(VENV)/.installed-test
+	$(MAKE) lint
 	$(PY) -m pytest tests --ignore=tests/mpi -q -p no:cacheprovider
 	$(MAKE) test-mpi
+
+# ruff on all the Python; mypy on the package and examples/ (settings in pyproject.toml).
+# mypy's cache goes under .venv, so a clean clone leaves no stray directory.
+lint: $(VENV)/.installed-test
+	$(PY) -m ruff check --no-cache mesharray tests examples bench
+	$(PY) -m mypy --cache-dir $(VENV)/.mypy_cache mesharray examples
 
 # tests/mpi run the same pytest command on every rank: rank 0 is the controller
 # and runs the tests, ranks 1..N-1 become workers inside tests/mpi/conftest.py.

@@ -12,7 +12,7 @@ Heavy parts (the runtime, engines, MPI) are imported lazily on first use, so
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import (
     ActorDiedError,
@@ -35,6 +35,30 @@ from .errors import (
     SupervisionError,
     TransportError,
 )
+
+if TYPE_CHECKING:  # what __getattr__ below returns, for type checkers and editors (keep in sync with _LAZY)
+    # ("X as X": an explicit re-export)
+    from ._core import Shape as Shape
+    from ._core import broadcast_shapes as broadcast_shapes
+    from ._core import reduction_plan as reduction_plan
+    from .actor import Actor as Actor
+    from .actor import ActorMesh as ActorMesh
+    from .actor import Endpoint as Endpoint
+    from .actor import Future as Future
+    from .actor import context as context
+    from .actor import current_rank as current_rank
+    from .actor import current_size as current_size
+    from .actor import endpoint as endpoint
+    from .array import MeshArray as MeshArray
+    from .buffer import Buffer as Buffer
+    from .darray import allgather as allgather
+    from .darray import broadcast_from as broadcast_from
+    from .darray import reduce_scatter as reduce_scatter
+    from .mesh import MeshTrait as MeshTrait
+    from .proc import HostMesh as HostMesh
+    from .proc import ProcMesh as ProcMesh
+    from .proc import proc_mesh as proc_mesh
+    from .proc import this_host as this_host
 
 __version__ = "0.1.0"
 

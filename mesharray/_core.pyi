@@ -6,7 +6,6 @@ from typing import Any, SupportsIndex
 import numpy as np
 import numpy.typing as npt
 
-
 # --- _shape.pxi ---
 
 _Index = Any  # int, slice, None, Ellipsis, integer array/sequence, bool mask, tuple of these, or a dict name -> index

@@ -16,3 +16,20 @@ file so that the parts can be read (and owned) separately:
 include "_shape.pxi"
 include "_frame.pxi"
 include "_kernels.pxi"
+
+
+# --- public names -------------------------------------------------------------
+# Shape, broadcast_shapes and reduction_plan are public as mesharray.<name>: say so
+# in their __module__ (repr, help, docs). Pickling is unchanged: a Shape travels
+# through _restore_shape (which stays here), the class and the functions by
+# reference through mesharray's attributes. A static type's module is read from
+# its tp_name, so that is what is renamed (before any Shape is made).
+cdef extern from "Python.h":
+    ctypedef struct _TypeObject "PyTypeObject":
+        const char* tp_name
+    void PyType_Modified(_TypeObject*)
+
+(<_TypeObject*>Shape).tp_name = b"mesharray.Shape"
+PyType_Modified(<_TypeObject*>Shape)
+broadcast_shapes.__module__ = "mesharray"
+reduction_plan.__module__ = "mesharray"

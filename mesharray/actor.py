@@ -34,6 +34,20 @@ connects to its peers directly, the controller is not on the path).
 ...     c.incr.broadcast()
 ...     c.get.call().get().sum()
 2
+
+Typing: endpoints keep their parameter and return types. For a type checker,
+``@endpoint`` turns ``def get(self) -> int`` into an :class:`EndpointProperty`
+whose instance access is an ``Endpoint[[], int]``, so ``c.get.call_one()`` is a
+``Future[int]`` and ``c.get.call_one("x")`` is an error. ``procs.spawn(name,
+Counter)`` is typed as ``Counter`` (as Monarch does): a user's actor class
+doubles, for the type checker only, as the type of its mesh — its endpoints are
+the mesh's endpoints, a typo such as ``c.gett`` is an error, and the mesh API
+(indexing, ``slice``, ``sizes``, ``name``, ``stop``, ...) comes from the
+:class:`Actor` base. At run time nothing of this exists: ``@endpoint`` returns
+the function itself, ``spawn`` returns an :class:`ActorMesh`, and
+``ActorMesh.__getattr__`` makes each :class:`Endpoint`. One consequence: inside
+an actor, ``self.get`` is the endpoint to the checker too, so code an actor
+calls on itself belongs in a plain (undecorated) method.
 """
 
 from __future__ import annotations
@@ -42,7 +56,8 @@ import inspect
 import itertools
 import queue
 import random
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 from .errors import ActorDiedError, ActorError, SerializationError
 from .mesh import MeshTrait
@@ -52,12 +67,45 @@ from .runtime.future import Future
 from .runtime.router import get_router
 from .transport import framing
 
-__all__ = ["Actor", "ActorMesh", "Endpoint", "Future", "endpoint", "context", "current_rank",
-           "current_size"]
+if TYPE_CHECKING:  # pragma: no cover
+    from ._core import Shape
+    from .array import MeshArray
+    from .runtime.context import Context
+    from .transport.connection import Connection
+
+__all__ = ["Actor", "ActorMesh", "Endpoint", "EndpointProperty", "Future", "endpoint", "context",
+           "current_rank", "current_size"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+if TYPE_CHECKING:  # pragma: no cover
+
+    class _MeshSurface(MeshTrait):
+        """What a type checker sees on an actor class besides its endpoints.
+
+        ``ProcMesh.spawn(name, Cls)`` is typed ``Cls`` so that the endpoints of
+        the mesh keep their types; this gives that type the rest of the
+        :class:`ActorMesh` API. Actor instances have none of it at run time.
+        The data-like members are declared as plain attributes, not read-only
+        properties, so that an actor may keep its own ``self.name`` or
+        ``self.shape`` (of a compatible type) without a type error.
+        """
+
+        name: str
+        names: tuple[str, ...]
+        shape: tuple[int, ...]
+        sizes: dict[str, int]
+        ndim: int
+
+        def stop(self) -> None: ...
+
+else:
+    _MeshSurface = object
 
 
 # --------------------------------------------------------------------------- actors
-class Actor:
+class Actor(_MeshSurface):
     """Base class of actors: subclass it and mark methods with :func:`endpoint`.
 
     Endpoints may be sync or ``async``. The constructor runs in the worker at
@@ -74,11 +122,11 @@ class Actor:
     ['echo']
     """
 
-    _mesharray_endpoints: dict = {}
+    _mesharray_endpoints: dict[str, dict[str, bool]] = {}
 
-    def __init_subclass__(cls, **kwargs) -> None:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        eps: dict = {}
+        eps: dict[str, dict[str, bool]] = {}
         for klass in reversed(cls.__mro__):
             for name, value in vars(klass).items():
                 opts = getattr(value, "_mesharray_endpoint", None)
@@ -89,11 +137,49 @@ class Actor:
         cls._mesharray_endpoints = eps
 
 
-def endpoint(fn=None, *, concurrent: bool = False):
+class EndpointProperty(Generic[_P, _R]):
+    """The type checker's view of an ``@endpoint`` method (never made at run time).
+
+    On an actor mesh (typed as its actor class, see :meth:`ProcMesh.spawn
+    <mesharray.ProcMesh.spawn>`) it is an ``Endpoint[P, R]``: the method's
+    parameters ``P`` (without ``self``) and its result ``R`` (awaited for an
+    ``async def``). On the class it is the plain function.
+    """
+
+    @overload
+    def __get__(self, instance: None, owner: type | None = None) -> Callable[..., Any]: ...
+    @overload
+    def __get__(self, instance: object, owner: type | None = None) -> Endpoint[_P, _R]: ...
+    def __get__(self, instance: object, owner: type | None = None) -> Any:
+        raise NotImplementedError  # pragma: no cover - typing only
+
+
+class _EndpointDecorator:
+    """The type of ``endpoint(concurrent=...)``: a decorator keeping the method's types."""
+
+    @overload
+    def __call__(self, fn: Callable[Concatenate[Any, _P], Awaitable[_R]]) -> EndpointProperty[_P, _R]: ...
+    @overload
+    def __call__(self, fn: Callable[Concatenate[Any, _P], _R]) -> EndpointProperty[_P, _R]: ...
+    def __call__(self, fn: Any) -> Any:
+        raise NotImplementedError  # pragma: no cover - typing only
+
+
+@overload
+def endpoint(fn: Callable[Concatenate[Any, _P], Awaitable[_R]], *,
+             concurrent: bool = False) -> EndpointProperty[_P, _R]: ...
+@overload
+def endpoint(fn: Callable[Concatenate[Any, _P], _R], *, concurrent: bool = False) -> EndpointProperty[_P, _R]: ...
+@overload
+def endpoint(fn: None = None, *, concurrent: bool = False) -> _EndpointDecorator: ...
+def endpoint(fn: Any = None, *, concurrent: bool = False) -> Any:
     """Mark an actor method as callable from other processes.
 
     ``@endpoint`` or ``@endpoint(concurrent=True)``; the latter lets calls of an
     ``async`` endpoint of one actor overlap (each runs as its own task).
+
+    The function itself is returned (marked); for a type checker the result is
+    an :class:`EndpointProperty` that keeps the parameter and return types.
 
     Examples
     --------
@@ -106,7 +192,7 @@ def endpoint(fn=None, *, concurrent: bool = False):
     >>> Sleeper._mesharray_endpoints["nap"]
     {'concurrent': True}
     """
-    def mark(f):
+    def mark(f: Any) -> Any:
         if not callable(f):
             raise TypeError(f"@endpoint decorates a function, got {type(f).__name__}")
         if concurrent and not inspect.iscoroutinefunction(f):
@@ -117,7 +203,7 @@ def endpoint(fn=None, *, concurrent: bool = False):
     return mark if fn is None else mark(fn)
 
 
-def context():
+def context() -> Context:
     """The :class:`~mesharray.runtime.context.Context` of the actor running this code.
 
     Raises ``RuntimeError`` outside an actor.
@@ -136,7 +222,7 @@ def context():
     return ctx
 
 
-def current_rank() -> dict:
+def current_rank() -> dict[str, int]:
     """Coordinates of the calling actor on the mesh it was spawned on (inside an actor).
 
     >>> import mesharray as ma
@@ -149,7 +235,7 @@ def current_rank() -> dict:
     return ctx.rank
 
 
-def current_size() -> dict:
+def current_size() -> dict[str, int]:
     """Sizes of the slice the current message was sent to (inside an actor).
 
     >>> import mesharray as ma
@@ -180,7 +266,7 @@ def _actor_error(rec: dict) -> ActorError:
 _NONE_REPLY = b"".join(framing.encode(framing.dumps(None)))  # what a worker sends for ``None``
 
 
-def _outcome(status, payload):
+def _outcome(status: int, payload: Any) -> tuple[Any, BaseException | None]:
     """(value, exception) of one reply."""
     if status == P.OK:
         if payload == _NONE_REPLY:
@@ -197,8 +283,8 @@ def _outcome(status, payload):
     return None, payload  # DIED: payload is the error
 
 
-def _one_cb(fut: Future):
-    def cb(status, payload):
+def _one_cb(fut: Future[Any]) -> Callable[[int, Any], None]:
+    def cb(status: int, payload: Any) -> None:
         value, exc = _outcome(status, payload)
         if exc is None:
             fut._set_result(value)
@@ -213,15 +299,15 @@ class _Gather:
 
     __slots__ = ("fut", "values", "n", "count", "shape")
 
-    def __init__(self, fut, n, shape) -> None:
+    def __init__(self, fut: Future[MeshArray], n: int, shape: Shape) -> None:
         self.fut = fut
         self.values = [None] * n
         self.n = n
         self.count = itertools.count(1).__next__
         self.shape = shape
 
-    def slot(self, i):
-        def cb(status, payload):
+    def slot(self, i: int) -> Callable[[int, Any], None]:
+        def cb(status: int, payload: Any) -> None:
             value, exc = _outcome(status, payload)
             if exc is not None:
                 self.fut._set_exception(exc)
@@ -257,8 +343,8 @@ class ActorMesh(MeshTrait):
     >>> counters[0, 1:3].incr.call().get()               # doctest: +SKIP
     """
 
-    def __init__(self, name: str, actor_id: int, cls_name: str, endpoints: dict, shape, addresses,
-                 proc_mesh=None) -> None:
+    def __init__(self, name: str, actor_id: int, cls_name: str, endpoints: dict[str, dict[str, bool]],
+                 shape: Shape, addresses: tuple[Any, ...], proc_mesh: Any = None) -> None:
         self._name = name
         self._actor_id = actor_id
         self._cls_name = cls_name
@@ -268,10 +354,10 @@ class ActorMesh(MeshTrait):
         self._proc_mesh = proc_mesh
 
     @property
-    def _mesh_shape(self):
+    def _mesh_shape(self) -> Shape:
         return self._shape
 
-    def _with_mesh_shape(self, shape):
+    def _with_mesh_shape(self, shape: Shape) -> ActorMesh:
         return ActorMesh(self._name, self._actor_id, self._cls_name, self._endpoints, shape,
                          self._addresses, self._proc_mesh)
 
@@ -280,16 +366,17 @@ class ActorMesh(MeshTrait):
         """The name given at spawn."""
         return self._name
 
-    def __getattr__(self, name: str) -> "Endpoint":
+    def __getattr__(self, name: str) -> Endpoint[..., Any]:
         if name.startswith("_"):
             raise AttributeError(name)
         if name not in self._endpoints:
             raise AttributeError(f"actor {self._name!r} ({self._cls_name}) has no endpoint {name!r}; "
                                  f"endpoints are {sorted(self._endpoints)}")
-        ep = self.__dict__[name] = Endpoint(self, name)  # later lookups skip __getattr__
+        ep: Endpoint[..., Any] = Endpoint(self, name)
+        self.__dict__[name] = ep  # later lookups skip __getattr__
         return ep
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (ActorMesh, (self._name, self._actor_id, self._cls_name, self._endpoints, self._shape,
                             self._addresses))
 
@@ -312,8 +399,13 @@ _NO_ARGS = framing.dumps(((), {}))
 _NO_ARGS_BYTES = b"".join(framing.encode(_NO_ARGS))
 
 
-class Endpoint:
-    """An endpoint of an actor mesh: the adverbs that send a message to its actors."""
+class Endpoint(Generic[_P, _R]):
+    """An endpoint of an actor mesh: the adverbs that send a message to its actors.
+
+    ``Endpoint[P, R]`` for an endpoint method taking parameters ``P`` (after
+    ``self``) and returning ``R`` (or an awaitable of ``R``): the adverbs take
+    ``P``; ``call_one`` and ``choose`` give a ``Future[R]``.
+    """
 
     __slots__ = ("_mesh", "_name", "_method", "_noargs")
 
@@ -323,7 +415,8 @@ class Endpoint:
         self._method = P.encode_method(name)
         self._noargs = [self._method + _NO_ARGS_BYTES]  # the whole payload of a call without arguments
 
-    def _send(self, ranks, shape, args, kwargs, cbs, park: bool = False) -> list:
+    def _send(self, ranks: Any, shape: Shape, args: tuple[Any, ...], kwargs: dict[str, Any],
+              cbs: Any, park: bool = False) -> list[Connection | None]:
         """Pickle once, then send one CALL per rank (``cbs[i]`` gets rank i's reply).
 
         Returns the connections used (``None`` for a rank that could not be reached).
@@ -332,7 +425,7 @@ class Endpoint:
         mesh = self._mesh
         router = get_router()
         addrs = mesh._addresses
-        conns = []
+        conns: list[Connection | None] = []
         dead = None  # a broadcast reaches every live actor first, then reports the dead
         for i, r in enumerate(ranks):
             try:
@@ -351,6 +444,7 @@ class Endpoint:
 
             if shm.available():
                 seg, placed = framing.write_shm(p, len(conns))
+        plain: list[bytes] | None
         if p is _NO_ARGS:
             plain = self._noargs
         else:
@@ -382,7 +476,7 @@ class Endpoint:
             raise dead
         return conns
 
-    def call(self, *args, **kwargs) -> Future:
+    def call(self, *args: _P.args, **kwargs: _P.kwargs) -> Future[MeshArray]:
         """Call every actor of the mesh; a future of the gathered :class:`~mesharray.MeshArray`.
 
         Examples
@@ -392,7 +486,7 @@ class Endpoint:
         """
         shape = self._mesh._shape
         ranks = list(shape)
-        fut = Future._new()
+        fut: Future[MeshArray] = Future._new()
         g = _Gather(fut, len(ranks), shape)
         cbs = [g.slot(i) for i in range(len(ranks))]
         if not ranks:
@@ -406,7 +500,8 @@ class Endpoint:
             fut._conn = tuple(conns)
         return fut
 
-    def _send_one(self, rank, shape, args, kwargs, cb):
+    def _send_one(self, rank: int, shape: Shape, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  cb: Callable[[int, Any], None]) -> Connection | None:
         """The latency path of ``call_one``/``choose``: one rank, small arguments."""
         if args or kwargs:
             p = framing.dumps((args, kwargs))
@@ -420,12 +515,12 @@ class Endpoint:
             conn = router.connection(self._mesh._addresses[rank])
         except Exception as exc:
             cb(P.DIED, exc)
-            return
+            return None
         router.send(conn, P.CALL, self._mesh._actor_id, router.view_id(conn, shape), parts, cb,
                     park=getattr(conn, "_rlock", None) is not None)
         return conn
 
-    def call_one(self, *args, **kwargs) -> Future:
+    def call_one(self, *args: _P.args, **kwargs: _P.kwargs) -> Future[_R]:
         """Call the only actor of the mesh; ``ValueError`` (nothing sent) if it has more than one.
 
         Examples
@@ -443,7 +538,7 @@ class Endpoint:
             fut._conn = conn
         return fut
 
-    def choose(self, *args, **kwargs) -> Future:
+    def choose(self, *args: _P.args, **kwargs: _P.kwargs) -> Future[_R]:
         """Call one actor of the mesh, chosen at random; a future of its value."""
         shape = self._mesh._shape
         if shape.size == 0:
@@ -455,7 +550,7 @@ class Endpoint:
             fut._conn = conn
         return fut
 
-    def stream(self, *args, **kwargs):
+    def stream(self, *args: _P.args, **kwargs: _P.kwargs) -> Iterator[Future[_R]]:
         """Call every actor; an iterator of futures (one per actor) in completion order.
 
         The calls are sent at once; iterating waits for the next completion.
@@ -473,7 +568,7 @@ class Endpoint:
             f.add_done_callback(done.put)
         self._send(ranks, shape, args, kwargs, [_one_cb(f) for f in futs])
 
-        def gen(n=len(ranks)):
+        def gen(n: int = len(ranks)) -> Iterator[Future[_R]]:
             from .runtime.router import flush_all
 
             for _ in range(n):
@@ -481,7 +576,7 @@ class Endpoint:
                 yield done.get()
         return gen()
 
-    def broadcast(self, *args, **kwargs) -> None:
+    def broadcast(self, *args: _P.args, **kwargs: _P.kwargs) -> None:
         """Send to every actor without waiting for, or receiving, any reply.
 
         Ordered with the other messages of this sender; an exception in the

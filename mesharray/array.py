@@ -30,7 +30,7 @@ import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from ._core import Shape, broadcast_shapes, classify_index
-from .errors import DimensionError, InvalidIndexError, MeshIndexError, MeshShapeError
+from .errors import DimensionError, MeshIndexError, MeshShapeError
 from .mesh import MeshTrait, mesh_size
 
 __all__ = ["GatheredStorage", "MeshArray"]
@@ -397,12 +397,12 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         return len(self.local_shape)
 
     @property
-    def shape(self) -> tuple[int, ...]:  # type: ignore[override]
+    def shape(self) -> tuple[int, ...]:
         """NumPy shape: mesh sizes then local shape."""
         return tuple(self._shape.sizes) + self.local_shape
 
     @property
-    def ndim(self) -> int:  # type: ignore[override]
+    def ndim(self) -> int:
         """NumPy ndim: ``mesh_ndim + local_ndim``."""
         return self._shape.ndim + self.local_ndim
 
@@ -501,7 +501,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
 
         return MeshArray._from_parts(self._shape, GatheredStorage(_copy.deepcopy(self._values(), memo)))
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> str | tuple[Any, ...]:
         if self._storage.kind != "gathered":
             # sent to an endpoint, a distributed array arrives as the worker's own block
             return self._storage.__reduce__()

@@ -38,45 +38,13 @@ import numpy as np
 
 from ._core import buffer_address, copy_bytes
 from .errors import ActorDiedError, MeshArrayError
+from .runtime.future import Future
 
 __all__ = ["Buffer"]
 
-try:  # the runtime's Future (get/await) when the runtime is present
-    from .runtime.future import Future as _RtFuture
-except ImportError:  # pragma: no cover - depends on what is merged
-    _RtFuture = None
 
-
-class _DoneFuture:
-    """A completed future (``get``/``await``) for when the runtime's is absent."""
-
-    __slots__ = ("_value", "_exc")
-
-    def __init__(self, value: Any = None, exc: BaseException | None = None) -> None:
-        self._value, self._exc = value, exc
-
-    def get(self, timeout: float | None = None) -> Any:
-        if self._exc is not None:
-            raise self._exc
-        return self._value
-
-    result = get
-
-    def done(self) -> bool:
-        return True
-
-    def exception(self, timeout: float | None = None):
-        return self._exc
-
-    def __await__(self):
-        return self.get()
-        yield  # pragma: no cover - makes this a generator
-
-
-def _completed(value: Any = None, exc: BaseException | None = None):
-    if _RtFuture is not None:
-        return _RtFuture._completed(value, exc)
-    return _DoneFuture(value, exc)
+def _completed(value: Any = None, exc: BaseException | None = None) -> Future[Any]:
+    return Future._completed(value, exc)
 
 
 # --- cross-memory attach ------------------------------------------------------------
@@ -369,6 +337,7 @@ class Buffer:
     """
 
     __slots__ = ("_state", "_owned", "_dropped", "__weakref__")
+    _state: dict[str, Any]  # the handle: what travels when a Buffer is pickled
     # the runtime sends a Buffer by pickling its handle; see __reduce__
 
     def __init__(self, data: Any) -> None:

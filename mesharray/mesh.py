@@ -35,7 +35,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from .errors import DimensionError
 
@@ -83,7 +83,7 @@ class MeshTrait:
 
     # -- views -----------------------------------------------------------------------
 
-    def with_shape(self, shape: Shape) -> Any:
+    def with_shape(self, shape: Shape) -> Self:
         """The same object over another :class:`~mesharray.Shape` of its ranks.
 
         What every view below is built on; for layers above (e.g. a view of
@@ -97,7 +97,7 @@ class MeshTrait:
         """
         return self._with_mesh_shape(shape)
 
-    def __getitem__(self, key: Any) -> Any:
+    def __getitem__(self, key: Any) -> Self:
         """A view selected by a NumPy-style index or by a ``{name: selector}`` dict.
 
         Positional keys follow NumPy's indexing rules (ints, negative ints,
@@ -116,7 +116,7 @@ class MeshTrait:
         """
         return self._with_mesh_shape(self._mesh_shape[key])
 
-    def slice(self, **dims: Any) -> Any:
+    def slice(self, **dims: Any) -> Self:
         """A view selected by dimension name: ``m.slice(procs=1, hosts=slice(0, 2))``.
 
         An int removes the dim, a slice (any step, negative bounds) keeps it;
@@ -132,7 +132,7 @@ class MeshTrait:
         """
         return self._with_mesh_shape(self._mesh_shape.slice(**dims))
 
-    def rename(self, **old_to_new: str) -> Any:
+    def rename(self, **old_to_new: str) -> Self:
         """The same ranks with dims renamed: ``m.rename(procs="gpus")``.
 
         Examples
@@ -144,7 +144,7 @@ class MeshTrait:
         """
         return self._with_mesh_shape(self._mesh_shape.rename(**old_to_new))
 
-    def flatten(self, name: str) -> Any:
+    def flatten(self, name: str) -> Self:
         """All dims merged into one dim ``name``, in row-major order (sparse views too).
 
         Examples
@@ -157,7 +157,7 @@ class MeshTrait:
         """
         return self._with_mesh_shape(self._mesh_shape.flatten(name))
 
-    def split(self, **spec: Any) -> Any:
+    def split(self, **spec: Any) -> Self:
         """One dim split into several: ``m.split(procs=("a", "b"), b=2)``.
 
         Examples
@@ -169,7 +169,7 @@ class MeshTrait:
         """
         return self._with_mesh_shape(self._mesh_shape.split(**spec))
 
-    def transpose(self, *dims: str | int) -> Any:
+    def transpose(self, *dims: str | int) -> Self:
         """The same ranks with dims reordered (names or axis numbers; none reverses).
 
         Examples
@@ -231,7 +231,7 @@ class MeshTrait:
         """Number of ranks."""
         return self._mesh_shape.size
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Self]:
         """0-d views, one per rank, in row-major order."""
         shape = self._mesh_shape
         for coords in _row_major(shape.sizes):

@@ -23,7 +23,8 @@ import itertools
 import numbers
 import os
 import threading
-from typing import Any, Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, ParamSpec, Protocol, TypeVar, cast
 
 import numpy as np
 
@@ -44,6 +45,9 @@ from .transport import framing
 __all__ = ["ProcMesh", "proc_mesh", "this_host", "HostMesh", "install_array_factory"]
 
 _actor_ids = itertools.count(1).__next__
+
+_A = TypeVar("_A", bound=Actor)
+_P = ParamSpec("_P")
 
 
 class ArrayFactory(Protocol):
@@ -215,10 +219,13 @@ class ProcMesh(MeshTrait):
         w = self._root.controller.workers
         return [w[r].pid for r in self._shape]
 
-    def spawn(self, name: str, actor_class: type, *args: Any, **kwargs: Any) -> ActorMesh:
+    def spawn(self, name: str, actor_class: Callable[_P, _A], *args: _P.args, **kwargs: _P.kwargs) -> _A:
         """Construct ``actor_class(*args, **kwargs)`` on every process of this (view of the) mesh.
 
-        Returns an :class:`~mesharray.ActorMesh` with this mesh's dims. Raises
+        Returns an :class:`~mesharray.ActorMesh` with this mesh's dims. For a
+        type checker the result is an ``actor_class`` (as in Monarch): so the
+        mesh's endpoints keep their types, ``mesh.typo`` is an error, and the
+        constructor's arguments are checked (see :mod:`mesharray.actor`). Raises
         :class:`~mesharray.ActorError` if a constructor raises (for the first
         failing rank), ``RuntimeError`` on a stopped mesh.
 
@@ -252,7 +259,7 @@ class ProcMesh(MeshTrait):
         mesh = ActorMesh(name, actor_id, actor_class.__qualname__, dict(actor_class._mesharray_endpoints),
                          self._shape, root.addresses, self)
         root.actor_meshes.append(mesh)
-        return mesh
+        return cast(_A, mesh)  # an ActorMesh typed as its actor class: see mesharray.actor
 
     # -- distributed arrays (made by mesharray.darray; see install_array_factory) ----------
 

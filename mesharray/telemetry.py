@@ -61,11 +61,11 @@ def forward_process_output(conn) -> None:
         t = threading.Thread(target=pump, name=f"mesharray-log-{fd}", daemon=True)
         t.start()
         _threads.append(t)
-    try:
-        sys.stdout.reconfigure(line_buffering=True)
-        sys.stderr.reconfigure(line_buffering=True)
-    except (AttributeError, ValueError):
-        pass
+    for out in (sys.stdout, sys.stderr):
+        try:
+            out.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # a TextIOWrapper, or replaced
+        except (AttributeError, ValueError):
+            pass
     root = logging.getLogger()
     if not root.handlers:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -1,5 +1,8 @@
 """Bootstraps: how the processes of a mesh are started or found.
 
+Internal: users choose a bootstrap with ``ma.proc_mesh(bootstrap=...)`` (or the
+launcher it detects); the modules here are not public API.
+
 - :mod:`.local` — worker processes on this host, forked from a zygote (the default).
 - :mod:`.mpi`   — the world of an ``mpirun``-launched script, through mpi4py
   (``proc_mesh(bootstrap="auto")`` picks it when

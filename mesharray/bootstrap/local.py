@@ -90,6 +90,7 @@ class LocalBootstrap:
 
     def _send(self, obj) -> None:
         data = pickle.dumps(obj)
+        assert self.proc.stdin is not None  # Popen(stdin=PIPE)
         self.proc.stdin.write(_LEN.pack(len(data)) + data)
         self.proc.stdin.flush()
 
@@ -153,7 +154,8 @@ class LocalBootstrap:
     def close(self, timeout: float = 5.0) -> None:
         """Close the zygote's stdin (it kills what is left of its workers) and reap it."""
         try:
-            self.proc.stdin.close()
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
         except OSError:
             pass
         try:
@@ -211,8 +213,8 @@ def _zygote_main() -> None:
     import cloudpickle  # noqa: F401
     import numpy  # noqa: F401
 
-    from ..runtime import worker as worker_mod
     from .. import actor, telemetry  # noqa: F401
+    from ..runtime import worker as worker_mod
 
     children: dict[int, int] = {}  # pid -> rank
     rfd, wfd = os.pipe()
@@ -276,7 +278,7 @@ def _zygote_main() -> None:
                     try:
                         msg = _read_msg(stdin_fd)
                     except EOFError:
-                        raise SystemExit
+                        raise SystemExit from None
                     if msg[0] == "fork":
                         for rank in msg[1]:
                             fork(rank)

@@ -180,7 +180,7 @@ def import_mpi(timeout: float | None = None) -> Any:
     >>> MPI = import_mpi()      # doctest: +SKIP
     """
     watchdog = timeout is not None and "mpi4py.MPI" not in sys.modules
-    if watchdog:
+    if timeout is not None and watchdog:
         # MPI_Init runs inside the import holding the GIL: no Python thread can
         # time it out, but faulthandler's watchdog is a C thread (it dumps where
         # this rank is stuck, then exits with status 1)

@@ -1,5 +1,8 @@
 """Collectives across ranks behind one interface, with three backends.
 
+Public: actors may make and use groups directly (the names in ``__all__``);
+the backend modules' other names are internal.
+
 - ``shm``: built in; ranks on one host share a segment (:class:`ShmCollective`).
 - ``mpi``: mpi4py's buffer API on a communicator, when launched under mpirun
   (:class:`MpiCollective`).

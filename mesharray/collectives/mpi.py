@@ -6,7 +6,6 @@ Used when the job was launched under mpirun; the communicator comes from
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np

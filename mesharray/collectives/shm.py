@@ -26,7 +26,6 @@ alive: a dead peer fails the operation on every survivor with
 
 from __future__ import annotations
 
-import math
 import mmap
 import os
 import secrets
@@ -35,10 +34,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ._args import as_contiguous, check_out
-
 from .._core import atomic_load, atomic_store, buffer_address, copy_bytes, reduce_addresses, wait_flags
 from ..errors import ActorDiedError, MeshArrayError, SupervisionError
+from ._args import as_contiguous, check_out
 
 __all__ = ["ShmCollective", "unique_segment_name", "REDUCE_OPS"]
 
@@ -161,8 +159,8 @@ class ShmCollective:
         self._slot_bytes = _round_up(self.capacity, _PAGE)
         self._nbytes = self._ctrl + (self.size + 1) * self._slot_bytes
         self._path = f"/dev/shm/{name}" if os.path.isdir("/dev/shm") else None
-        self._mm = None
-        self._arr = None
+        self._mm: mmap.mmap | None = None
+        self._arr: np.ndarray | None = None
         self._open()
         self._join()
 
@@ -270,7 +268,7 @@ class ShmCollective:
             self._unlink()
 
     def _unlink(self) -> None:
-        if not self._created:
+        if not self._created or self._path is None:
             return
         try:
             os.unlink(self._path)
@@ -284,7 +282,7 @@ class ShmCollective:
         self._closed = True
         self._unlink()
         self._slots = []
-        self._result = None
+        self._result = None  # type: ignore[assignment]  # closed: the views go with the mapping
         self._arr = None
         if self._mm is not None:
             try:
@@ -332,12 +330,12 @@ class ShmCollective:
                 self._broken = err
                 raise err
             if time.monotonic() > deadline:
-                err = TimeoutError(
+                timeout = TimeoutError(
                     f"shared-memory {what} timed out after {self.timeout} s waiting for rank "
                     f"{self.global_ranks[pending]} of group {self.name!r}"
                 )
-                self._broken = err
-                raise err
+                self._broken = timeout
+                raise timeout
             ranks = ranks[ranks.index(pending):]
 
     def _pid(self, j: int) -> int:

@@ -18,11 +18,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
+import mesharray.darray.instructions as I
+
 from .._core import Shape
 from ..actor import ActorMesh
 from ..errors import ActorDiedError, ActorError
 from ..proc import ProcMesh
-import mesharray.darray.instructions as I
 from .worker import DataActor, InputFailed, unpack_small
 
 __all__ = ["DataContext", "data_context"]
@@ -45,7 +46,8 @@ class DataContext:
         self.mesh = root
         self.shape = root.mesh_shape
         self.token = secrets.token_hex(4)
-        self.actors: ActorMesh = root.spawn("__mesharray_data__", DataActor, self.token)
+        # spawn is typed as returning the actor class (its endpoints, for the checker); it is an ActorMesh
+        self.actors: ActorMesh = root.spawn("__mesharray_data__", DataActor, self.token)  # type: ignore[assignment]
         self._ids = itertools.count(1)
         self._refs: dict[int, int] = {}
         # re-entrant: a garbage collection inside a locked section may run a finalizer

@@ -14,11 +14,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+import mesharray.darray.instructions as I
+
 from ..array import MeshArray
 from ..engines import resolve_engine_name
 from ..errors import DimensionError, MeshShapeError
 from ..proc import ProcMesh
-import mesharray.darray.instructions as I
 from .context import data_context
 from .storage import DistributedStorage, distributed
 
@@ -158,3 +159,8 @@ def reduce_scatter(a: MeshArray, dims: Any, op: str = "sum") -> MeshArray:
     [[[2.0, 2.0], [2.0, 2.0]]]
     """
     return _group_op(a, dims, "reduce_scatter", op)
+
+
+for _fn in (allgather, broadcast_from, reduce_scatter):
+    _fn.__module__ = "mesharray"  # public as mesharray.<name> (this package is internal)
+del _fn

@@ -39,11 +39,12 @@ from typing import Any
 
 import numpy as np
 
+import mesharray.darray.instructions as I
+
 from .._core import Shape, reduction_plan
 from ..array import GatheredStorage, MeshArray
 from ..engines import get_engine
 from ..errors import EngineUnavailableError, MeshShapeError
-import mesharray.darray.instructions as I
 from .context import DataContext
 from .worker import COLLECTIVE_OP, local_block
 
@@ -392,12 +393,12 @@ class DistributedStorage:
         sizes = tuple(plan.sizes)
         # Where each result position is computed depends only on the operands' layouts:
         # worked out once per layout (a loop of `a * 2 + b` then costs only its messages)
-        key = [ufunc.__name__, sizes, tuple(plan.names), per_element]
+        parts: list = [ufunc.__name__, sizes, tuple(plan.names), per_element]
         for x in dist:
             st = x.storage
-            key.append((tuple(x.names), st.ranks.shape, st.ranks.tobytes(), x.local_shape,
-                        None if st.holders is None else (st.holders.shape, st.holders.tobytes())))
-        key = tuple(key)
+            parts.append((tuple(x.names), st.ranks.shape, st.ranks.tobytes(), x.local_shape,
+                          None if st.holders is None else (st.holders.shape, st.holders.tobytes())))
+        key = tuple(parts)
         for x in dist:
             if x.storage.ctx is not ctx:
                 raise MeshShapeError("distributed operands belong to different process meshes")
@@ -467,7 +468,7 @@ def _ew_layout(ufunc: np.ufunc, plan: Any, dist: list, per_element: bool, sizes:
         laid.append((x, r, h))
     lead = next((t for t in laid if t[1].shape == sizes), laid[0])
     R = np.broadcast_to(lead[1], sizes)
-    for x, r, h in laid:
+    for _x, r, h in laid:
         rb = np.broadcast_to(r, sizes)
         ok = rb == R
         if h is not None:
@@ -524,76 +525,3 @@ def _matmul_meta(proxies: list) -> tuple[tuple, np.dtype]:
 def _bind(cls: Any, *rest: Any) -> Any:
     """A maker of ``cls(out, src, *rest)`` (the local step of a reduction plan)."""
     return lambda out, src: cls(out, src, *rest)
-
-
-def _ew_layout(ufunc: np.ufunc, plan: Any, dist: list, per_element: bool, sizes: tuple) -> tuple:
-    """Which rank computes each position of an elementwise result: ``(R, pos_of, ranks)``.
-
-    Raises :class:`MeshShapeError` when the distributed operands' blocks for a
-    position are not on one rank, or a rank would have to compute two positions.
-    ``R`` is shared by every result of this layout (read-only).
-    """
-    laid = []
-    for x in dist:
-        perm, target = plan.layout(x, pad_local=not per_element)
-        st = x.storage
-        mperm = perm[: st.ranks.ndim]
-        r = st.ranks.transpose(mperm).reshape(target[: len(sizes)])
-        h = None
-        if st.holders is not None:
-            h = st.holders.transpose(mperm + (st.holders.ndim - 1,)).reshape(target[: len(sizes)] + (st.holders.shape[-1],))
-        laid.append((x, r, h))
-    lead = next((t for t in laid if t[1].shape == sizes), laid[0])
-    R = np.broadcast_to(lead[1], sizes)
-    for x, r, h in laid:
-        rb = np.broadcast_to(r, sizes)
-        ok = rb == R
-        if h is not None:
-            hb = np.broadcast_to(h, sizes + (h.shape[-1],))
-            ok = ok | (hb == R[..., None]).any(-1)
-        if not ok.all():
-            raise MeshShapeError(
-                f"distributed operands of {ufunc.__name__} live on different ranks for some positions "
-                f"(mesh dims {dict(zip(plan.names, sizes))}); reduce or fetch one of them first"
-            )
-    if R.size and len(np.unique(R)) != R.size:
-        raise MeshShapeError(
-            f"the result of {ufunc.__name__} would need several blocks on one rank "
-            f"(a distributed operand broadcast along mesh dims {dict(zip(plan.names, sizes))}); "
-            "fetch it or reduce with keepdims=True first"
-        )
-    R = np.asarray(R, dtype=np.int64).copy()
-    R.setflags(write=False)
-    pos_of = {int(R[p]): p for p in np.ndindex(*sizes)}
-    return R, pos_of, sorted(pos_of)
-
-
-_SAMPLES: dict = {}
-
-
-def _sample(dtype: np.dtype) -> np.ndarray:
-    # one element of ``dtype``: what NumPy needs to tell a ufunc's result dtype
-    a = _SAMPLES.get(dtype)
-    if a is None:
-        a = _SAMPLES[dtype] = np.zeros(1, dtype=dtype)
-    return a
-
-
-def _proxy(dtype: Any, shape: tuple) -> np.ndarray:
-    # a zero-stride array of the right dtype and shape (no memory for big blocks)
-    base = np.zeros(1, dtype=dtype)
-    return np.lib.stride_tricks.as_strided(base, shape=tuple(shape), strides=(0,) * len(shape))
-
-
-def _matmul_meta(proxies: list) -> tuple[tuple, np.dtype]:
-    a, b = (np.asarray(p) for p in proxies[:2])
-    if a.ndim == 0 or b.ndim == 0:
-        raise ValueError("matmul: input operand does not have enough dimensions")
-    a2 = a.shape if a.ndim > 1 else (1,) + a.shape
-    b2 = b.shape if b.ndim > 1 else b.shape + (1,)
-    if a2[-1] != b2[-2]:
-        raise MeshShapeError(f"matmul: local shapes {a.shape} and {b.shape} do not match in their core dimension")
-    batch = np.broadcast_shapes(a2[:-2], b2[:-2])
-    out = batch + (a2[-2],) * (a.ndim > 1) + (b2[-1],) * (b.ndim > 1)
-    dt = np.result_type(a.dtype, b.dtype)
-    return tuple(out), dt

@@ -20,11 +20,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+import mesharray.darray.instructions as I
+
 from ..actor import Actor, context, endpoint
 from ..collectives import new_group
 from ..engines import Engine, get_engine
 from ..errors import MeshArrayError
-import mesharray.darray.instructions as I
 
 __all__ = ["BlockStore", "DataActor", "InputFailed", "STORE", "local_block", "pack_small", "unpack_small"]
 
@@ -161,10 +162,9 @@ def unpack_small(v: Any) -> np.ndarray:
 
 
 def _operand(a: I.Operand, rank: int) -> Any:
-    t = type(a)
-    if t is I.BlockRef:
+    if isinstance(a, I.BlockRef):
         return STORE.get(a.bid)
-    if t is I.PerRank:
+    if isinstance(a, I.PerRank):
         return a.values[rank]
     return a.value
 

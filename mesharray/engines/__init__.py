@@ -1,5 +1,8 @@
 """Tensor engines: what a rank's block *is* and where it lives.
 
+Public: the names in ``__all__`` (``get_engine``, ``register_engine``, the
+:class:`Engine` protocol, ...); ``_registry`` and the engine modules are internal.
+
 An :class:`Engine` allocates blocks, moves them to and from host memory, runs
 elementwise operations and reductions on them, exports them (DLPack / buffer
 protocol) and names the collective backend it prefers. Engines load lazily:

@@ -1,5 +1,10 @@
 """The actor runtime: controller and worker loops, calls, futures, supervision.
 
+Internal: nothing here is public API and it may change without notice. Users
+reach the runtime through ``mesharray`` (``ma.proc_mesh``, ``ma.Actor``,
+``ma.Future``, ``ma.context()``); the one public class defined here,
+:class:`Future`, reports ``mesharray`` as its ``__module__``.
+
 - :mod:`.protocol`   — message kinds and the hand-packed parts of messages.
 - :mod:`.future`     — the one :class:`Future` type.
 - :mod:`.router`     — sends calls to actors (by worker address) and resolves replies;

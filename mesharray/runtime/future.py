@@ -11,18 +11,23 @@ from __future__ import annotations
 
 import _thread
 import asyncio
+from collections.abc import Callable, Generator
 from time import monotonic as _monotonic
+from typing import Any, Generic, TypeVar
 
-from .router import _dirty, flush_all as _flush_all
+from .router import _dirty
+from .router import flush_all as _flush_all
 
 __all__ = ["Future"]
 
 _cb_lock = _thread.allocate_lock()
-_PENDING = object()
+_PENDING: Any = object()
+
+T = TypeVar("T")
 
 
-class Future:
-    """The result of an actor call, available later.
+class Future(Generic[T]):
+    """The result of an actor call, available later: a ``Future[T]`` gets a ``T``.
 
     Futures are made by the runtime (``call()``, ``call_one()``, ...); there is
     no public constructor.
@@ -38,11 +43,17 @@ class Future:
 
     __slots__ = ("_lock", "_value", "_exc", "_callbacks", "_conn", "__weakref__")
 
+    _lock: _thread.LockType
+    _value: Any  # T once done, _PENDING before
+    _exc: BaseException | None
+    _callbacks: list[Callable[[Future[T]], object]] | None
+    _conn: Any  # the polled connection(s) its reply comes on: one, a tuple (call()) or None
+
     def __init__(self) -> None:
         raise TypeError("Future has no public constructor; futures come from endpoint adverbs")
 
     @classmethod
-    def _new(cls) -> "Future":
+    def _new(cls) -> Future[Any]:
         f = object.__new__(cls)
         f._lock = _thread.allocate_lock()
         f._lock.acquire()
@@ -53,7 +64,7 @@ class Future:
         return f
 
     @classmethod
-    def _completed(cls, value=None, exc: BaseException | None = None) -> "Future":
+    def _completed(cls, value: Any = None, exc: BaseException | None = None) -> Future[Any]:
         f = cls._new()
         if exc is not None:
             f._set_exception(exc)
@@ -62,7 +73,7 @@ class Future:
         return f
 
     # -- completion (runtime side) ----------------------------------------
-    def _set_result(self, value) -> bool:
+    def _set_result(self, value: T) -> bool:
         with _cb_lock:
             if self._value is not _PENDING:
                 return False
@@ -85,7 +96,7 @@ class Future:
             self._run(cbs)
         return True
 
-    def _run(self, cbs) -> None:
+    def _run(self, cbs: list[Callable[[Future[T]], object]]) -> None:
         for cb in cbs:
             try:
                 cb(self)
@@ -113,7 +124,7 @@ class Future:
                 if c in p._parked:
                     p.unpark(c)
 
-    def _wait(self, timeout) -> None:
+    def _wait(self, timeout: float | None) -> None:
         if self._value is not _PENDING:
             return
         if _dirty:
@@ -142,7 +153,7 @@ class Future:
             raise TimeoutError(f"future not done after {timeout} s")
         self._lock.release()  # let other waiters through
 
-    def get(self, timeout: float | None = None):
+    def get(self, timeout: float | None = None) -> T:
         """Block until done and return the value (or raise the remote error).
 
         Raises the builtin ``TimeoutError`` if not done within ``timeout`` seconds;
@@ -153,7 +164,7 @@ class Future:
             raise self._exc
         return self._value
 
-    def result(self, timeout: float | None = None):
+    def result(self, timeout: float | None = None) -> T:
         """Same as :meth:`get` (``concurrent.futures`` spelling)."""
         return self.get(timeout)
 
@@ -162,7 +173,7 @@ class Future:
         self._wait(timeout)
         return self._exc
 
-    def add_done_callback(self, fn) -> None:
+    def add_done_callback(self, fn: Callable[[Future[T]], object]) -> None:
         """Call ``fn(future)`` when done (at once, in this thread, if already done)."""
         if self._conn is not None:
             self._unpark()  # nobody may ever call get(): the poller thread must read the reply
@@ -175,7 +186,7 @@ class Future:
                 return
         fn(self)
 
-    def __await__(self):
+    def __await__(self) -> Generator[Any, None, T]:
         if self._value is _PENDING:
             if _dirty:
                 _flush_all()
@@ -201,6 +212,9 @@ class Future:
         return f"<mesharray.Future {state}>"
 
 
-def _wake(waiter) -> None:
+def _wake(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)
+
+
+Future.__module__ = "mesharray"  # public as mesharray.Future (the runtime is internal)

@@ -37,8 +37,8 @@ import pickle
 import socket
 import sys
 import threading
-import time
 import traceback
+from typing import Any
 
 from ..transport import framing
 from ..transport.connection import Connection, Listener, connect
@@ -91,7 +91,7 @@ def _pickle_exc(exc: BaseException):
 
 def error_record(exc: BaseException, actor_name: str, coords, host: str, pid: int) -> dict:
     """The picklable description of an exception raised by user code in an actor."""
-    chain = []
+    chain: list[tuple[BaseException, bool]] = []
     seen = {id(exc)}
     e = exc
     while len(chain) < 16:
@@ -134,15 +134,15 @@ class _Slot:
     def __init__(self, actor_id, name, shape) -> None:
         self.actor_id = actor_id
         self.name = name
-        self.obj = None
+        self.obj: Any = None
         self.shape = shape
         self.lock = threading.Lock()
         self.is_async = False
-        self.failure = None  # error record when the constructor raised
-        self.queue = None
+        self.failure: Any = None  # error record when the constructor raised
+        self.queue: Any = None  # the asyncio.Queue of an async actor (made on its loop)
         self.concurrent: set[str] = set()
         self.endpoints: set[str] = set()
-        self.ctx: Context | None = None
+        self.ctx: Context = None  # type: ignore[assignment]  # set at spawn, before any message
         self.bound: dict = {}
 
 
@@ -367,6 +367,8 @@ class Worker:
     # -- life ---------------------------------------------------------------
     def heartbeat_loop(self) -> None:
         conn = self.controller
+        if conn is None:
+            return
         while not self.done.wait(self.heartbeat_interval):
             try:
                 conn.send(P.HEARTBEAT)
@@ -384,7 +386,8 @@ class Worker:
             self.controller.close(join=False)
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
-            self._loop_thread.join(2.0)
+            if self._loop_thread is not None:
+                self._loop_thread.join(2.0)
             if not self._loop.is_running():
                 self._loop.close()
 

@@ -1,5 +1,8 @@
 """Transport: framing, authentication, sockets and the same-host data plane.
 
+Internal: used by the runtime and the collectives; not public API (no
+compatibility promise). Its errors are public, in :mod:`mesharray.errors`.
+
 - :mod:`.framing`    — the frame header (packed by ``_core``) and the payload
                        codec (pickle protocol 5 with out-of-band buffers).
 - :mod:`.auth`       — the mutual HMAC-SHA256 challenge run on every new

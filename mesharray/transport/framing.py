@@ -118,7 +118,8 @@ def _reduce_tensor(t):
         d = d.contiguous()
     flat = d.reshape(-1).view(torch.uint8) if d.numel() else torch.empty(0, dtype=torch.uint8)
     dtype = str(d.dtype).rpartition(".")[2]
-    return _rebuild_tensor, (pickle.PickleBuffer(flat.numpy()), dtype, tuple(d.shape), rg)
+    return _rebuild_tensor, (pickle.PickleBuffer(flat.numpy()),  # type: ignore[arg-type]  # a buffer (3.12+ stub)
+                             dtype, tuple(d.shape), rg)
 
 
 _tables: dict = {}
@@ -250,7 +251,7 @@ def decode(payload):
             bufs.append(mv[inline_base + off:inline_base + off + n])
         elif kind == _SHM:
             shm_groups.setdefault((pid, fd, serial, slot), []).append((i, off, n))
-            bufs.append(None)
+            bufs.append(None)  # type: ignore[arg-type]  # filled in below, from the segment
         else:
             raise ValueError(f"bad buffer descriptor kind {kind}")
     for (pid, fd, serial, slot), items in shm_groups.items():

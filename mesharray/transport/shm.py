@@ -219,7 +219,7 @@ def attach(pid: int, fd: int, serial: int, slot: int, spans):
             _attached[(pid, fd, serial)] = [owner.ctypes.data, len(mm), slot, mm]
         else:
             rec[2] = slot
-    mv = memoryview(owner)
+    mv = memoryview(owner)  # type: ignore[arg-type]  # ndarray is a buffer; numpy's stub says so from 3.12
     return [mv[o:o + n] for o, n in spans]
 
 

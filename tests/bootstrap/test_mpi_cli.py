@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
-
 from _mpirun_harness import ROOT, clean_env
+
 from mesharray.__main__ import main
 
 pytestmark = pytest.mark.timeout(60)

@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-
 from _mpirun_harness import ROOT, clean_env
+
 from mesharray.bootstrap._detect import Launcher, detect_launcher, resolve_bootstrap
 from mesharray.bootstrap.mpi import (
     bootstrap,
@@ -22,7 +22,6 @@ from mesharray.bootstrap.mpi import (
     world_comm,
 )
 from mesharray.errors import BootstrapError
-
 
 # --------------------------------------------------------------------------- detection
 

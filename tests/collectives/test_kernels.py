@@ -2,7 +2,8 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mesharray._core import REDUCE_OPS, buffer_address, copy_bytes, reduce_addresses, reduce_buffers
 

@@ -9,7 +9,6 @@ import pytest
 
 from mesharray.collectives import ShmCollective, new_group, unique_segment_name
 from mesharray.errors import ActorDiedError, SupervisionError
-
 from tests.collectives._procs import run_ranks
 
 pytestmark = pytest.mark.timeout(90)

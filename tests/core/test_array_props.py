@@ -243,7 +243,6 @@ def indexed_array(draw):
     names = list(NAMES[:k])
     sizes = [draw(st.integers(1, 4)) for _ in names]
     local = draw(st.lists(st.integers(1, 3), max_size=2))
-    n = int(np.prod(sizes))
     shape_ = ma.Shape(dict(zip(names, sizes)))
     # views of views: start from a strided view of a bigger mesh
     if draw(st.booleans()):

@@ -57,3 +57,45 @@ def test_core_names_are_the_compiled_ones():
     assert mesharray.Shape is _core.Shape
     assert mesharray.broadcast_shapes is _core.broadcast_shapes
     assert mesharray.reduction_plan is _core.reduction_plan
+
+
+# packages that are internal (documented so in their __init__): nothing public may live there
+INTERNAL_PACKAGES = ("mesharray.runtime", "mesharray.transport", "mesharray.bootstrap")
+
+
+def test_public_names_report_public_modules():
+    """Classes and functions of ``mesharray.__all__`` name a public module, where they resolve."""
+    for name in _available_names():
+        obj = getattr(mesharray, name)
+        if not (isinstance(obj, type) or callable(obj)):
+            continue
+        module = obj.__module__
+        assert not any(part.startswith("_") for part in module.split(".")), (name, module)
+        assert not module.startswith(INTERNAL_PACKAGES), (name, module)
+        assert getattr(importlib.import_module(module), obj.__qualname__) is obj, (name, module)
+
+
+def test_public_names_pickle_by_reference():
+    import pickle
+
+    for name in _available_names():
+        obj = getattr(mesharray, name)
+        if isinstance(obj, type) or callable(obj):
+            for proto in (2, pickle.HIGHEST_PROTOCOL):
+                assert pickle.loads(pickle.dumps(obj, proto)) is obj, name
+
+
+def test_instances_still_pickle():
+    import pickle
+
+    s = mesharray.Shape({"hosts": 2, "procs": 4})
+    for shape in (s, s[1, ::2], s[:, [3, 0]]):
+        for proto in (2, pickle.HIGHEST_PROTOCOL):
+            back = pickle.loads(pickle.dumps(shape, proto))
+            assert type(back) is mesharray.Shape and back == shape
+            assert back.ranks().tolist() == shape.ranks().tolist()
+    err = mesharray.ActorDiedError(ranks=[1], pid=42, reason="gone")
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is mesharray.ActorDiedError and str(back) == str(err)
+    dim = mesharray.DimensionError("gpu", ("hosts", "procs"))
+    assert str(pickle.loads(pickle.dumps(dim))) == str(dim)

@@ -69,7 +69,8 @@ def _binary_module_names() -> dict[str, object]:
             continue
         module = getattr(obj, "__module__", None)
         if isinstance(obj, (type, types.BuiltinFunctionType, types.FunctionType)) or callable(obj):
-            if module != _core.__name__:
+            # defined here: in _core, or public as mesharray.<name> (its __module__ says "mesharray")
+            if module not in (_core.__name__, "mesharray"):
                 continue  # imported from elsewhere (e.g. mesharray.errors), not defined here
         out[name] = obj
     return out

@@ -9,9 +9,9 @@ import time
 
 import numpy as np
 import pytest
+from actors import AsyncActor, BadInit, Counter, Probe
 
 import mesharray as ma
-from actors import AsyncActor, BadInit, Counter, Probe
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -140,7 +140,7 @@ def test_a_busy_actor_does_not_hold_back_messages_to_the_others(probes, tmp_path
 def test_pipelined_call_one_all_resolve_in_order(procs):
     c = procs.spawn("c_pipe", Counter, 0).slice(procs=2)
     futs = []
-    for i in range(300):
+    for _i in range(300):
         c.incr.broadcast()
         futs.append(c.get.call_one())
     assert [f.get(timeout=10) for f in futs] == list(range(1, 301))

@@ -6,9 +6,9 @@ import threading
 
 import numpy as np
 import pytest
+from actors import Counter, Probe
 
 import mesharray as ma
-from actors import Counter, Probe
 from mesharray.proc import ProcMesh
 from mesharray.runtime.controller import Controller
 from mesharray.runtime.worker import run_worker

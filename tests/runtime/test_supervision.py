@@ -11,9 +11,9 @@ import time
 
 import psutil
 import pytest
+from actors import AsyncActor, Owner, Probe
 
 import mesharray as ma
-from actors import AsyncActor, Owner, Probe
 
 pytestmark = pytest.mark.timeout(60)
 

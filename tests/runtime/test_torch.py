@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from actors import TorchProbe
 
 import mesharray as ma
-from actors import TorchProbe
 from mesharray.runtime.router import get_router
 
 torch = pytest.importorskip("torch")

@@ -6,8 +6,8 @@ import threading
 import time
 
 import pytest
-
 from actors import Counter, Probe
+
 from mesharray.runtime.router import get_router
 
 pytestmark = pytest.mark.timeout(60)
