@@ -134,7 +134,26 @@ class Actor(_MeshSurface):
                     eps[name] = opts
                 elif name in eps:
                     del eps[name]  # overridden by a plain method
+        hidden = sorted(set(eps) & _mesh_attributes())
+        if hidden:
+            # on the actor mesh these names are the mesh's own (counters.size is its size):
+            # an endpoint of that name would be silently unreachable
+            raise TypeError(
+                f"{cls.__qualname__} has endpoint(s) {hidden} named like attributes of its actor mesh "
+                f"(ActorMesh.{hidden[0]}, ...), which would hide them; rename them (e.g. "
+                f"{', '.join(repr('get_' + h) for h in hidden)}). Mesh attributes: {sorted(_mesh_attributes())}")
         cls._mesharray_endpoints = eps
+
+
+def _mesh_attributes() -> frozenset[str]:
+    """The public attributes of an ``ActorMesh`` (an endpoint may not be named like one)."""
+    global _MESH_ATTRS
+    if _MESH_ATTRS is None:
+        _MESH_ATTRS = frozenset(n for n in dir(ActorMesh) if not n.startswith("_"))
+    return _MESH_ATTRS
+
+
+_MESH_ATTRS: frozenset[str] | None = None
 
 
 class EndpointProperty(Generic[_P, _R]):
