@@ -92,7 +92,7 @@ def mpirun(n: int, argv: Sequence[str], *, timeout: float = 60.0, extra: Sequenc
     env.setdefault("OMPI_MCA_btl_sm_backing_directory", shm_dir)
     start = time.monotonic()
     try:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
             out, err = proc.communicate(timeout=timeout)
