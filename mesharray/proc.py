@@ -35,7 +35,7 @@ from .bootstrap import local as _local
 from .bootstrap import mpi as _mpi
 from .bootstrap import resolve_bootstrap
 from .bootstrap.launch import Launch
-from .errors import MeshFailure
+from .errors import MeshFailure, MeshStoppedError
 from .mesh import MeshTrait
 from .runtime import protocol as P
 from .runtime.controller import Controller
@@ -239,7 +239,7 @@ class ProcMesh(MeshTrait):
             raise TypeError(f"spawn needs a subclass of mesharray.Actor, got {actor_class!r}")
         root = self._root
         if root.stopped or root.stopping:
-            raise RuntimeError("ProcMesh has already been stopped; cannot spawn actors on it")
+            raise MeshStoppedError("ProcMesh has already been stopped; cannot spawn actors on it")
         actor_id = _actor_ids()
         p = framing.dumps((name, actor_class, args, kwargs, self._shape))
         parts = framing.encode(p)
@@ -263,8 +263,13 @@ class ProcMesh(MeshTrait):
 
     # -- distributed arrays (made by mesharray.darray; see install_array_factory) ----------
 
+    def _check_live(self) -> None:
+        if self._root.stopped or self._root.stopping:
+            raise MeshStoppedError(f"{self!r} has been stopped; start a new mesh with proc_mesh()")
+
     def _make(self, kind: str, shape: Any, dtype: Any, engine: str, extra: Any = None,
               collective: str | None = None) -> MeshArray:
+        self._check_live()
         return _factory().make(self, kind, _local_shape(shape), _dtype(dtype), engine, extra, collective)
 
     def zeros(self, shape: Any = (), dtype: Any = "float64", *, engine: str = "numpy",
@@ -336,6 +341,7 @@ class ProcMesh(MeshTrait):
 
         >>> procs.from_numpy(np.arange(8).reshape(1, 4, 2))   # doctest: +SKIP
         """
+        self._check_live()
         return _factory().scatter(self, np.asarray(array), engine, collective)
 
     def apply(self, fn: Callable[..., Any], *arrays: Any) -> MeshArray:
@@ -347,6 +353,7 @@ class ProcMesh(MeshTrait):
         """
         if not callable(fn):
             raise TypeError(f"apply needs a callable, got {type(fn).__name__}")
+        self._check_live()
         return _factory().apply(self, fn, arrays)
 
     # -- lifetime ---------------------------------------------------------------------

@@ -22,7 +22,7 @@ import mesharray.darray.instructions as I
 
 from .._core import Shape
 from ..actor import ActorMesh
-from ..errors import ActorDiedError, ActorError
+from ..errors import ActorDiedError, ActorError, MeshStoppedError
 from ..proc import ProcMesh
 from .worker import DataActor, InputFailed, unpack_small
 
@@ -92,8 +92,15 @@ class DataContext:
             self._views[key] = v
         return v
 
+    def check_live(self) -> None:
+        """Raise :class:`~mesharray.MeshStoppedError` once the process mesh was stopped."""
+        if self.mesh.stopped:
+            raise MeshStoppedError(
+                f"the process mesh of this distributed array was stopped ({self.mesh!r}); its blocks are gone")
+
     def send(self, ranks: Sequence[int], program: list) -> None:
         """Fire-and-forget a program to ``ranks`` (ordered after earlier messages)."""
+        self.check_live()
         if ranks:
             ranks = sorted(set(int(r) for r in ranks))
             self.post(ranks, self.with_frees(ranks, program))
@@ -117,6 +124,7 @@ class DataContext:
         A rank that died, or a survivor whose collective saw a peer die, fails
         the call with :class:`~mesharray.ActorDiedError` naming the dead ranks.
         """
+        self.check_live()
         ranks = sorted(set(int(r) for r in ranks))
         try:
             return ranks, self.view(ranks).run.call(self.with_frees(ranks, program)).get()
@@ -132,6 +140,7 @@ class DataContext:
         (in :class:`~mesharray.ActorError`), or :class:`~mesharray.ActorDiedError`
         naming the dead ranks when a rank died (before or during a collective).
         """
+        self.check_live()
         futs = [(r, self.view([r]).run.call_one([I.Fetch(bid)])) for r in ranks]
         out = {}
         for r, f in futs:
@@ -143,6 +152,7 @@ class DataContext:
 
     def meta(self, rank: int, bid: int) -> tuple[tuple, Any]:
         """Local shape and dtype of block ``bid`` on ``rank`` (raises the failure of its making)."""
+        self.check_live()
         return self.view([rank]).meta.call_one(bid).get()
 
     def _raise_failure(self, exc: BaseException, bid: int, hops: int = 0) -> None:

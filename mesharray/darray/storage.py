@@ -232,6 +232,7 @@ class DistributedStorage:
             return self._gathered_reduce(op, func, axes, keepdims, kwargs)
         first, rdt_work, rdt, new_local, coll = plan
         ctx = self.ctx
+        ctx.check_live()
         cur = self.bid
         program: list = []
         if first is not None:
