@@ -118,6 +118,7 @@ class _Root:
         self.actor_meshes: list[ActorMesh] = []
         self.stopped = False
         self.stopping = False
+        self.on_stop: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         for r in range(shape.size):
             coords = shape.coordinates(r)
@@ -149,6 +150,9 @@ class _Root:
                 for a in self.addresses:
                     self.controller.router.forget(a)
                 self.stopped = True
+                callbacks, self.on_stop = self.on_stop, []
+                for fn in callbacks:
+                    fn()
 
 
 class ProcMesh(MeshTrait):
@@ -262,6 +266,18 @@ class ProcMesh(MeshTrait):
         return cast(_A, mesh)  # an ActorMesh typed as its actor class: see mesharray.actor
 
     # -- distributed arrays (made by mesharray.darray; see install_array_factory) ----------
+
+    def add_stop_callback(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once, when the mesh stops (for layers above that keep per-mesh state).
+
+        Called at once when the mesh is already stopped.
+        """
+        root = self._root
+        with root._lock:
+            if not root.stopped:
+                root.on_stop.append(fn)
+                return
+        fn()
 
     def _check_live(self) -> None:
         if self._root.stopped or self._root.stopping:

@@ -344,7 +344,12 @@ class ShmCollective:
     def _begin(self, what: str) -> int:
         if self._closed:
             raise MeshArrayError(f"shared-memory group {self.name!r} is closed")
-        if self._broken is not None:
+        broken = self._broken
+        if isinstance(broken, ActorDiedError):
+            # the same death, named again for every later use of the group
+            raise ActorDiedError(ranks=broken.ranks, pid=broken.pid,
+                                 reason=f"died earlier; shared-memory group {self.name!r} is broken") from broken
+        if broken is not None:
             raise SupervisionError(
                 f"shared-memory group {self.name!r} is broken by an earlier failure: {self._broken}"
             )

@@ -237,4 +237,7 @@ def data_context(procs: ProcMesh) -> DataContext:
             if ctx is None:
                 ctx = DataContext(root)
                 _CONTEXTS[root] = ctx
+                # the context holds its mesh (the key): drop it when the mesh stops, or
+                # neither would ever be collected
+                root.add_stop_callback(lambda: _CONTEXTS.pop(root, None))
     return ctx
