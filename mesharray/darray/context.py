@@ -239,5 +239,9 @@ def data_context(procs: ProcMesh) -> DataContext:
                 _CONTEXTS[root] = ctx
                 # the context holds its mesh (the key): drop it when the mesh stops, or
                 # neither would ever be collected
-                root.add_stop_callback(lambda: _CONTEXTS.pop(root, None))
+                root.add_stop_callback(lambda: _forget(root))
     return ctx
+
+
+def _forget(root: ProcMesh) -> None:
+    _CONTEXTS.pop(root, None)
