@@ -37,7 +37,9 @@ from typing import Any
 import numpy as np
 
 from ._core import buffer_address, copy_bytes
+from ._proc_stat import start_time as _start_time
 from .errors import ActorDiedError, MeshArrayError
+from .transport.sockio import recv_exactly_into
 
 __all__ = ["Buffer"]
 
@@ -137,13 +139,6 @@ def _host_key() -> str:
     return f"{boot}:{ns}"
 
 
-def _start_time(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return int(stat[stat.rindex(b")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 # --- the owner's registry -------------------------------------------------------------
@@ -287,12 +282,10 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
 
 
 def _recv_into(conn: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < view.nbytes:
-        n = conn.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionError("buffer owner closed the connection mid-transfer")
-        got += n
+    try:
+        recv_exactly_into(conn, view)
+    except EOFError:
+        raise ConnectionError("buffer peer closed the connection mid-transfer") from None
 
 
 # --- the handle ---------------------------------------------------------------------------

@@ -38,6 +38,7 @@ import numpy as np
 from ._args import as_contiguous, check_out
 
 from .._core import atomic_load, atomic_store, buffer_address, copy_bytes, reduce_addresses, wait_flags
+from .. import _proc_stat
 from ..errors import ActorDiedError, MeshArrayError, SupervisionError
 
 __all__ = ["ShmCollective", "unique_segment_name", "REDUCE_OPS"]
@@ -81,13 +82,7 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        # the state follows the parenthesised command name
-        return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] not in (b"Z", b"X")
-    except (OSError, ValueError):
-        return True
+    return _proc_stat.state(pid) not in (b"Z", b"X")  # unknown (None): alive
 
 
 class ShmCollective:
