@@ -44,7 +44,7 @@ import queue
 import random
 from typing import Any
 
-from .errors import ActorDiedError, ActorError, SerializationError
+from .errors import ActorError, SerializationError
 from .mesh import MeshTrait
 from .runtime import protocol as P
 from .runtime.context import current
@@ -197,7 +197,8 @@ def _outcome(status, payload):
     return None, payload  # DIED: payload is the error
 
 
-def _one_cb(fut: Future):
+def future_callback(fut: Future):
+    """The reply callback (``cb(status, payload)``) that completes ``fut`` with one reply's outcome."""
     def cb(status, payload):
         value, exc = _outcome(status, payload)
         if exc is None:
@@ -302,8 +303,7 @@ class ActorMesh(MeshTrait):
         router = get_router()
         for r in self._shape:
             try:
-                conn = router.connection(self._addresses[r])
-                conn.send(P.STOP_ACTOR, 0, 0, self._actor_id, 0)
+                router.channel(self._addresses[r]).send(P.STOP_ACTOR, 0, 0, self._actor_id, 0)
             except Exception:
                 pass
 
@@ -324,63 +324,18 @@ class Endpoint:
         self._noargs = [self._method + _NO_ARGS_BYTES]  # the whole payload of a call without arguments
 
     def _send(self, ranks, shape, args, kwargs, cbs, park: bool = False) -> list:
-        """Pickle once, then send one CALL per rank (``cbs[i]`` gets rank i's reply).
+        """Pickle once, then send one CALL per rank (``cbs[i]`` gets rank i's reply; ``None``: a broadcast).
 
-        Returns the connections used (``None`` for a rank that could not be reached).
+        Returns the channels used (``None`` for a rank that could not be reached).
         """
-        p = framing.dumps((args, kwargs)) if (args or kwargs) else _NO_ARGS
-        mesh = self._mesh
-        router = get_router()
-        addrs = mesh._addresses
-        conns = []
-        dead = None  # a broadcast reaches every live actor first, then reports the dead
-        for i, r in enumerate(ranks):
-            try:
-                conns.append(router.connection(addrs[r]))
-            except Exception as exc:
-                conns.append(None)
-                if cbs is None:
-                    if not isinstance(exc, ActorDiedError):
-                        raise
-                    dead = dead or exc
-                else:
-                    cbs[i](P.DIED, exc)
-        seg = placed = None
-        if p.big and all(c is not None and c.same_host for c in conns):
-            from .transport import shm
-
-            if shm.available():
-                seg, placed = framing.write_shm(p, len(conns))
-        if p is _NO_ARGS:
-            plain = self._noargs
+        if args or kwargs:
+            p = framing.dumps((args, kwargs))
+            plain = None
         else:
-            plain = None if p.big else [self._method, *framing.encode(p)]
-        aid = mesh._actor_id
-        if park:  # the caller will read the replies itself (call().get()): see Router.send
-            for c in conns:
-                if c is None or getattr(c, "_rlock", None) is None:
-                    park = False
-                    break
-        for i, conn in enumerate(conns):
-            if conn is None:
-                continue
-            if plain is not None:
-                parts = plain
-            elif seg is not None:
-                parts = [self._method, *framing.encode(p, seg=seg, placed=placed, slot=i)]
-            else:
-                parts = [self._method, *framing.encode(p)]
-            try:
-                vid = router.view_id(conn, shape)
-                router.send(conn, P.CALL, aid, vid, parts, None if cbs is None else cbs[i], park)
-            except ActorDiedError as exc:  # the peer died under us (a call's fails its future)
-                if cbs is None:
-                    dead = dead or exc
-                else:
-                    cbs[i](P.DIED, exc)
-        if dead is not None:
-            raise dead
-        return conns
+            p, plain = _NO_ARGS, self._noargs
+        mesh = self._mesh
+        return get_router().send_many(mesh._addresses, ranks, P.CALL, mesh._actor_id, shape, p,
+                                      self._method, plain, cbs, park)
 
     def call(self, *args, **kwargs) -> Future:
         """Call every actor of the mesh; a future of the gathered :class:`~mesharray.MeshArray`.
@@ -398,12 +353,12 @@ class Endpoint:
         if not ranks:
             g._finish()
             return fut
-        conns = self._send(ranks, shape, args, kwargs, cbs, park=True)
-        for c in conns:
-            if c is None or getattr(c, "_rlock", None) is None:
+        chans = self._send(ranks, shape, args, kwargs, cbs, park=True)
+        for c in chans:
+            if c is None or not c.polled:
                 break
         else:  # all polled: get() reads the replies in its own thread
-            fut._conn = tuple(conns)
+            fut._chan = tuple(chans)
         return fut
 
     def _send_one(self, rank, shape, args, kwargs, cb):
@@ -411,19 +366,22 @@ class Endpoint:
         if args or kwargs:
             p = framing.dumps((args, kwargs))
             if p.big:
-                return self._send((rank,), shape, args, kwargs, (cb,))[0]
+                mesh = self._mesh
+                chan = get_router().send_many(mesh._addresses, (rank,), P.CALL, mesh._actor_id, shape, p,
+                                              self._method, None, (cb,))[0]
+                return chan if chan is not None and chan.polled else None
             parts = [self._method, *framing.encode(p)]
         else:
             parts = self._noargs
-        router = get_router()
         try:
-            conn = router.connection(self._mesh._addresses[rank])
+            chan = get_router().channel(self._mesh._addresses[rank])
+            vid = chan.view_id(shape)
         except Exception as exc:
             cb(P.DIED, exc)
-            return
-        router.send(conn, P.CALL, self._mesh._actor_id, router.view_id(conn, shape), parts, cb,
-                    park=getattr(conn, "_rlock", None) is not None)
-        return conn
+            return None
+        polled = chan.polled
+        chan.call(P.CALL, self._mesh._actor_id, vid, parts, cb, polled)
+        return chan if polled else None
 
     def call_one(self, *args, **kwargs) -> Future:
         """Call the only actor of the mesh; ``ValueError`` (nothing sent) if it has more than one.
@@ -438,9 +396,7 @@ class Endpoint:
         if n != 1:
             raise ValueError(f"call_one requires exactly 1 actor, but mesh has {n}")
         fut = Future._new()
-        conn = self._send_one(shape.rank(0), shape, args, kwargs, _one_cb(fut))
-        if conn is not None and getattr(conn, "_rlock", None) is not None:
-            fut._conn = conn
+        fut._chan = self._send_one(shape.rank(0), shape, args, kwargs, future_callback(fut))
         return fut
 
     def choose(self, *args, **kwargs) -> Future:
@@ -450,9 +406,7 @@ class Endpoint:
             raise ValueError("choose needs at least 1 actor, but mesh has 0")
         r = shape.rank(random.randrange(shape.size))
         fut = Future._new()
-        conn = self._send_one(r, shape, args, kwargs, _one_cb(fut))
-        if conn is not None and getattr(conn, "_rlock", None) is not None:
-            fut._conn = conn
+        fut._chan = self._send_one(r, shape, args, kwargs, future_callback(fut))
         return fut
 
     def stream(self, *args, **kwargs):
@@ -471,10 +425,10 @@ class Endpoint:
         futs = [Future._new() for _ in ranks]
         for f in futs:
             f.add_done_callback(done.put)
-        self._send(ranks, shape, args, kwargs, [_one_cb(f) for f in futs])
+        self._send(ranks, shape, args, kwargs, [future_callback(f) for f in futs])
 
         def gen(n=len(ranks)):
-            from .runtime.router import flush_all
+            from .runtime.channel import flush_all
 
             for _ in range(n):
                 flush_all()

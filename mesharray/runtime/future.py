@@ -13,7 +13,7 @@ import _thread
 import asyncio
 from time import monotonic as _monotonic
 
-from .router import _dirty, flush_all as _flush_all
+from .channel import Channel, dirty as _dirty, flush_all as _flush_all
 
 __all__ = ["Future"]
 
@@ -36,7 +36,7 @@ class Future:
     3
     """
 
-    __slots__ = ("_lock", "_value", "_exc", "_callbacks", "_conn", "__weakref__")
+    __slots__ = ("_lock", "_value", "_exc", "_callbacks", "_chan", "__weakref__")
 
     def __init__(self) -> None:
         raise TypeError("Future has no public constructor; futures come from endpoint adverbs")
@@ -49,7 +49,7 @@ class Future:
         f._value = _PENDING
         f._exc = None
         f._callbacks = None
-        f._conn = None  # the polled connection(s) its reply comes on: one, or a tuple (call())
+        f._chan = None  # the polled channel(s) its reply comes on: one, or a tuple (call())
         return f
 
     @classmethod
@@ -106,28 +106,26 @@ class Future:
         return self._value is not _PENDING
 
     def _unpark(self) -> None:
-        conn = self._conn
-        if conn is not None:
-            for c in conn if type(conn) is tuple else (conn,):
-                p = c._poller
-                if c in p._parked:
-                    p.unpark(c)
+        chan = self._chan
+        if chan is not None:
+            for c in chan if type(chan) is tuple else (chan,):
+                c.unpark()
 
     def _wait(self, timeout) -> None:
         if self._value is not _PENDING:
             return
         if _dirty:
             _flush_all()
-        conn = self._conn
-        if conn is not None:
+        chan = self._chan
+        if chan is not None:
             # read the reply ourselves rather than be woken by the poller thread
             if timeout is not None and timeout < 0:
                 raise ValueError(f"timeout must be >= 0, got {timeout}")
             deadline = None if timeout is None else _monotonic() + timeout
-            if type(conn) is tuple:  # the replies of a call(): read them all here
-                read = conn[0].read_all(conn, self, deadline)
+            if type(chan) is tuple:  # the replies of a call(): read them all here
+                read = Channel.wait_all(chan, self._done, deadline)
             else:
-                read = conn.read_until(self, deadline)
+                read = chan.wait(self._done, deadline)
             if read and self._value is _PENDING and deadline is not None:
                 timeout = max(0.0, deadline - _monotonic())
             if not read:
@@ -164,7 +162,7 @@ class Future:
 
     def add_done_callback(self, fn) -> None:
         """Call ``fn(future)`` when done (at once, in this thread, if already done)."""
-        if self._conn is not None:
+        if self._chan is not None:
             self._unpark()  # nobody may ever call get(): the poller thread must read the reply
         with _cb_lock:
             if self._value is _PENDING:

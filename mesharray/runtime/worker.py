@@ -41,8 +41,9 @@ import time
 import traceback
 
 from ..transport import framing
-from ..transport.connection import Connection, Listener, connect
+from ..transport.connection import Listener, connect
 from . import protocol as P
+from .channel import Channel
 from .context import Context, current
 from .router import set_secret
 
@@ -146,9 +147,9 @@ class Worker:
         self.pid = os.getpid()
         self.actors: dict[int, _Slot] = {}
         self.done = threading.Event()
-        self.controller: Connection | None = None
+        self.controller: Channel | None = None
         self.listener: Listener | None = None
-        self.inbound: set[Connection] = set()
+        self.inbound: set[Channel] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._loop_lock = threading.Lock()
@@ -157,9 +158,9 @@ class Worker:
 
     # -- connections ------------------------------------------------------
     def on_peer_socket(self, sock) -> None:
-        conn = Connection(sock, handler=self.on_frame, on_close=self._peer_closed, name="peer")
-        self.inbound.add(conn)
-        conn.start()
+        chan = Channel(sock, handler=self.on_frame, on_close=self._peer_closed, name="peer")
+        self.inbound.add(chan)
+        chan.start()
 
     def _peer_closed(self, conn, exc) -> None:
         self.inbound.discard(conn)
@@ -181,10 +182,9 @@ class Worker:
 
     # -- frames -------------------------------------------------------------
     def on_frame(self, conn, kind, flags, msg_id, target, view, payload) -> None:
+        # ``conn`` is the peer's Channel (VIEW frames are kept by the channel itself)
         if kind == P.CALL:
             self._call(conn, flags, msg_id, target, view, payload)
-        elif kind == P.VIEW:
-            conn.views_in[target] = pickle.loads(payload)
         elif kind == P.SPAWN:
             self._spawn(conn, msg_id, target, payload)
         elif kind == P.HELLO:
@@ -299,17 +299,19 @@ class Worker:
         fn = slot.bound[method] = getattr(slot.obj, method)
         return fn
 
-    def _reply(self, conn, msg_id, slot, method, result, cork=False) -> None:
-        # cork=True in a reader thread: the reader flushes before it blocks again
+    def _reply(self, chan, msg_id, slot, method, result, cork=False) -> None:
+        # cork=True in a reader thread: the reader flushes before it blocks again (so the
+        # frame goes to the connection itself, not through the channel's flusher)
+        conn = chan.conn
         if result is None:
             parts = _EMPTY_OK
         else:
             try:
-                parts = framing.encode_one(framing.dumps(result), conn.same_host, conn.peer.get("pid"))
+                parts = framing.encode_one(framing.dumps(result), conn.same_host, chan.peer.get("pid"))
             except Exception as exc:
                 err = TypeError(f"endpoint {method!r} returned a value of type {type(result).__name__} "
                                 f"that cannot be pickled: {exc}")
-                self._fail(conn, msg_id, True, slot, err)
+                self._fail(chan, msg_id, True, slot, err)
                 return
         try:
             conn.send(P.REPLY, 0, msg_id, P.OK, 0, parts, cork=cork)
@@ -369,7 +371,7 @@ class Worker:
             c.close(join=False)
         if self.controller is not None:
             # replies and log lines the controller has not read yet go out first
-            self.controller.drain(2.0)
+            self.controller.conn.drain(2.0)
             self.controller.close(join=False)
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -435,16 +437,16 @@ def run_worker(controller_address: str, secret: bytes, rank: int, *, listen: str
 
     get_router().identity = {"role": "peer", "rank": rank, "pid": w.pid, "host": w.host}
     sock = connect(controller_address, secret)
-    conn = Connection(sock, handler=w.on_frame, on_close=w.on_controller_closed, name="controller")
-    w.controller = conn
+    chan = Channel(sock, handler=w.on_frame, on_close=w.on_controller_closed, name="controller")
+    w.controller = chan
     if exit_process and forward_logs:
         from .. import telemetry
 
-        telemetry.forward_process_output(conn)
+        telemetry.forward_process_output(chan.conn)
     hello = {"role": "worker", "rank": rank, "pid": w.pid, "host": w.host,
              "address": w.listener.address, "forward_logs": forward_logs}
-    conn.send(P.HELLO, parts=[pickle.dumps(hello)])
-    conn.start()
+    chan.send(P.HELLO, parts=[pickle.dumps(hello)])
+    chan.start()
     if ready is not None:
         ready.set()
     hb = threading.Thread(target=w.heartbeat_loop, name="mesharray-heartbeat", daemon=True)
