@@ -39,47 +39,10 @@ import numpy as np
 from ._core import buffer_address, copy_bytes
 from ._proc_stat import start_time as _start_time
 from .errors import ActorDiedError, MeshArrayError
+from .runtime.future import Future
 from .transport.sockio import recv_exactly_into
 
 __all__ = ["Buffer"]
-
-try:  # the runtime's Future (get/await) when the runtime is present
-    from .runtime.future import Future as _RtFuture
-except ImportError:  # pragma: no cover - depends on what is merged
-    _RtFuture = None
-
-
-class _DoneFuture:
-    """A completed future (``get``/``await``) for when the runtime's is absent."""
-
-    __slots__ = ("_value", "_exc")
-
-    def __init__(self, value: Any = None, exc: BaseException | None = None) -> None:
-        self._value, self._exc = value, exc
-
-    def get(self, timeout: float | None = None) -> Any:
-        if self._exc is not None:
-            raise self._exc
-        return self._value
-
-    result = get
-
-    def done(self) -> bool:
-        return True
-
-    def exception(self, timeout: float | None = None):
-        return self._exc
-
-    def __await__(self):
-        return self.get()
-        yield  # pragma: no cover - makes this a generator
-
-
-def _completed(value: Any = None, exc: BaseException | None = None):
-    if _RtFuture is not None:
-        return _RtFuture._completed(value, exc)
-    return _DoneFuture(value, exc)
-
 
 # --- cross-memory attach ------------------------------------------------------------
 
@@ -475,7 +438,7 @@ class Buffer:
         finally:
             view.release()
 
-    def read_into(self, dst: Any):
+    def read_into(self, dst: Any) -> Future[int]:
         """Copy the buffer's bytes into ``dst``; returns a future of the number of bytes copied.
 
         ``dst`` smaller than the buffer raises ``ValueError`` before anything
@@ -499,12 +462,12 @@ class Buffer:
         except BaseException as exc:
             if isinstance(exc, (ValueError, TypeError)):
                 raise
-            return _completed(exc=exc)
+            return Future._completed(exc=exc)
         finally:
             del keep
-        return _completed(self.nbytes)
+        return Future._completed(self.nbytes)
 
-    def write_from(self, src: Any):
+    def write_from(self, src: Any) -> Future[int]:
         """Copy ``src`` into the buffer; returns a future of the number of bytes copied.
 
         ``src`` larger than the buffer raises ``ValueError`` before anything
@@ -528,10 +491,10 @@ class Buffer:
         try:
             self._transfer(True, addr, n)
         except BaseException as exc:
-            return _completed(exc=exc)
+            return Future._completed(exc=exc)
         finally:
             del keep
-        return _completed(n)
+        return Future._completed(n)
 
     def drop(self) -> None:
         """Release the block; later reads/writes through any handle raise a clear error.

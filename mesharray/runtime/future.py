@@ -12,17 +12,20 @@ from __future__ import annotations
 import _thread
 import asyncio
 from time import monotonic as _monotonic
+from typing import Any, Callable, Generator, Generic, TypeVar
 
 from .channel import Channel, dirty as _dirty, flush_all as _flush_all
 
 __all__ = ["Future"]
 
+T = TypeVar("T")
+
 _cb_lock = _thread.allocate_lock()
 _PENDING = object()
 
 
-class Future:
-    """The result of an actor call, available later.
+class Future(Generic[T]):
+    """The result of an actor call, available later: ``Future[T]`` gives a ``T``.
 
     Futures are made by the runtime (``call()``, ``call_one()``, ...); there is
     no public constructor.
@@ -42,7 +45,7 @@ class Future:
         raise TypeError("Future has no public constructor; futures come from endpoint adverbs")
 
     @classmethod
-    def _new(cls) -> "Future":
+    def _new(cls) -> "Future[Any]":
         f = object.__new__(cls)
         f._lock = _thread.allocate_lock()
         f._lock.acquire()
@@ -53,7 +56,7 @@ class Future:
         return f
 
     @classmethod
-    def _completed(cls, value=None, exc: BaseException | None = None) -> "Future":
+    def _completed(cls, value: T = None, exc: BaseException | None = None) -> "Future[T]":
         f = cls._new()
         if exc is not None:
             f._set_exception(exc)
@@ -62,7 +65,7 @@ class Future:
         return f
 
     # -- completion (runtime side) ----------------------------------------
-    def _set_result(self, value) -> bool:
+    def _set_result(self, value: T) -> bool:
         with _cb_lock:
             if self._value is not _PENDING:
                 return False
@@ -140,7 +143,7 @@ class Future:
             raise TimeoutError(f"future not done after {timeout} s")
         self._lock.release()  # let other waiters through
 
-    def get(self, timeout: float | None = None):
+    def get(self, timeout: float | None = None) -> T:
         """Block until done and return the value (or raise the remote error).
 
         Raises the builtin ``TimeoutError`` if not done within ``timeout`` seconds;
@@ -151,7 +154,7 @@ class Future:
             raise self._exc
         return self._value
 
-    def result(self, timeout: float | None = None):
+    def result(self, timeout: float | None = None) -> T:
         """Same as :meth:`get` (``concurrent.futures`` spelling)."""
         return self.get(timeout)
 
@@ -160,7 +163,7 @@ class Future:
         self._wait(timeout)
         return self._exc
 
-    def add_done_callback(self, fn) -> None:
+    def add_done_callback(self, fn: "Callable[[Future[T]], object]") -> None:
         """Call ``fn(future)`` when done (at once, in this thread, if already done)."""
         if self._chan is not None:
             self._unpark()  # nobody may ever call get(): the poller thread must read the reply
@@ -173,7 +176,7 @@ class Future:
                 return
         fn(self)
 
-    def __await__(self):
+    def __await__(self) -> Generator[Any, None, T]:
         if self._value is _PENDING:
             if _dirty:
                 _flush_all()
