@@ -279,12 +279,7 @@ class Worker:
             ctx._view = vshape
             token = current.set(ctx)
             try:
-                fn = slot.bound.get(method) or self._endpoint(slot, method)
-                if len(payload) - 1 - n == _NO_ARGS_LEN and payload.endswith(_NO_ARGS_BYTES):
-                    result = fn()  # no arguments: nothing to unpickle
-                else:
-                    args, kwargs = framing.decode(memoryview(payload)[1 + n:])
-                    result = fn(*args, **kwargs)
+                result = self._invoke(slot, method, payload, n)
             except BaseException as exc:
                 self._fail(conn, msg_id, reply, slot, exc)
                 return
@@ -292,6 +287,16 @@ class Worker:
                 current.reset(token)
         if reply:
             self._reply(conn, msg_id, slot, method, result, cork=True)
+
+    def _invoke(self, slot, method, payload, n):
+        """Run endpoint ``method`` on a CALL payload (``n``: its method name's length): what sync and
+        async calls share. Returns what the endpoint returns (an awaitable for an ``async`` one).
+        """
+        fn = slot.bound.get(method) or self._endpoint(slot, method)
+        if len(payload) - 1 - n == _NO_ARGS_LEN and payload.endswith(_NO_ARGS_BYTES):
+            return fn()  # no arguments: nothing to unpickle
+        args, kwargs = framing.decode(memoryview(payload)[1 + n:])
+        return fn(*args, **kwargs)
 
     def _endpoint(self, slot, method):
         if method not in slot.endpoints:
@@ -343,8 +348,7 @@ class Worker:
         ctx = Context(slot.name, slot.obj, slot.shape, vshape, self.rank, self.host, self.pid)
         token = current.set(ctx)
         try:
-            args, kwargs = framing.decode(memoryview(payload)[1 + n:])
-            result = self._endpoint(slot, method)(*args, **kwargs)
+            result = self._invoke(slot, method, payload, n)
             if inspect.isawaitable(result):
                 result = await result
         except BaseException as exc:
