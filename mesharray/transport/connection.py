@@ -338,10 +338,11 @@ class Connection:
         """The frame parser of both reading modes: hand every complete frame of
         ``view[start:end]`` to the handler, in order.
 
-        Returns ``(start, big)``: where the unparsed bytes begin, and for a
-        frame longer than the receive buffer (``cap`` bytes) ``big = (payload,
-        have, header fields)`` with its first ``have`` payload bytes copied
-        (the caller reads the rest into ``payload``; ``view`` is then empty).
+        Returns ``(start, end, big)``: the unparsed bytes, moved to the front
+        of the buffer when little room is left after them, and for a frame
+        longer than the receive buffer (``cap`` bytes) ``big = (payload, have,
+        header fields)`` with its first ``have`` payload bytes copied (the
+        caller reads the rest into ``payload``; the buffer is then empty).
         """
         limit, handler = self.limit, self.handler
         while end - start >= 24:
@@ -360,10 +361,15 @@ class Connection:
                 payload = bytearray(length)
                 have = end - start - 24
                 payload[:have] = view[start + 24:end]
-                return end, (payload, have, (kind, flags, msg_id, target, vw))
+                return 0, 0, (payload, have, (kind, flags, msg_id, target, vw))
             else:
                 break
-        return start, None
+        if start == end:
+            return 0, 0, None
+        if start and cap - end < 65536:
+            view[0:end - start] = view[start:end]
+            return 0, end - start, None
+        return start, end, None
 
     def _read_loop(self) -> None:
         sock, handler = self.sock, self.handler
@@ -374,17 +380,15 @@ class Connection:
         exc: BaseException | None = None
         try:
             while True:
-                start, big = self._parse(view, start, end, cap)
+                start, end, big = self._parse(view, start, end, cap)
                 if big is not None:
                     payload, have, hdr = big
                     with memoryview(payload) as pv:
                         recv_exactly_into(sock, pv, have)
-                    start = end = 0
                     handler(self, *hdr, payload)
                     continue
                 if self._out:
                     self.flush()  # replies queued while handling this batch
-                start, end = _compact(view, start, end, cap)
                 n = sock.recv_into(view[end:])
                 if n == 0:
                     break
@@ -536,13 +540,10 @@ class Connection:
                 raise EOFError
             self.bytes_in += n
             end += n
-            start, big = self._parse(view, start, end, len(self._pbuf))
+            start, end, big = self._parse(view, start, end, len(self._pbuf))
             if big is not None:
                 payload, have, hdr = big
                 self._big = (payload, memoryview(payload), have, hdr)
-                start = end = 0
-            else:
-                start, end = _compact(view, start, end, len(self._pbuf))
             self._pstart, self._pend = start, end
             return True
         except (BlockingIOError, InterruptedError):
@@ -624,16 +625,6 @@ class Connection:
                 cb(self, None)
         elif join and t is not threading.current_thread():
             t.join(5.0)
-
-
-def _compact(view: memoryview, start: int, end: int, cap: int) -> tuple[int, int]:
-    """Make room at the end of a receive buffer: restart when empty, move a short tail to the front."""
-    if start == end:
-        return 0, 0
-    if start and cap - end < 65536:
-        view[0:end - start] = view[start:end]
-        return 0, end - start
-    return start, end
 
 
 class Poller:
