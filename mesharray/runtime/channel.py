@@ -38,7 +38,7 @@ next_id = itertools.count(1).__next__
 #: a broadcast this soon after the previous one on its channel is corked (a burst)
 _BURST = 100e-6
 
-_REPLY, _F_REPLY, _DIED = P.REPLY, P.F_REPLY, P.DIED
+_REPLY, _VIEW, _F_REPLY, _DIED, _OK = P.REPLY, P.VIEW, P.F_REPLY, P.DIED, P.OK
 _SendErrors = (BrokenTransportError, ClosedTransportError)
 _view_lock = threading.Lock()
 
@@ -94,12 +94,12 @@ class Channel:
             c = self.counters
             if c is not None:
                 c.replies += 1
-                if target != P.OK:
+                if target != _OK:
                     c.errors += 1
             cb = self.pending.pop(msg_id, None)
             if cb is not None:
                 cb(target, payload)
-        elif kind == P.VIEW:
+        elif kind == _VIEW:
             self.views_in[target] = pickle.loads(payload)
         else:
             h = self.handler
