@@ -16,8 +16,11 @@ runtime keeps per peer lives here:
 - *parking* and reading replies in the caller's thread (:meth:`Channel.wait`,
   :meth:`Channel.wait_all`, used by ``Future``).
 
-The owner's frame handler gets the channel: ``handler(channel, kind, flags,
-msg_id, target, view, payload)``; ``on_close(channel, exc)`` runs once.
+The channel sorts incoming frames: REPLY to the pending call, VIEW to
+``views_in``, CALL to ``on_call(channel, flags, msg_id, target, view,
+payload)`` when given (a worker's actors: one dispatch level, as before the
+channel existed), everything else to ``handler(channel, kind, flags, msg_id,
+target, view, payload)``; ``on_close(channel, exc)`` runs once.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ next_id = itertools.count(1).__next__
 #: a broadcast this soon after the previous one on its channel is corked (a burst)
 _BURST = 100e-6
 
-_REPLY, _VIEW, _F_REPLY, _DIED, _OK = P.REPLY, P.VIEW, P.F_REPLY, P.DIED, P.OK
+_CALL, _REPLY, _VIEW, _F_REPLY, _DIED, _OK = P.CALL, P.REPLY, P.VIEW, P.F_REPLY, P.DIED, P.OK
 _SendErrors = (BrokenTransportError, ClosedTransportError)
 _view_lock = threading.Lock()
 
@@ -65,11 +68,13 @@ class Channel:
     replies; else a reader thread of its own, for the side that runs actors).
     """
 
-    __slots__ = ("conn", "handler", "on_close", "pending", "views_out", "views_in", "peer", "died",
+    __slots__ = ("conn", "handler", "on_call", "on_close", "pending", "views_out", "views_in", "peer", "died",
                  "t_oneway", "polled", "counters", "__weakref__")
 
-    def __init__(self, sock, handler=None, on_close=None, name: str = "", counters=None) -> None:
+    def __init__(self, sock, handler=None, on_close=None, name: str = "", counters=None,
+                 on_call=None) -> None:
         self.handler = handler
+        self.on_call = on_call
         self.on_close = on_close
         self.pending: dict = {}
         self.views_out: dict = {}
@@ -90,7 +95,12 @@ class Channel:
             self.conn.start()
 
     def _on_frame(self, conn, kind, flags, msg_id, target, view, payload) -> None:
-        if kind == _REPLY:
+        if kind == _CALL:
+            oc = self.on_call
+            if oc is not None:
+                oc(self, flags, msg_id, target, view, payload)
+                return
+        elif kind == _REPLY:
             c = self.counters
             if c is not None:
                 c.replies += 1
@@ -99,12 +109,13 @@ class Channel:
             cb = self.pending.pop(msg_id, None)
             if cb is not None:
                 cb(target, payload)
+            return
         elif kind == _VIEW:
             self.views_in[target] = pickle.loads(payload)
-        else:
-            h = self.handler
-            if h is not None:
-                h(self, kind, flags, msg_id, target, view, payload)
+            return
+        h = self.handler
+        if h is not None:
+            h(self, kind, flags, msg_id, target, view, payload)
 
     def _on_conn_close(self, conn, exc) -> None:
         cb, self.on_close = self.on_close, None

@@ -158,7 +158,7 @@ class Worker:
 
     # -- connections ------------------------------------------------------
     def on_peer_socket(self, sock) -> None:
-        chan = Channel(sock, handler=self.on_frame, on_close=self._peer_closed, name="peer")
+        chan = Channel(sock, handler=self.on_frame, on_close=self._peer_closed, name="peer", on_call=self._call)
         self.inbound.add(chan)
         chan.start()
 
@@ -182,7 +182,7 @@ class Worker:
 
     # -- frames -------------------------------------------------------------
     def on_frame(self, conn, kind, flags, msg_id, target, view, payload) -> None:
-        # ``conn`` is the peer's Channel (VIEW frames are kept by the channel itself)
+        # ``conn`` is the peer's Channel (it keeps VIEW frames and hands CALLs to _call directly)
         if kind == P.CALL:
             self._call(conn, flags, msg_id, target, view, payload)
         elif kind == P.SPAWN:
@@ -441,7 +441,8 @@ def run_worker(controller_address: str, secret: bytes, rank: int, *, listen: str
 
     get_router().identity = {"role": "peer", "rank": rank, "pid": w.pid, "host": w.host}
     sock = connect(controller_address, secret)
-    chan = Channel(sock, handler=w.on_frame, on_close=w.on_controller_closed, name="controller")
+    chan = Channel(sock, handler=w.on_frame, on_close=w.on_controller_closed, name="controller",
+                   on_call=w._call)
     w.controller = chan
     if exit_process and forward_logs:
         from .. import telemetry
