@@ -59,9 +59,10 @@ import random
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
-from .errors import ActorDiedError, ActorError, SerializationError
+from .errors import ActorError, SerializationError
 from .mesh import MeshTrait
 from .runtime import protocol as P
+from .runtime.channel import Channel, flush_all
 from .runtime.context import current
 from .runtime.future import Future
 from .runtime.router import get_router
@@ -71,7 +72,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._core import Shape
     from .array import MeshArray
     from .runtime.context import Context
-    from .transport.connection import Connection
 
 __all__ = ["Actor", "ActorMesh", "Endpoint", "EndpointProperty", "Future", "endpoint", "context",
            "current_rank", "current_size"]
@@ -302,7 +302,8 @@ def _outcome(status: int, payload: Any) -> tuple[Any, BaseException | None]:
     return None, payload  # DIED: payload is the error
 
 
-def _one_cb(fut: Future[Any]) -> Callable[[int, Any], None]:
+def future_callback(fut: Future[Any]) -> Callable[[int, Any], None]:
+    """The reply callback (``cb(status, payload)``) that completes ``fut`` with one reply's outcome."""
     def cb(status: int, payload: Any) -> None:
         value, exc = _outcome(status, payload)
         if exc is None:
@@ -408,8 +409,7 @@ class ActorMesh(MeshTrait):
         router = get_router()
         for r in self._shape:
             try:
-                conn = router.connection(self._addresses[r])
-                conn.send(P.STOP_ACTOR, 0, 0, self._actor_id, 0)
+                router.channel(self._addresses[r]).send(P.STOP_ACTOR, 0, 0, self._actor_id, 0)
             except Exception:
                 pass
 
@@ -435,65 +435,19 @@ class Endpoint(Generic[_P, _R]):
         self._noargs = [self._method + _NO_ARGS_BYTES]  # the whole payload of a call without arguments
 
     def _send(self, ranks: Any, shape: Shape, args: tuple[Any, ...], kwargs: dict[str, Any],
-              cbs: Any, park: bool = False) -> list[Connection | None]:
-        """Pickle once, then send one CALL per rank (``cbs[i]`` gets rank i's reply).
+              cbs: Any, park: bool = False) -> list[Channel | None]:
+        """Pickle once, then send one CALL per rank (``cbs[i]`` gets rank i's reply; ``None``: a broadcast).
 
-        Returns the connections used (``None`` for a rank that could not be reached).
+        Returns the channels used (``None`` for a rank that could not be reached).
         """
-        p = framing.dumps((args, kwargs)) if (args or kwargs) else _NO_ARGS
-        mesh = self._mesh
-        router = get_router()
-        addrs = mesh._addresses
-        conns: list[Connection | None] = []
-        dead = None  # a broadcast reaches every live actor first, then reports the dead
-        for i, r in enumerate(ranks):
-            try:
-                conns.append(router.connection(addrs[r]))
-            except Exception as exc:
-                conns.append(None)
-                if cbs is None:
-                    if not isinstance(exc, ActorDiedError):
-                        raise
-                    dead = dead or exc
-                else:
-                    cbs[i](P.DIED, exc)
-        seg = placed = None
-        if p.big and all(c is not None and c.same_host for c in conns):
-            from .transport import shm
-
-            if shm.available():
-                seg, placed = framing.write_shm(p, len(conns))
-        plain: list[bytes] | None
-        if p is _NO_ARGS:
-            plain = self._noargs
+        if args or kwargs:
+            p = framing.dumps((args, kwargs))
+            plain = None
         else:
-            plain = None if p.big else [self._method, *framing.encode(p)]
-        aid = mesh._actor_id
-        if park:  # the caller will read the replies itself (call().get()): see Router.send
-            for c in conns:
-                if c is None or getattr(c, "_rlock", None) is None:
-                    park = False
-                    break
-        for i, conn in enumerate(conns):
-            if conn is None:
-                continue
-            if plain is not None:
-                parts = plain
-            elif seg is not None:
-                parts = [self._method, *framing.encode(p, seg=seg, placed=placed, slot=i)]
-            else:
-                parts = [self._method, *framing.encode(p)]
-            try:
-                vid = router.view_id(conn, shape)
-                router.send(conn, P.CALL, aid, vid, parts, None if cbs is None else cbs[i], park)
-            except ActorDiedError as exc:  # the peer died under us (a call's fails its future)
-                if cbs is None:
-                    dead = dead or exc
-                else:
-                    cbs[i](P.DIED, exc)
-        if dead is not None:
-            raise dead
-        return conns
+            p, plain = _NO_ARGS, self._noargs
+        mesh = self._mesh
+        return get_router().send_many(mesh._addresses, ranks, P.CALL, mesh._actor_id, shape, p,
+                                      self._method, plain, cbs, park)
 
     def call(self, *args: _P.args, **kwargs: _P.kwargs) -> Future[MeshArray]:
         """Call every actor of the mesh; a future of the gathered :class:`~mesharray.MeshArray`.
@@ -511,33 +465,36 @@ class Endpoint(Generic[_P, _R]):
         if not ranks:
             g._finish()
             return fut
-        conns = self._send(ranks, shape, args, kwargs, cbs, park=True)
-        for c in conns:
-            if c is None or getattr(c, "_rlock", None) is None:
+        chans = self._send(ranks, shape, args, kwargs, cbs, park=True)
+        for c in chans:
+            if c is None or not c.polled:
                 break
         else:  # all polled: get() reads the replies in its own thread
-            fut._conn = tuple(conns)
+            fut._chan = tuple(chans)
         return fut
 
     def _send_one(self, rank: int, shape: Shape, args: tuple[Any, ...], kwargs: dict[str, Any],
-                  cb: Callable[[int, Any], None]) -> Connection | None:
+                  cb: Callable[[int, Any], None]) -> Channel | None:
         """The latency path of ``call_one``/``choose``: one rank, small arguments."""
         if args or kwargs:
             p = framing.dumps((args, kwargs))
             if p.big:
-                return self._send((rank,), shape, args, kwargs, (cb,))[0]
+                mesh = self._mesh
+                chan = get_router().send_many(mesh._addresses, (rank,), P.CALL, mesh._actor_id, shape, p,
+                                              self._method, None, (cb,))[0]
+                return chan if chan is not None and chan.polled else None
             parts = [self._method, *framing.encode(p)]
         else:
             parts = self._noargs
-        router = get_router()
         try:
-            conn = router.connection(self._mesh._addresses[rank])
+            chan = get_router().channel(self._mesh._addresses[rank])
+            vid = chan.view_id(shape)
         except Exception as exc:
             cb(P.DIED, exc)
             return None
-        router.send(conn, P.CALL, self._mesh._actor_id, router.view_id(conn, shape), parts, cb,
-                    park=getattr(conn, "_rlock", None) is not None)
-        return conn
+        polled = chan.polled
+        chan.call(P.CALL, self._mesh._actor_id, vid, parts, cb, polled)
+        return chan if polled else None
 
     def call_one(self, *args: _P.args, **kwargs: _P.kwargs) -> Future[_R]:
         """Call the only actor of the mesh; ``ValueError`` (nothing sent) if it has more than one.
@@ -552,9 +509,7 @@ class Endpoint(Generic[_P, _R]):
         if n != 1:
             raise ValueError(f"call_one requires exactly 1 actor, but mesh has {n}")
         fut = Future._new()
-        conn = self._send_one(shape.rank(0), shape, args, kwargs, _one_cb(fut))
-        if conn is not None and getattr(conn, "_rlock", None) is not None:
-            fut._conn = conn
+        fut._chan = self._send_one(shape.rank(0), shape, args, kwargs, future_callback(fut))
         return fut
 
     def choose(self, *args: _P.args, **kwargs: _P.kwargs) -> Future[_R]:
@@ -564,9 +519,7 @@ class Endpoint(Generic[_P, _R]):
             raise ValueError("choose needs at least 1 actor, but mesh has 0")
         r = shape.rank(random.randrange(shape.size))
         fut = Future._new()
-        conn = self._send_one(r, shape, args, kwargs, _one_cb(fut))
-        if conn is not None and getattr(conn, "_rlock", None) is not None:
-            fut._conn = conn
+        fut._chan = self._send_one(r, shape, args, kwargs, future_callback(fut))
         return fut
 
     def stream(self, *args: _P.args, **kwargs: _P.kwargs) -> Iterator[Future[_R]]:
@@ -585,11 +538,11 @@ class Endpoint(Generic[_P, _R]):
         futs = [Future._new() for _ in ranks]
         for f in futs:
             f.add_done_callback(done.put)
-        self._send(ranks, shape, args, kwargs, [_one_cb(f) for f in futs])
+        self._send(ranks, shape, args, kwargs, [future_callback(f) for f in futs])
 
-        def gen(n: int = len(ranks)) -> Iterator[Future[_R]]:
-            from .runtime.router import flush_all
+        n = len(ranks)
 
+        def gen() -> Iterator[Future[_R]]:
             for _ in range(n):
                 flush_all()
                 yield done.get()

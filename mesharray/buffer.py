@@ -37,15 +37,12 @@ from typing import Any
 import numpy as np
 
 from ._core import buffer_address, copy_bytes
+from ._proc_stat import start_time as _start_time
 from .errors import ActorDiedError, MeshArrayError
 from .runtime.future import Future
+from .transport.sockio import recv_exactly_into
 
 __all__ = ["Buffer"]
-
-
-def _completed(value: Any = None, exc: BaseException | None = None) -> Future[Any]:
-    return Future._completed(value, exc)
-
 
 # --- cross-memory attach ------------------------------------------------------------
 
@@ -105,13 +102,6 @@ def _host_key() -> str:
     return f"{boot}:{ns}"
 
 
-def _start_time(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return int(stat[stat.rindex(b")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 # --- the owner's registry -------------------------------------------------------------
@@ -255,12 +245,10 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
 
 
 def _recv_into(conn: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < view.nbytes:
-        n = conn.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionError("buffer owner closed the connection mid-transfer")
-        got += n
+    try:
+        recv_exactly_into(conn, view)
+    except EOFError:
+        raise ConnectionError("buffer peer closed the connection mid-transfer") from None
 
 
 # --- the handle ---------------------------------------------------------------------------
@@ -451,7 +439,7 @@ class Buffer:
         finally:
             view.release()
 
-    def read_into(self, dst: Any):
+    def read_into(self, dst: Any) -> Future[int]:
         """Copy the buffer's bytes into ``dst``; returns a future of the number of bytes copied.
 
         ``dst`` smaller than the buffer raises ``ValueError`` before anything
@@ -475,12 +463,12 @@ class Buffer:
         except BaseException as exc:
             if isinstance(exc, (ValueError, TypeError)):
                 raise
-            return _completed(exc=exc)
+            return Future._completed(exc=exc)
         finally:
             del keep
-        return _completed(self.nbytes)
+        return Future._completed(self.nbytes)
 
-    def write_from(self, src: Any):
+    def write_from(self, src: Any) -> Future[int]:
         """Copy ``src`` into the buffer; returns a future of the number of bytes copied.
 
         ``src`` larger than the buffer raises ``ValueError`` before anything
@@ -504,10 +492,10 @@ class Buffer:
         try:
             self._transfer(True, addr, n)
         except BaseException as exc:
-            return _completed(exc=exc)
+            return Future._completed(exc=exc)
         finally:
             del keep
-        return _completed(n)
+        return Future._completed(n)
 
     def drop(self) -> None:
         """Release the block; later reads/writes through any handle raise a clear error.

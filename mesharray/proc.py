@@ -29,7 +29,7 @@ from typing import Any, ParamSpec, Protocol, TypeVar, cast
 import numpy as np
 
 from ._core import Shape
-from .actor import Actor, ActorMesh, _one_cb
+from .actor import Actor, ActorMesh, future_callback
 from .array import MeshArray
 from .bootstrap import local as _local
 from .bootstrap import mpi as _mpi
@@ -246,17 +246,12 @@ class ProcMesh(MeshTrait):
             raise MeshStoppedError("ProcMesh has already been stopped; cannot spawn actors on it")
         actor_id = _actor_ids()
         p = framing.dumps((name, actor_class, args, kwargs, self._shape))
-        parts = framing.encode(p)
-        router = root.controller.router
-        futs = []
-        for r in self._shape:
-            fut = Future._new()
-            try:
-                conn = router.connection(root.addresses[r])
-                router.send(conn, P.SPAWN, actor_id, 0, parts, _one_cb(fut))
-            except Exception as exc:
-                fut._set_exception(exc)
-            futs.append(fut)
+        ranks = list(self._shape)
+        futs = [Future._new() for _ in ranks]
+        # the endpoints' send loop: one SPAWN per rank, no view; a rank that cannot be
+        # reached fails its future
+        root.controller.router.send_many(root.addresses, ranks, P.SPAWN, actor_id, None, p,
+                                         cbs=[future_callback(f) for f in futs])
         for fut in futs:
             fut.get()  # the first failing rank raises ActorError (or ActorDiedError)
         root.controller.counters.spawns += 1

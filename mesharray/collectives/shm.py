@@ -34,6 +34,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .. import _proc_stat
 from .._core import atomic_load, atomic_store, buffer_address, copy_bytes, reduce_addresses, wait_flags
 from ..errors import ActorDiedError, MeshArrayError, SupervisionError
 from ._args import as_contiguous, check_out
@@ -79,13 +80,7 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        # the state follows the parenthesised command name
-        return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] not in (b"Z", b"X")
-    except (OSError, ValueError):
-        return True
+    return _proc_stat.state(pid) not in (b"Z", b"X")  # unknown (None): alive
 
 
 class ShmCollective:

@@ -6,7 +6,9 @@ reach the runtime through ``mesharray`` (``ma.proc_mesh``, ``ma.Actor``,
 :class:`Future`, reports ``mesharray`` as its ``__module__``.
 
 - :mod:`.protocol`   — message kinds and the hand-packed parts of messages.
-- :mod:`.future`     — the one :class:`Future` type.
+- :mod:`.future`     — the one :class:`Future` type (``Future[T]``).
+- :mod:`.channel`    — :class:`Channel`: the runtime's state per peer connection (pending
+                       calls, views, corking, reading replies in the caller's thread).
 - :mod:`.router`     — sends calls to actors (by worker address) and resolves replies;
                        one per process, used by the controller and by actors alike.
 - :mod:`.worker`     — :func:`run_worker`, the loop every worker runs.
@@ -14,4 +16,4 @@ reach the runtime through ``mesharray`` (``ma.proc_mesh``, ``ma.Actor``,
                        supervision (EOF + exit status, heartbeats), stop.
 """
 
-__all__ = ["protocol", "future", "router", "worker", "controller"]
+__all__ = ["protocol", "future", "channel", "router", "worker", "controller"]

@@ -31,11 +31,13 @@ import pickle
 import sys
 import threading
 import time
+from typing import Any
 
 from ..errors import ActorDiedError, BootstrapError, MeshFailure, MeshStoppedError
 from ..telemetry import Counters, LogSink
-from ..transport.connection import Connection, Listener
+from ..transport.connection import Listener
 from . import protocol as P
+from .channel import Channel
 from .router import get_router
 
 __all__ = ["Controller", "WorkerInfo"]
@@ -101,7 +103,7 @@ class Controller:
         self.stopping = False
         self.stopped = False
         self._cond = threading.Condition()
-        self._conns: set[Connection] = set()
+        self._conns: set[Channel] = set()
         self.listener = Listener(self.secret, self._on_socket, kind=listen, host=host)
         self.address = self.listener.address
         self._monitor = threading.Thread(target=self._monitor_loop, name="mesharray-supervisor", daemon=True)
@@ -110,26 +112,21 @@ class Controller:
 
     # -- connections ------------------------------------------------------
     def _on_socket(self, sock) -> None:
-        conn = Connection(sock, handler=self._on_frame, on_close=self._on_close, name="worker")
+        # replies are resolved (and counted) by the channel; the rest comes to _on_frame
+        chan = Channel(sock, handler=self._on_frame, on_close=self._on_close, name="worker",
+                       counters=self.counters)
         with self._cond:
-            self._conns.add(conn)
-        conn.start_polled()
+            self._conns.add(chan)
+        chan.start(polled=True)
 
-    def _on_frame(self, conn, kind, flags, msg_id, target, view, payload) -> None:
-        if kind == P.REPLY:
-            self.counters.replies += 1
-            if target != P.OK:
-                self.counters.errors += 1
-            cb = conn.pending.pop(msg_id, None)
-            if cb is not None:
-                cb(target, payload)
-        elif kind == P.HEARTBEAT:
+    def _on_frame(self, conn: Channel, kind, flags, msg_id, target, view, payload) -> None:
+        if kind == P.HEARTBEAT:
             info = conn.peer.get("info")
             if info is not None:
                 info.last_seen = time.monotonic()
         elif kind == P.LOG:
             self.counters.log_bytes += len(payload)
-            rank = conn.peer.get("rank")
+            rank: Any = conn.peer.get("rank")
             self.sink.write(self.labels.get(rank, f"rank={rank}"), target, bytes(payload))
         elif kind == P.HELLO:
             hello = pickle.loads(payload)

@@ -15,19 +15,20 @@ from collections.abc import Callable, Generator
 from time import monotonic as _monotonic
 from typing import Any, Generic, TypeVar
 
-from .router import _dirty
-from .router import flush_all as _flush_all
+from .channel import Channel
+from .channel import dirty as _dirty
+from .channel import flush_all as _flush_all
 
 __all__ = ["Future"]
+
+T = TypeVar("T")
 
 _cb_lock = _thread.allocate_lock()
 _PENDING: Any = object()
 
-T = TypeVar("T")
-
 
 class Future(Generic[T]):
-    """The result of an actor call, available later: a ``Future[T]`` gets a ``T``.
+    """The result of an actor call, available later: ``Future[T]`` gives a ``T``.
 
     Futures are made by the runtime (``call()``, ``call_one()``, ...); there is
     no public constructor.
@@ -41,13 +42,13 @@ class Future(Generic[T]):
     3
     """
 
-    __slots__ = ("_lock", "_value", "_exc", "_callbacks", "_conn", "__weakref__")
+    __slots__ = ("_lock", "_value", "_exc", "_callbacks", "_chan", "__weakref__")
 
     _lock: _thread.LockType
     _value: Any  # T once done, _PENDING before
     _exc: BaseException | None
     _callbacks: list[Callable[[Future[T]], object]] | None
-    _conn: Any  # the polled connection(s) its reply comes on: one, a tuple (call()) or None
+    _chan: Any  # the polled channel(s) its reply comes on: one, a tuple (call()) or None
 
     def __init__(self) -> None:
         raise TypeError("Future has no public constructor; futures come from endpoint adverbs")
@@ -60,7 +61,7 @@ class Future(Generic[T]):
         f._value = _PENDING
         f._exc = None
         f._callbacks = None
-        f._conn = None  # the polled connection(s) its reply comes on: one, or a tuple (call())
+        f._chan = None  # the polled channel(s) its reply comes on: one, or a tuple (call())
         return f
 
     @classmethod
@@ -117,28 +118,26 @@ class Future(Generic[T]):
         return self._value is not _PENDING
 
     def _unpark(self) -> None:
-        conn = self._conn
-        if conn is not None:
-            for c in conn if type(conn) is tuple else (conn,):
-                p = c._poller
-                if c in p._parked:
-                    p.unpark(c)
+        chan = self._chan
+        if chan is not None:
+            for c in chan if type(chan) is tuple else (chan,):
+                c.unpark()
 
     def _wait(self, timeout: float | None) -> None:
         if self._value is not _PENDING:
             return
         if _dirty:
             _flush_all()
-        conn = self._conn
-        if conn is not None:
+        chan = self._chan
+        if chan is not None:
             # read the reply ourselves rather than be woken by the poller thread
             if timeout is not None and timeout < 0:
                 raise ValueError(f"timeout must be >= 0, got {timeout}")
             deadline = None if timeout is None else _monotonic() + timeout
-            if type(conn) is tuple:  # the replies of a call(): read them all here
-                read = conn[0].read_all(conn, self, deadline)
+            if type(chan) is tuple:  # the replies of a call(): read them all here
+                read = Channel.wait_all(chan, self._done, deadline)
             else:
-                read = conn.read_until(self, deadline)
+                read = chan.wait(self._done, deadline)
             if read and self._value is _PENDING and deadline is not None:
                 timeout = max(0.0, deadline - _monotonic())
             if not read:
@@ -173,9 +172,9 @@ class Future(Generic[T]):
         self._wait(timeout)
         return self._exc
 
-    def add_done_callback(self, fn: Callable[[Future[T]], object]) -> None:
+    def add_done_callback(self, fn: "Callable[[Future[T]], object]") -> None:
         """Call ``fn(future)`` when done (at once, in this thread, if already done)."""
-        if self._conn is not None:
+        if self._chan is not None:
             self._unpark()  # nobody may ever call get(): the poller thread must read the reply
         with _cb_lock:
             if self._value is _PENDING:

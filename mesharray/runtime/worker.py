@@ -41,8 +41,9 @@ import traceback
 from typing import Any
 
 from ..transport import framing
-from ..transport.connection import Connection, Listener, connect
+from ..transport.connection import Listener, connect
 from . import protocol as P
+from .channel import Channel
 from .context import Context, current
 from .router import set_secret
 
@@ -157,9 +158,9 @@ class Worker:
         self.pid = os.getpid()
         self.actors: dict[int, _Slot] = {}
         self.done = threading.Event()
-        self.controller: Connection | None = None
+        self.controller: Channel | None = None
         self.listener: Listener | None = None
-        self.inbound: set[Connection] = set()
+        self.inbound: set[Channel] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._loop_lock = threading.Lock()
@@ -168,9 +169,9 @@ class Worker:
 
     # -- connections ------------------------------------------------------
     def on_peer_socket(self, sock) -> None:
-        conn = Connection(sock, handler=self.on_frame, on_close=self._peer_closed, name="peer")
-        self.inbound.add(conn)
-        conn.start()
+        chan = Channel(sock, handler=self.on_frame, on_close=self._peer_closed, name="peer", on_call=self._call)
+        self.inbound.add(chan)
+        chan.start()
 
     def _peer_closed(self, conn, exc) -> None:
         self.inbound.discard(conn)
@@ -192,10 +193,9 @@ class Worker:
 
     # -- frames -------------------------------------------------------------
     def on_frame(self, conn, kind, flags, msg_id, target, view, payload) -> None:
+        # ``conn`` is the peer's Channel (it keeps VIEW frames and hands CALLs to _call directly)
         if kind == P.CALL:
             self._call(conn, flags, msg_id, target, view, payload)
-        elif kind == P.VIEW:
-            conn.views_in[target] = pickle.loads(payload)
         elif kind == P.SPAWN:
             self._spawn(conn, msg_id, target, payload)
         elif kind == P.HELLO:
@@ -290,12 +290,7 @@ class Worker:
             ctx._view = vshape
             token = current.set(ctx)
             try:
-                fn = slot.bound.get(method) or self._endpoint(slot, method)
-                if len(payload) - 1 - n == _NO_ARGS_LEN and payload.endswith(_NO_ARGS_BYTES):
-                    result = fn()  # no arguments: nothing to unpickle
-                else:
-                    args, kwargs = framing.decode(memoryview(payload)[1 + n:])
-                    result = fn(*args, **kwargs)
+                result = self._invoke(slot, method, payload, n)
             except BaseException as exc:
                 self._fail(conn, msg_id, reply, slot, exc)
                 return
@@ -304,23 +299,35 @@ class Worker:
         if reply:
             self._reply(conn, msg_id, slot, method, result, cork=True)
 
+    def _invoke(self, slot, method, payload, n):
+        """Run endpoint ``method`` on a CALL payload (``n``: its method name's length): what sync and
+        async calls share. Returns what the endpoint returns (an awaitable for an ``async`` one).
+        """
+        fn = slot.bound.get(method) or self._endpoint(slot, method)
+        if len(payload) - 1 - n == _NO_ARGS_LEN and payload.endswith(_NO_ARGS_BYTES):
+            return fn()  # no arguments: nothing to unpickle
+        args, kwargs = framing.decode(memoryview(payload)[1 + n:])
+        return fn(*args, **kwargs)
+
     def _endpoint(self, slot, method):
         if method not in slot.endpoints:
             raise AttributeError(f"actor {slot.name!r} ({type(slot.obj).__name__}) has no endpoint {method!r}")
         fn = slot.bound[method] = getattr(slot.obj, method)
         return fn
 
-    def _reply(self, conn, msg_id, slot, method, result, cork=False) -> None:
-        # cork=True in a reader thread: the reader flushes before it blocks again
+    def _reply(self, chan, msg_id, slot, method, result, cork=False) -> None:
+        # cork=True in a reader thread: the reader flushes before it blocks again (so the
+        # frame goes to the connection itself, not through the channel's flusher)
+        conn = chan.conn
         if result is None:
             parts = _EMPTY_OK
         else:
             try:
-                parts = framing.encode_one(framing.dumps(result), conn.same_host, conn.peer.get("pid"))
+                parts = framing.encode_one(framing.dumps(result), conn.same_host, chan.peer.get("pid"))
             except Exception as exc:
                 err = TypeError(f"endpoint {method!r} returned a value of type {type(result).__name__} "
                                 f"that cannot be pickled: {exc}")
-                self._fail(conn, msg_id, True, slot, err)
+                self._fail(chan, msg_id, True, slot, err)
                 return
         try:
             conn.send(P.REPLY, 0, msg_id, P.OK, 0, parts, cork=cork)
@@ -352,8 +359,7 @@ class Worker:
         ctx = Context(slot.name, slot.obj, slot.shape, vshape, self.rank, self.host, self.pid)
         token = current.set(ctx)
         try:
-            args, kwargs = framing.decode(memoryview(payload)[1 + n:])
-            result = self._endpoint(slot, method)(*args, **kwargs)
+            result = self._invoke(slot, method, payload, n)
             if inspect.isawaitable(result):
                 result = await result
         except BaseException as exc:
@@ -382,7 +388,7 @@ class Worker:
             c.close(join=False)
         if self.controller is not None:
             # replies and log lines the controller has not read yet go out first
-            self.controller.drain(2.0)
+            self.controller.conn.drain(2.0)
             self.controller.close(join=False)
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -449,16 +455,17 @@ def run_worker(controller_address: str, secret: bytes, rank: int, *, listen: str
 
     get_router().identity = {"role": "peer", "rank": rank, "pid": w.pid, "host": w.host}
     sock = connect(controller_address, secret)
-    conn = Connection(sock, handler=w.on_frame, on_close=w.on_controller_closed, name="controller")
-    w.controller = conn
+    chan = Channel(sock, handler=w.on_frame, on_close=w.on_controller_closed, name="controller",
+                   on_call=w._call)
+    w.controller = chan
     if exit_process and forward_logs:
         from .. import telemetry
 
-        telemetry.forward_process_output(conn)
+        telemetry.forward_process_output(chan.conn)
     hello = {"role": "worker", "rank": rank, "pid": w.pid, "host": w.host,
              "address": w.listener.address, "forward_logs": forward_logs}
-    conn.send(P.HELLO, parts=[pickle.dumps(hello)])
-    conn.start()
+    chan.send(P.HELLO, parts=[pickle.dumps(hello)])
+    chan.start()
     if ready is not None:
         ready.set()
     hb = threading.Thread(target=w.heartbeat_loop, name="mesharray-heartbeat", daemon=True)

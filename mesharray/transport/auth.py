@@ -22,6 +22,7 @@ import os
 import socket
 
 from ..errors import AuthenticationError, BrokenTransportError
+from .sockio import recv_exactly
 
 __all__ = ["MAGIC", "server_handshake", "client_handshake", "new_secret", "HANDSHAKE_TIMEOUT"]
 
@@ -40,14 +41,10 @@ def _mac(secret: bytes, tag: bytes, a: bytes, b: bytes) -> bytes:
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    chunks = []
-    while n:
-        chunk = sock.recv(n)
-        if not chunk:
-            raise BrokenTransportError("peer closed the connection during the handshake")
-        chunks.append(chunk)
-        n -= len(chunk)
-    return b"".join(chunks)
+    try:
+        return recv_exactly(sock, n)
+    except EOFError:
+        raise BrokenTransportError("peer closed the connection during the handshake") from None
 
 
 def server_handshake(sock: socket.socket, secret: bytes, timeout: float = HANDSHAKE_TIMEOUT) -> None:

@@ -48,10 +48,12 @@ import socket
 import sys
 import threading
 import time
+from typing import Any
 
 from .._core import pack_header, unpack_header
 from ..errors import AuthenticationError, BrokenTransportError, ClosedTransportError, FrameError, TransportError
 from . import auth, framing
+from .sockio import recv_exactly_into
 
 __all__ = ["Connection", "Listener", "Poller", "Writer", "connect", "default_poller", "default_writer",
            "parse_address", "BACKLOG_MAX"]
@@ -94,6 +96,11 @@ class Connection:
     (``exc`` is ``None`` for a clean EOF or a local close).
     """
 
+    # poll mode only (set by start_polled and Poller.add)
+    _fd: int
+    _big: tuple[Any, memoryview, int, Any] | None
+    _poll_exc: BaseException | None
+
     def __init__(self, sock: socket.socket, handler=None, on_close=None, name: str = "",
                  limit: int | None = None) -> None:
         self.sock = sock
@@ -106,20 +113,13 @@ class Connection:
         self._closed = False
         self._thread: threading.Thread | None = None
         self.closed_error: BaseException | None = None
-        self.died: BaseException | None = None  # set by the runtime when the peer is known dead
-        # per-connection state used by the runtime (pending calls, view ids)
-        self.pending: dict = {}
-        self.views_out: dict = {}
-        self.views_in: dict = {}
-        self.peer: dict = {}
+        self.poller: "Poller | None" = None  # the poller reading it (poll mode), else None
         self.bytes_out = 0
         self.frames_out = 0
         self.bytes_in = 0  # counted by poll-mode reading (the caller side) only
         self._out: list = []  # corked frames
-        self._out_n = 0
+        self.corked_bytes = 0  # bytes of corked frames not written yet (read-only outside)
         self._out_t0 = 0.0
-        self.on_cork = None  # called when the queue of corked frames becomes non-empty
-        self.t_oneway = 0.0  # when the runtime last sent a one-way frame (its burst detection)
         # written frames the socket has not taken yet (memoryviews, in order), drained
         # by the process's Writer; positions count every byte ever handed to the socket
         self._backlog: collections.deque = collections.deque()
@@ -134,12 +134,15 @@ class Connection:
 
     # -- sending ---------------------------------------------------------
     def send(self, kind: int, flags: int = 0, msg_id: int = 0, target: int = 0, view: int = 0,
-             parts=(), cork: bool = False) -> None:
+             parts=(), cork: bool = False) -> bool:
         """Send one frame; ``parts`` is a list of bytes-like objects (the payload).
 
         ``cork=True`` queues a small frame instead of writing it: queued frames
         go out in order, in one write, at the next :meth:`flush` or uncorked
-        send (the runtime flushes before anyone blocks waiting for a reply).
+        send, at :data:`_CORK_MAX` queued bytes, or when a thread-mode reader
+        is about to block. Returns True when this frame started a queue, so
+        that the caller can arrange the next :meth:`flush` (the runtime's
+        channel does: it flushes before anyone blocks waiting for a reply).
         """
         n = 0
         for p in parts:
@@ -156,28 +159,24 @@ class Connection:
                     out = self._out
                     if cork:
                         out.append(data)
-                        self._out_n += len(data)
+                        self.corked_bytes += len(data)
                         if len(out) == 1:
                             self._out_t0 = time.perf_counter()
-                            first = True
-                        else:
-                            first = False
-                            if self._out_n >= _CORK_MAX:
-                                self._flush_locked()
+                            return True
+                        if self.corked_bytes >= _CORK_MAX:
+                            self._flush_locked()
                     elif out:
                         out.append(data)
                         self._flush_locked()
-                        return
                     else:
                         self._write_locked(data)
-                        return
-                if first and self.on_cork is not None:
-                    self.on_cork(self)
+                return False
             else:
                 with self._send_lock:
                     if self._out:
                         self._flush_locked()
                     self._write_parts_locked([hdr, *parts])
+                return False
         except TransportError:
             raise
         except OSError as exc:
@@ -186,7 +185,7 @@ class Connection:
     def _flush_locked(self) -> None:
         data = b"".join(self._out)
         self._out.clear()
-        self._out_n = 0
+        self.corked_bytes = 0
         self._write_locked(data)
 
     def flush(self) -> None:
@@ -199,6 +198,7 @@ class Connection:
                     self._flush_locked()
                 except OSError:
                     self._out.clear()
+                    self.corked_bytes = 0
 
     # -- non-blocking writes (see the module docstring) ---------------------------
     def _write_locked(self, data: bytes) -> None:
@@ -296,6 +296,7 @@ class Connection:
 
     def _raise_write_error(self):
         err = self._write_error
+        assert err is not None
         raise type(err)(str(err)) from err
 
     def _watch_locked(self) -> None:
@@ -340,49 +341,61 @@ class Connection:
                                         daemon=True)
         self._thread.start()
 
+    def _parse(self, view: memoryview, start: int, end: int, cap: int):
+        """The frame parser of both reading modes: hand every complete frame of
+        ``view[start:end]`` to the handler, in order.
+
+        Returns ``(start, end, big)``: the unparsed bytes, moved to the front
+        of the buffer when little room is left after them, and for a frame
+        longer than the receive buffer (``cap`` bytes) ``big = (payload, have,
+        header fields)`` with its first ``have`` payload bytes copied (the
+        caller reads the rest into ``payload``; the buffer is then empty).
+        """
+        limit, handler = self.limit, self.handler
+        while end - start >= 24:
+            try:
+                kind, flags, length, msg_id, target, vw = unpack_header(view, limit, start)
+            except ValueError as e:
+                raise FrameError(f"bad frame from {self.name}: {e}") from None
+            total = 24 + length
+            if end - start >= total:
+                payload = bytearray(view[start + 24:start + total]) if length else b""
+                start += total
+                handler(self, kind, flags, msg_id, target, vw, payload)
+                if self._out and time.perf_counter() - self._out_t0 > _CORK_AGE:
+                    self.flush()  # frames corked while handling a long batch
+            elif total > cap:
+                payload = bytearray(length)
+                have = end - start - 24
+                payload[:have] = view[start + 24:end]
+                return 0, 0, (payload, have, (kind, flags, msg_id, target, vw))
+            else:
+                break
+        if start == end:
+            return 0, 0, None
+        if start and cap - end < 65536:
+            view[0:end - start] = view[start:end]
+            return 0, end - start, None
+        return start, end, None
+
     def _read_loop(self) -> None:
-        sock, limit, handler = self.sock, self.limit, self.handler
+        sock, handler = self.sock, self.handler
         buf = bytearray(_RECV_BUF)
         view = memoryview(buf)
+        cap = len(buf)
         start = end = 0
         exc: BaseException | None = None
         try:
             while True:
-                while end - start >= 24:
-                    try:
-                        kind, flags, length, msg_id, target, vw = unpack_header(view, limit, start)
-                    except ValueError as e:
-                        raise FrameError(f"bad frame from {self.name}: {e}") from None
-                    total = 24 + length
-                    if end - start >= total:
-                        payload = bytearray(view[start + 24:start + total]) if length else b""
-                        start += total
-                        handler(self, kind, flags, msg_id, target, vw, payload)
-                        if self._out and time.perf_counter() - self._out_t0 > _CORK_AGE:
-                            self.flush()
-                    elif total > len(buf):
-                        payload = bytearray(length)
-                        have = end - start - 24
-                        payload[:have] = view[start + 24:end]
-                        pv = memoryview(payload)
-                        while have < length:
-                            n = sock.recv_into(pv[have:])
-                            if n == 0:
-                                raise EOFError
-                            have += n
-                        pv.release()
-                        start = end = 0
-                        handler(self, kind, flags, msg_id, target, vw, payload)
-                    else:
-                        break
+                start, end, big = self._parse(view, start, end, cap)
+                if big is not None:
+                    payload, have, hdr = big
+                    with memoryview(payload) as pv:
+                        recv_exactly_into(sock, pv, have)
+                    handler(self, *hdr, payload)
+                    continue
                 if self._out:
                     self.flush()  # replies queued while handling this batch
-                if start == end:
-                    start = end = 0
-                elif start and len(buf) - end < 65536:
-                    view[0:end - start] = view[start:end]
-                    end -= start
-                    start = 0
                 n = sock.recv_into(view[end:])
                 if n == 0:
                     break
@@ -420,19 +433,22 @@ class Connection:
         self._pollobj = select.poll()  # for callers that read with a deadline
         self._pollobj.register(self._fd, select.POLLIN)
 
-    def read_until(self, fut, deadline: float | None) -> bool:
-        """Read this (polled) connection in the calling thread until ``fut`` is done.
+    def read_until(self, done, deadline: float | None) -> bool | None:
+        """Read this (polled) connection in the calling thread until ``done()`` is true.
 
-        Returns False at once if another thread is reading it. Stops at
-        ``deadline`` (``time.monotonic()``), or when the connection ends.
-        Without a deadline it blocks in ``recv`` itself (one syscall per
-        reply, no ``poll``); closing the connection wakes it.
+        Returns ``None`` at once if another thread is reading it; else whether
+        the connection is still open. Stops at ``deadline``
+        (``time.monotonic()``), or when the connection ends. Without a
+        deadline it blocks in ``recv`` itself (one syscall per reply, no
+        ``poll``); closing the connection wakes it. On return the connection
+        is disarmed: the caller gives it back to the poller (``rearm``) or
+        leaves it parked (``keep_parked``).
         """
         if not self._rlock.acquire(False):
-            return False
+            return None
         ok = True
-        done = fut._done
-        poller = self._poller
+        poller = self.poller
+        assert poller is not None, "read_until is for a polled connection"
         if self not in poller._parked:
             poller.disarm(self)  # keep the poller thread asleep while we read
         try:
@@ -456,35 +472,33 @@ class Connection:
             if not ok:
                 poller.discard(self)
                 self._poll_done()
-            elif self.pending:
-                poller.rearm(self)  # replies nobody reads here: the poller's job
-            else:
-                poller.keep_parked(self)  # saves two epoll_ctl per call in a call loop
-        return True
+        return ok
 
     @staticmethod
-    def read_all(conns, fut, deadline: float | None) -> bool:
+    def read_all(conns, done, deadline: float | None) -> list | None:
         """:meth:`read_until` over several polled connections (the replies of one ``call()``).
 
         The calling thread reads them all (one ``poll`` for the lot, no hand-off
-        to the poller thread). Returns False at once, reading nothing, if
-        another thread is reading any of them.
+        to the poller thread). Returns ``None`` at once, reading nothing, if
+        another thread is reading any of them; else the connections that
+        ended. The others are left disarmed, as by :meth:`read_until`.
         """
-        held = []
+        held: list[Connection] = []
         for c in conns:
             if not c._rlock.acquire(False):
                 for h in held:
                     h._rlock.release()
-                return False
+                return None
             held.append(c)
         ended = []
-        done = fut._done
         try:
             p = select.poll()
             by_fd = {}
             for c in held:
-                if c not in c._poller._parked:
-                    c._poller.disarm(c)
+                poller = c.poller
+                assert poller is not None, "read_all is for polled connections"
+                if c not in poller._parked:
+                    poller.disarm(c)
                 p.register(c._fd, select.POLLIN)
                 by_fd[c._fd] = c
             while not done() and by_fd:
@@ -505,13 +519,10 @@ class Connection:
             for c in held:
                 c._rlock.release()
                 if c in ended:
-                    c._poller.discard(c)
+                    if c.poller is not None:
+                        c.poller.discard(c)
                     c._poll_done()
-                elif c.pending:
-                    c._poller.rearm(c)
-                else:
-                    c._poller.keep_parked(c)
-        return True
+        return ended
 
     def _poll_read(self, flags: int = socket.MSG_DONTWAIT) -> bool:
         """Read what is there and handle complete frames; False once the connection ended.
@@ -540,38 +551,16 @@ class Connection:
                 raise EOFError
             self.bytes_in += n
             end += n
-            limit, handler = self.limit, self.handler
-            while end - start >= 24:
-                try:
-                    kind, flags, length, msg_id, target, vw = unpack_header(view, limit, start)
-                except ValueError as e:
-                    raise FrameError(f"bad frame from {self.name}: {e}") from None
-                total = 24 + length
-                if end - start >= total:
-                    payload = bytearray(view[start + 24:start + total]) if length else b""
-                    start += total
-                    handler(self, kind, flags, msg_id, target, vw, payload)
-                elif total > len(self._pbuf):
-                    payload = bytearray(length)
-                    have = end - start - 24
-                    payload[:have] = view[start + 24:end]
-                    self._big = (payload, memoryview(payload), have, (kind, flags, msg_id, target, vw))
-                    start = end = 0
-                    break
-                else:
-                    break
-            if start == end:
-                start = end = 0
-            elif start and len(self._pbuf) - end < 65536:
-                view[0:end - start] = view[start:end]
-                end -= start
-                start = 0
+            start, end, big = self._parse(view, start, end, len(self._pbuf))
+            if big is not None:
+                payload, have, hdr = big
+                self._big = (payload, memoryview(payload), have, hdr)
             self._pstart, self._pend = start, end
             return True
         except (BlockingIOError, InterruptedError):
             return True
         except EOFError:
-            exc = None
+            exc: BaseException | None = None
         except FrameError as e:
             log.warning("%s; dropping the connection", e)
             exc = e
@@ -676,7 +665,7 @@ class Poller:
 
     def add(self, conn: Connection) -> None:
         fd = conn.sock.fileno()
-        conn._poller = self
+        conn.poller = self
         conn._fd = fd
         self._conns[fd] = conn
         self._ep.register(fd, self._flags)
@@ -700,6 +689,10 @@ class Poller:
         except (OSError, ValueError):
             pass
         self._start_sweeping()
+
+    def is_parked(self, conn: Connection) -> bool:
+        """Whether ``conn`` is parked (disarmed for a caller that may read it)."""
+        return conn in self._parked
 
     def keep_parked(self, conn: Connection) -> None:
         """A reader is done with ``conn`` (disarmed) and nothing is pending on it: leave it so.
@@ -766,9 +759,10 @@ class Poller:
                 if fd == self._wake_r:
                     os.read(fd, 64)
                     continue
-                conn = self._conns.get(fd)
-                if conn is None:  # discarded by a caller that saw it end
+                got = self._conns.get(fd)
+                if got is None:  # discarded by a caller that saw it end
                     continue
+                conn = got
                 if not conn._rlock.acquire(False):
                     continue  # a caller is reading it; it re-arms when done
                 try:

@@ -15,7 +15,7 @@ import pytest
 PKG = pathlib.Path(__file__).resolve().parents[2] / "mesharray"
 
 LAYERS = [
-    ("mesharray._core", "mesharray.errors"),
+    ("mesharray._core", "mesharray.errors", "mesharray._proc_stat"),
     ("mesharray.mesh", "mesharray.array", "mesharray.transport", "mesharray.engines", "mesharray.collectives"),
     ("mesharray.telemetry", "mesharray.runtime"),
     ("mesharray.actor", "mesharray.buffer"),

@@ -21,7 +21,7 @@ def tp():
 
 
 def _conn(mesh):
-    return get_router().conns[mesh._addresses[mesh._shape.rank(0)]]
+    return get_router().channels[mesh._addresses[mesh._shape.rank(0)]].conn
 
 
 def test_a_worker_that_never_saw_a_tensor_has_not_imported_torch():

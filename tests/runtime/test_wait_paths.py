@@ -14,7 +14,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _conn(mesh, i=0):
-    return get_router().conns[mesh._addresses[mesh._shape.rank(i)]]
+    """The transport connection under the channel to rank ``i`` of ``mesh``."""
+    return get_router().channels[mesh._addresses[mesh._shape.rank(i)]].conn
 
 
 def test_a_future_nobody_gets_still_completes_through_done(procs):
@@ -47,20 +48,20 @@ def test_a_dropped_future_gives_the_connection_back_to_the_poller(procs):
     conn = _conn(p)
     p.pid.call_one()  # parked for a caller that never comes
     t = time.monotonic()
-    while conn in conn._poller._parked:
+    while conn.poller.is_parked(conn):
         assert time.monotonic() - t < 2, "the poller never took the connection back"
         time.sleep(0.01)
     assert p.pid.call_one().get(timeout=5) > 0
     assert procs.stats()["alive"] == 4
     # once nothing is parked the poller sleeps without a timeout; a new park wakes it
-    poller = conn._poller
+    poller = conn.poller
     t = time.monotonic()
     while poller._timeout >= 0:
         assert time.monotonic() - t < 2, "the poller kept sweeping with nothing parked"
         time.sleep(0.01)
     p.pid.call_one()
     t = time.monotonic()
-    while conn in poller._parked:
+    while poller.is_parked(conn):
         assert time.monotonic() - t < 2, "a park after an idle spell was never swept"
         time.sleep(0.01)
     assert procs.stats()["alive"] == 4

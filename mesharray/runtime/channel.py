@@ -1,0 +1,312 @@
+"""The runtime's state per peer: one :class:`Channel` per connection.
+
+A :class:`~mesharray.transport.connection.Connection` is a socket with framing
+and nothing else (frames out, frames in, the write backlog, close). What the
+runtime keeps per peer lives here:
+
+- the calls in flight (``pending``: ``msg_id -> callback``) and their reply
+  resolution (REPLY frames never reach the owner's handler);
+- the mesh views defined on the connection (``views_out`` by the sender,
+  ``views_in`` by the receiver: VIEW frames);
+- who the peer is (``peer``: rank, pid, address, ...) and, once it is known
+  dead, the error every later send gets (``died``);
+- the corking *policy* (when a frame may wait: :meth:`Channel.call`,
+  :meth:`Channel.post`), the set of connections with corked frames and the
+  flusher thread (:func:`flush_all`); the connection only queues and writes;
+- *parking* and reading replies in the caller's thread (:meth:`Channel.wait`,
+  :meth:`Channel.wait_all`, used by ``Future``).
+
+The channel sorts incoming frames: REPLY to the pending call, VIEW to
+``views_in``, CALL to ``on_call(channel, flags, msg_id, target, view,
+payload)`` when given (a worker's actors: one dispatch level, as before the
+channel existed), everything else to ``handler(channel, kind, flags, msg_id,
+target, view, payload)``; ``on_close(channel, exc)`` runs once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+import threading
+import time
+
+from ..errors import ActorDiedError, BrokenTransportError, ClosedTransportError
+from ..transport.connection import Connection
+from . import protocol as P
+
+__all__ = ["Channel", "flush_all", "dirty", "next_id", "sent"]
+
+next_id = itertools.count(1).__next__
+
+#: a broadcast this soon after the previous one on its channel is corked (a burst)
+_BURST = 100e-6
+
+_CALL, _REPLY, _VIEW, _F_REPLY, _DIED, _OK = P.CALL, P.REPLY, P.VIEW, P.F_REPLY, P.DIED, P.OK
+_SendErrors = (BrokenTransportError, ClosedTransportError)
+_view_lock = threading.Lock()
+
+
+class _Sent:
+    """Frames sent by this process: ``calls`` (expecting a reply: calls, spawns), ``oneway`` (broadcasts)."""
+
+    __slots__ = ("calls", "oneway")
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.oneway = 0
+
+
+sent = _Sent()
+
+
+class Channel:
+    """One connection to a peer, with the runtime's state about that peer.
+
+    ``Channel(sock, handler, on_close, name)`` wraps ``sock`` in a
+    :class:`Connection`; :meth:`start` starts reading it (``polled=True``: the
+    process's poller, for the caller side whose handler only resolves
+    replies; else a reader thread of its own, for the side that runs actors).
+    """
+
+    __slots__ = ("conn", "handler", "on_call", "on_close", "pending", "views_out", "views_in", "peer", "died",
+                 "t_oneway", "polled", "counters", "__weakref__")
+
+    def __init__(self, sock, handler=None, on_close=None, name: str = "", counters=None,
+                 on_call=None) -> None:
+        self.handler = handler
+        self.on_call = on_call
+        self.on_close = on_close
+        self.pending: dict = {}
+        self.views_out: dict = {}
+        self.views_in: dict = {}
+        self.peer: dict = {}
+        self.died: BaseException | None = None
+        self.t_oneway = 0.0
+        self.polled = False  # True once read by the poller (callers may park and read it)
+        self.counters = counters  # telemetry.Counters (replies, errors) or None
+        self.conn = Connection(sock, handler=self._on_frame, on_close=self._on_conn_close, name=name)
+
+    # -- the connection's side ------------------------------------------------
+    def start(self, polled: bool = False) -> None:
+        if polled:
+            self.conn.start_polled()
+            self.polled = True
+        else:
+            self.conn.start()
+
+    def _on_frame(self, conn, kind, flags, msg_id, target, view, payload) -> None:
+        if kind == _CALL:
+            oc = self.on_call
+            if oc is not None:
+                oc(self, flags, msg_id, target, view, payload)
+                return
+        elif kind == _REPLY:
+            c = self.counters
+            if c is not None:
+                c.replies += 1
+                if target != _OK:
+                    c.errors += 1
+            cb = self.pending.pop(msg_id, None)
+            if cb is not None:
+                cb(target, payload)
+            return
+        elif kind == _VIEW:
+            self.views_in[target] = pickle.loads(payload)
+            return
+        h = self.handler
+        if h is not None:
+            h(self, kind, flags, msg_id, target, view, payload)
+
+    def _on_conn_close(self, conn, exc) -> None:
+        cb, self.on_close = self.on_close, None
+        if cb is not None:
+            cb(self, exc)
+
+    @property
+    def name(self) -> str:
+        return self.conn.name
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self.conn.name = value
+
+    @property
+    def closed(self) -> bool:
+        return self.conn.closed
+
+    def send(self, kind: int, flags: int = 0, msg_id: int = 0, target: int = 0, view: int = 0,
+             parts=(), cork: bool = False) -> None:
+        """One frame as is (control frames: HELLO, STOP, LOG, ...); ``cork``: see :meth:`Connection.send`."""
+        if self.conn.send(kind, flags, msg_id, target, view, parts, cork):
+            _mark_dirty(self.conn)
+
+    def close(self, join: bool = True) -> None:
+        self.conn.close(join)
+
+    def lost(self) -> ActorDiedError:
+        """The error of a peer whose connection ended before its close handler said why."""
+        peer = self.peer
+        return ActorDiedError(ranks=peer.get("ranks", ()), pid=peer.get("pid"),
+                              reason=f"connection to {peer.get('address', self.conn.name)} lost")
+
+    def fail(self, err: BaseException) -> None:
+        """The peer is dead: every pending call gets ``err``, and so does every later send."""
+        self.died = err
+        pending = self.pending
+        while pending:
+            try:
+                _, cb = pending.popitem()
+            except KeyError:
+                break
+            cb(_DIED, err)
+
+    # -- sending ----------------------------------------------------------------
+    def view_id(self, shape) -> int:
+        """The id of ``shape`` on this channel, defining it on first use (before any call uses it)."""
+        vid = self.views_out.get(shape)
+        if vid is None:
+            with _view_lock:
+                vid = self.views_out.get(shape)
+                if vid is None:
+                    vid = len(self.views_out) + 1
+                    try:
+                        self.conn.send(P.VIEW, 0, 0, vid, 0, [pickle.dumps(shape, protocol=5)])
+                    except _SendErrors as exc:
+                        raise (self.died or self.lost()) from exc
+                    self.views_out[shape] = vid
+        return vid
+
+    def call(self, kind: int, target: int, view: int, parts, cb, park: bool = False) -> None:
+        """Send one frame whose reply goes to ``cb(status, payload_or_error)``.
+
+        Corked (written later, many per write) while earlier calls on this
+        channel are in flight (pipelining); a lone call goes out at once.
+        Corked frames are flushed before any wait (:func:`flush_all`) and by a
+        flusher thread within ~0.2 ms.
+
+        ``park=True``: the caller will likely read the reply itself (its
+        future knows the channel): a lone call disarms the poller thread for
+        this connection before it is written (``Poller.park``), so that the
+        poller cannot win the race for the reply. A dead peer fails ``cb``
+        (never raises).
+        """
+        sent.calls += 1
+        mid = next_id()
+        conn = self.conn
+        pending = self.pending
+        cork = bool(pending) or conn.corked_bytes > 0
+        if park and not cork:
+            poller = conn.poller
+            assert poller is not None  # parking is for polled connections
+            poller.park(conn)
+        pending[mid] = cb
+        try:
+            if conn.send(kind, _F_REPLY, mid, target, view, parts, cork):
+                _mark_dirty(conn)
+        except _SendErrors:
+            pass  # the close handler fails the pending call with the death error
+        err = self.died
+        if err is not None:
+            c = pending.pop(mid, None)
+            if c is not None:
+                c(_DIED, err)
+
+    def post(self, kind: int, target: int, view: int, parts) -> None:
+        """Send one frame without a reply (a broadcast); raises the death error of a dead peer.
+
+        Corked only inside a burst (within :data:`_BURST` of the previous one):
+        a lone broadcast goes out at once, which spares the flusher thread's
+        wake-up when nothing follows it soon.
+        """
+        conn = self.conn
+        now = time.perf_counter()
+        cork = conn.corked_bytes > 0 or now - self.t_oneway < _BURST
+        self.t_oneway = now
+        try:
+            if conn.send(kind, 0, 0, target, view, parts, cork):
+                _mark_dirty(conn)
+        except _SendErrors as exc:
+            # the peer went away and its close handler has not run yet: the same
+            # error every later send will get, not a transport detail
+            raise (self.died or self.lost()) from exc
+        sent.oneway += 1
+
+    # -- reading replies in the caller's thread -----------------------------------
+    def wait(self, done, deadline: float | None) -> bool:
+        """Read replies in this thread until ``done()`` (or ``deadline``); False if another thread reads."""
+        conn = self.conn
+        ok = conn.read_until(done, deadline)
+        if ok is None:
+            return False
+        if ok:
+            poller = conn.poller
+            assert poller is not None
+            if self.pending:
+                poller.rearm(conn)  # replies nobody reads here: the poller's job
+            else:
+                poller.keep_parked(conn)  # saves two epoll_ctl per call in a call loop
+        return True
+
+    @staticmethod
+    def wait_all(chans, done, deadline: float | None) -> bool:
+        """:meth:`wait` over several channels (the replies of one ``call()``), one ``poll`` for all."""
+        ended = Connection.read_all([ch.conn for ch in chans], done, deadline)
+        if ended is None:
+            return False
+        for ch in chans:
+            c = ch.conn
+            if c in ended:
+                continue
+            if ch.pending:
+                c.poller.rearm(c)
+            else:
+                c.poller.keep_parked(c)
+        return True
+
+    def unpark(self) -> None:
+        """Give the connection back to the poller thread now (nobody may come to read it)."""
+        conn = self.conn
+        p = conn.poller
+        if p is not None and p.is_parked(conn):
+            p.unpark(conn)
+
+    def __repr__(self) -> str:
+        return f"<Channel {self.conn.name} pending={len(self.pending)}>"
+
+
+# -- corked frames: flushed before any wait, or by the flusher thread ------------------
+#: connections that may hold corked frames (read-only outside: ``if dirty: flush_all()``)
+dirty: set = set()
+_dirty = dirty
+_dirty_lock = threading.Lock()
+_flush_wake = threading.Event()
+_flusher: threading.Thread | None = None
+
+
+def _mark_dirty(conn: Connection) -> None:
+    global _flusher
+    with _dirty_lock:
+        _dirty.add(conn)
+        if _flusher is None or _flusher.ident is not None and not _flusher.is_alive():
+            _flusher = threading.Thread(target=_flush_loop, name="mesharray-flusher", daemon=True)
+            _flusher.start()
+    _flush_wake.set()
+
+
+def flush_all() -> None:
+    """Write every corked frame of this process now (called before blocking on a reply)."""
+    if not _dirty:
+        return
+    with _dirty_lock:
+        conns = list(_dirty)
+        _dirty.clear()
+    for c in conns:
+        c.flush()
+
+
+def _flush_loop() -> None:
+    while True:
+        _flush_wake.wait()
+        _flush_wake.clear()
+        time.sleep(0.0002)  # let a burst of sends accumulate
+        flush_all()

@@ -1,0 +1,31 @@
+"""Reading exactly ``n`` bytes from a blocking socket: the one helper the handshake,
+the frame reader and the buffer stream server share."""
+
+from __future__ import annotations
+
+import socket
+
+__all__ = ["recv_exactly", "recv_exactly_into"]
+
+
+def recv_exactly_into(sock: socket.socket, view: memoryview, start: int = 0) -> int:
+    """Fill ``view[start:]`` from ``sock``; returns the number of bytes read.
+
+    Raises ``EOFError`` if the peer closes first (callers turn it into their
+    own error); ``OSError`` (a timeout included) passes through.
+    """
+    have, n = start, view.nbytes
+    while have < n:
+        got = sock.recv_into(view[have:])
+        if got == 0:
+            raise EOFError(f"peer closed the connection after {have} of {n} bytes")
+        have += got
+    return have - start
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes from ``sock`` (``EOFError`` if the peer closes first)."""
+    buf = bytearray(n)
+    with memoryview(buf) as v:
+        recv_exactly_into(sock, v)
+    return bytes(buf)
