@@ -40,11 +40,14 @@ from .mesh import MeshTrait
 from .runtime import protocol as P
 from .runtime.controller import Controller
 from .runtime.future import Future
-from .transport import framing
+from .transport import framing, shm
 
 __all__ = ["ProcMesh", "proc_mesh", "this_host", "HostMesh", "install_array_factory"]
 
 _actor_ids = itertools.count(1).__next__
+
+#: bytes of free shared-memory segments a stopped mesh leaves mapped for the next one
+_SHM_KEEP = int(os.environ.get("MESHARRAY_SHM_KEEP", str(64 << 20)))
 
 _A = TypeVar("_A", bound=Actor)
 _P = ParamSpec("_P")
@@ -149,6 +152,8 @@ class _Root:
                     self.bootstrap.close()
                 for a in self.addresses:
                     self.controller.router.forget(a)
+                # segments that carried this mesh's messages: keep a few for the next mesh
+                shm.trim(_SHM_KEEP)
                 self.stopped = True
                 callbacks, self.on_stop = self.on_stop, []
                 for fn in callbacks:

@@ -118,7 +118,10 @@ class DistributedStorage:
         all_ranks = _all_ranks if _all_ranks is not None else tuple(sorted(
             set(self.ranks.ravel().tolist()) | (set(holders.ravel().tolist()) if holders is not None else set())))
         nbytes = math.prod(self._local) * self._dtype.itemsize * max(1, len(all_ranks))
-        weakref.finalize(self, ctx.decref, bid, all_ranks, nbytes)
+        # the finalizer holds its context weakly: the registry of finalizers is a
+        # root, and a context reaches its arrays back (through the mesh, a stored
+        # error's traceback, a frame), which would keep the array and its mesh alive
+        weakref.finalize(self, _decref, weakref.ref(ctx), bid, all_ranks, nbytes)
 
     def _derive(self, bid: int, ranks: np.ndarray | None = None, local: tuple | None = None, dtype: Any = None,
                 holders: Any = False) -> "DistributedStorage":
@@ -521,6 +524,12 @@ def _matmul_meta(proxies: list) -> tuple[tuple, np.dtype]:
     out = batch + (a2[-2],) * (a.ndim > 1) + (b2[-1],) * (b.ndim > 1)
     dt = np.result_type(a.dtype, b.dtype)
     return tuple(out), dt
+
+
+def _decref(ctx_ref: weakref.ref, bid: int, ranks: tuple, nbytes: int) -> None:
+    ctx = ctx_ref()
+    if ctx is not None:
+        ctx.decref(bid, ranks, nbytes)
 
 
 def _bind(cls: Any, *rest: Any) -> Any:

@@ -22,7 +22,7 @@ import pickle
 import threading
 
 from ..errors import ActorDiedError
-from ..transport import framing
+from ..transport import framing, shm
 from ..transport.connection import connect
 from . import protocol as P
 from .channel import Channel, flush_all, next_id, sent
@@ -102,6 +102,9 @@ class Router:
             c.fail(err)
             if c is not chan:
                 c.close(join=False)
+        # the dead never clear their busy bytes in our shared-memory segments: free them,
+        # and unmap the segments it sent us
+        shm.release_peer(address, getattr(err, "pid", None))
 
     def forget(self, address: str) -> None:
         with self._lock:
@@ -141,10 +144,8 @@ class Router:
                     cbs[i](P.DIED, exc)
         seg = placed = None
         if plain is None and p.big and all(c is not None and c.conn.same_host for c in chans):
-            from ..transport import shm
-
             if shm.available():
-                seg, placed = framing.write_shm(p, len(chans))
+                seg, placed = framing.write_shm(p, len(chans), tuple(addresses[r] for r in ranks))
         if plain is None and not p.big:
             plain = [head, *framing.encode(p)] if head else framing.encode(p)
         if park:

@@ -222,15 +222,15 @@ def encode_one(p: Payload, same_host: bool, dest_pid: int | None = None) -> list
             descs[i] = _DESC.pack(_SHM, slot, dest_pid, fd, serial, off, n)
     if copy:
         pool = shm.pool()
-        seg, placed = pool.write([p.buffers[i] for i in copy], 1)
+        seg, placed = pool.write([p.buffers[i] for i in copy], 1, (dest_pid,))
         for i, (off, n) in zip(copy, placed):
             descs[i] = _DESC.pack(_SHM, 0, pool.pid, seg.fd, seg.serial, off, n)
     return [_PREFIX.pack(len(p.pickled), len(descs), 0), *descs, p.pickled]
 
 
-def write_shm(p: Payload, nreceivers: int):
-    """Copy a payload's buffers into shared memory once for ``nreceivers``."""
-    return shm.pool().write(p.buffers, nreceivers)
+def write_shm(p: Payload, nreceivers: int, receivers: tuple = ()):
+    """Copy a payload's buffers into shared memory once for ``nreceivers`` (named by ``receivers``)."""
+    return shm.pool().write(p.buffers, nreceivers, receivers)
 
 
 def decode(payload):

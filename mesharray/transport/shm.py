@@ -44,7 +44,8 @@ import weakref
 
 import numpy as np
 
-__all__ = ["SegmentPool", "pool", "attach", "back_reference", "available", "DATA_OFFSET", "MAX_SLOTS"]
+__all__ = ["SegmentPool", "pool", "attach", "back_reference", "available", "forget_peer", "release_peer", "trim",
+           "DATA_OFFSET", "MAX_SLOTS"]
 
 DATA_OFFSET = 4096
 FLAGS_OFFSET = 64
@@ -63,7 +64,7 @@ def available() -> bool:
 
 
 class _Segment:
-    __slots__ = ("fd", "size", "mm", "serial", "flags", "nslots")
+    __slots__ = ("fd", "size", "mm", "serial", "flags", "nslots", "receivers")
 
     def __init__(self, size: int, serial: int) -> None:
         self.fd = os.memfd_create(f"mesharray-{serial}", os.MFD_CLOEXEC)
@@ -74,6 +75,7 @@ class _Segment:
         struct.pack_into("<Q", self.mm, 0, serial)
         self.flags = np.frombuffer(self.mm, np.uint8, 2 * MAX_SLOTS, FLAGS_OFFSET)
         self.nslots = 0
+        self.receivers: tuple = ()  # who holds each slot of the current message (a key per slot)
 
     def free(self) -> bool:
         n = self.nslots
@@ -89,9 +91,12 @@ class SegmentPool:
         self._serial = (os.getpid() << 20) & 0xFFFFFFFFFFFF
         self.pid = os.getpid()
 
-    def write(self, buffers, nslots: int):
+    def write(self, buffers, nslots: int, receivers: tuple = ()):
         """Copy ``buffers`` into a free segment reserved for ``nslots`` receivers.
 
+        ``receivers`` names the receiver of each slot (any hashable key: an
+        address, a pid): :meth:`release_peer` frees the slots of a receiver
+        that died, which never clears its busy byte itself.
         Returns ``(segment, [(offset, length), ...])``.
         """
         if nslots > MAX_SLOTS:
@@ -111,6 +116,7 @@ class SegmentPool:
                 self._segments.append(seg)
             seg.flags[:nslots] = 1
             seg.nslots = nslots
+            seg.receivers = tuple(receivers)
             struct.pack_into("<I", seg.mm, 8, nslots)
         placed = []
         off = DATA_OFFSET
@@ -127,6 +133,41 @@ class SegmentPool:
             mv.release()
         return seg, placed
 
+    def release_peer(self, key) -> int:
+        """Free the slots a dead receiver ``key`` holds (busy and sent-back bytes); how many."""
+        n = 0
+        with self._lock:
+            for s in self._segments:
+                for slot, who in enumerate(s.receivers):
+                    if who == key and (s.flags[slot] or s.flags[BACK + slot]):
+                        s.flags[slot] = 0
+                        s.flags[BACK + slot] = 0
+                        n += 1
+        return n
+
+    def trim(self, keep_bytes: int = 0) -> int:
+        """Unmap and close free segments beyond ``keep_bytes`` of free ones (the smallest kept); bytes released."""
+        released = 0
+        with self._lock:
+            kept = 0
+            keep: list[_Segment] = []
+            for s in sorted(self._segments, key=lambda s: s.size):
+                if not s.free() or kept + s.size <= keep_bytes:
+                    keep.append(s)
+                    kept += s.size if s.free() else 0
+                    continue
+                del s.flags  # our own view of the flags pins the mapping
+                try:
+                    s.mm.close()
+                except BufferError:  # a local view of it is alive: keep it
+                    s.flags = np.frombuffer(s.mm, np.uint8, 2 * MAX_SLOTS, FLAGS_OFFSET)
+                    keep.append(s)
+                    continue
+                os.close(s.fd)
+                released += s.size
+            self._segments = keep
+        return released
+
     def find(self, fd: int, serial: int):
         for s in self._segments:
             if s.fd == fd and s.serial == serial:
@@ -136,6 +177,7 @@ class SegmentPool:
     def close(self) -> None:
         with self._lock:
             for s in self._segments:
+                del s.flags  # our own view of the flags pins the mapping
                 try:
                     s.mm.close()
                 except BufferError:
@@ -221,6 +263,37 @@ def attach(pid: int, fd: int, serial: int, slot: int, spans):
             rec[2] = slot
     mv = memoryview(owner)  # type: ignore[arg-type]  # ndarray is a buffer; numpy's stub says so from 3.12
     return [mv[o:o + n] for o, n in spans]
+
+
+def forget_peer(pid: int) -> None:
+    """Drop the mappings of a dead process's segments (those no live object views)."""
+    with _maps_lock:
+        for key in [k for k in _maps if k[0] == pid]:
+            mm = _maps.pop(key)
+            _attached.pop(key, None)
+            try:
+                mm.close()
+            except BufferError:  # still viewed by a received array: it dies with that array
+                pass
+
+
+def release_peer(key, pid: int | None = None) -> None:
+    """A peer died: free the slots of our segments it held (``key``, and its ``pid``), forget its segments."""
+    p = _pool
+    if p is not None and p.pid == os.getpid():
+        p.release_peer(key)
+        if pid is not None:
+            p.release_peer(pid)
+    if pid is not None:
+        forget_peer(pid)
+
+
+def trim(keep_bytes: int = 0) -> int:
+    """Close this process's free segments beyond ``keep_bytes`` (after a mesh stops)."""
+    p = _pool
+    if p is None or p.pid != os.getpid():
+        return 0
+    return p.trim(keep_bytes)
 
 
 def back_reference(buf, dest_pid: int):
