@@ -61,6 +61,11 @@ test-mpi: $(VENV)/.installed-test
 	    $(PY) -m pytest tests/mpi -q -p no:cacheprovider --timeout=60 --color=no || exit 1; \
 	done
 
+# The soak test for 60 s (make test runs it for 6): traffic of every kind while workers
+# are killed; the controller's RSS, fds and threads must stay flat.
+soak: $(VENV)/.installed-test
+	MESHARRAY_SOAK_SECONDS=$${MESHARRAY_SOAK_SECONDS:-60} $(PY) -m pytest tests/soak -q -s -p no:cacheprovider
+
 bench: $(VENV)/.installed-test
 	$(PIP) install torchmonarch==0.7.0 || echo "torchmonarch unavailable: its comparisons will be skipped"
 	$(PY) -m pytest bench -q -p no:cacheprovider --benchmark-only --benchmark-columns=min,median,mean,max,rounds
