@@ -30,7 +30,9 @@ Design, for latency:
   complete frame in it and calls the handler inline for each. **Poll mode**
   (:meth:`Connection.start_polled`; callers' connections, whose handlers only
   resolve futures): one :class:`Poller` thread per process reads them all, and
-  a caller blocked on one reply reads its connection itself.
+  a caller blocked on one reply reads its connection itself. Both modes use
+  one reader (``Connection._read_some``: recv, parse, hand frames over),
+  blocking in thread mode, non-blocking under the poller.
 - A frame longer than the receive buffer gets a buffer of exactly its length,
   allocated only after the length passed the limit check.
 - A malformed header or an oversized length is a :class:`FrameError`: it is
@@ -53,7 +55,6 @@ from typing import Any
 from .._core import pack_header, unpack_header
 from ..errors import AuthenticationError, BrokenTransportError, ClosedTransportError, FrameError, TransportError
 from . import auth, framing
-from .sockio import recv_exactly_into
 
 __all__ = ["Connection", "Listener", "Poller", "Writer", "connect", "default_poller", "default_writer",
            "parse_address", "BACKLOG_MAX"]
@@ -116,7 +117,7 @@ class Connection:
         self.poller: "Poller | None" = None  # the poller reading it (poll mode), else None
         self.bytes_out = 0
         self.frames_out = 0
-        self.bytes_in = 0  # counted by poll-mode reading (the caller side) only
+        self.bytes_in = 0
         self._out: list = []  # corked frames
         self.corked_bytes = 0  # bytes of corked frames not written yet (read-only outside)
         self._out_t0 = 0.0
@@ -337,83 +338,28 @@ class Connection:
     # -- receiving -------------------------------------------------------
     def start(self) -> None:
         """Start the reader thread."""
+        self._init_reading()
         self._thread = threading.Thread(target=self._read_loop, name=f"mesharray-recv-{self.name}",
                                         daemon=True)
         self._thread.start()
 
-    def _parse(self, view: memoryview, start: int, end: int, cap: int):
-        """The frame parser of both reading modes: hand every complete frame of
-        ``view[start:end]`` to the handler, in order.
-
-        Returns ``(start, end, big)``: the unparsed bytes, moved to the front
-        of the buffer when little room is left after them, and for a frame
-        longer than the receive buffer (``cap`` bytes) ``big = (payload, have,
-        header fields)`` with its first ``have`` payload bytes copied (the
-        caller reads the rest into ``payload``; the buffer is then empty).
-        """
-        limit, handler = self.limit, self.handler
-        while end - start >= 24:
-            try:
-                kind, flags, length, msg_id, target, vw = unpack_header(view, limit, start)
-            except ValueError as e:
-                raise FrameError(f"bad frame from {self.name}: {e}") from None
-            total = 24 + length
-            if end - start >= total:
-                payload = bytearray(view[start + 24:start + total]) if length else b""
-                start += total
-                handler(self, kind, flags, msg_id, target, vw, payload)
-                if self._out and time.perf_counter() - self._out_t0 > _CORK_AGE:
-                    self.flush()  # frames corked while handling a long batch
-            elif total > cap:
-                payload = bytearray(length)
-                have = end - start - 24
-                payload[:have] = view[start + 24:end]
-                return 0, 0, (payload, have, (kind, flags, msg_id, target, vw))
-            else:
-                break
-        if start == end:
-            return 0, 0, None
-        if start and cap - end < 65536:
-            view[0:end - start] = view[start:end]
-            return 0, end - start, None
-        return start, end, None
+    def _init_reading(self) -> None:
+        self._buf = bytearray(_RECV_BUF)
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0
+        self._big = None  # (payload, its view, bytes read, header fields) of a frame longer than _buf
+        self._read_exc: BaseException | None = None
 
     def _read_loop(self) -> None:
-        sock, handler = self.sock, self.handler
-        buf = bytearray(_RECV_BUF)
-        view = memoryview(buf)
-        cap = len(buf)
-        start = end = 0
-        exc: BaseException | None = None
+        # thread mode: the same reader as poll mode, blocking; flush what the handlers
+        # corked (replies) before blocking again
+        read = self._read_some
         try:
-            while True:
-                start, end, big = self._parse(view, start, end, cap)
-                if big is not None:
-                    payload, have, hdr = big
-                    with memoryview(payload) as pv:
-                        recv_exactly_into(sock, pv, have)
-                    handler(self, *hdr, payload)
-                    continue
+            while read(0):
                 if self._out:
-                    self.flush()  # replies queued while handling this batch
-                n = sock.recv_into(view[end:])
-                if n == 0:
-                    break
-                end += n
-        except EOFError:
-            pass
-        except FrameError as e:
-            log.warning("%s; dropping the connection", e)
-            exc = e
-        except OSError as e:
-            if not self._closed:
-                exc = BrokenTransportError(f"connection {self.name} broke: {e}")
-        except BaseException as e:  # a bug in a handler must not kill silently
-            log.exception("reader of connection %s failed", self.name)
-            exc = e
+                    self.flush()
         finally:
-            view.release()
-            self._finish(exc)
+            self._reader_done()
 
     # -- poll mode: one thread reads many connections ---------------------------
     def start_polled(self, poller: "Poller | None" = None) -> None:
@@ -423,10 +369,7 @@ class Connection:
         resolve futures): one reader thread for all peers means one wake-up
         for the replies of a whole ``call()``.
         """
-        self._pbuf = bytearray(_RECV_BUF)
-        self._pview = memoryview(self._pbuf)
-        self._pstart = self._pend = 0
-        self._big = None
+        self._init_reading()
         self._polled = threading.Event()
         self._rlock = threading.Lock()
         (poller or default_poller()).add(self)
@@ -454,7 +397,7 @@ class Connection:
         try:
             if deadline is None:
                 while not done():
-                    ok = self._poll_read(0)
+                    ok = self._read_some(0)
                     if not ok:
                         break
             else:
@@ -462,7 +405,7 @@ class Connection:
                 while not done():
                     ms = int(max(0.0, deadline - time.monotonic()) * 1000)
                     if p.poll(ms):
-                        ok = self._poll_read()
+                        ok = self._read_some()
                         if not ok:
                             break
                     elif time.monotonic() >= deadline:
@@ -509,7 +452,7 @@ class Connection:
                 ready = p.poll(ms)
                 for fd, _ in ready:
                     c = by_fd.get(fd)
-                    if c is not None and not c._poll_read():
+                    if c is not None and not c._read_some():
                         ended.append(c)
                         del by_fd[fd]
                         p.unregister(fd)
@@ -524,12 +467,16 @@ class Connection:
                     c._poll_done()
         return ended
 
-    def _poll_read(self, flags: int = socket.MSG_DONTWAIT) -> bool:
-        """Read what is there and handle complete frames; False once the connection ended.
+    def _read_some(self, flags: int = socket.MSG_DONTWAIT) -> bool:
+        """The reader of both modes: read what is there, hand every complete frame to the
+        handler in order; False once the connection ended (the reason in ``_read_exc``).
 
-        ``flags=0``: block until something comes (a caller waiting for its reply).
+        ``flags=0``: block until something comes (thread mode, or a caller
+        waiting for its reply). A frame longer than the receive buffer gets a
+        buffer of exactly its length (after the limit check) and is read into
+        it over as many calls as it takes.
         """
-        sock, view = self.sock, self._pview
+        sock, view = self.sock, self._view
         try:
             if self._big is not None:
                 payload, pv, have, hdr = self._big
@@ -545,17 +492,41 @@ class Connection:
                 pv.release()
                 self.handler(self, *hdr, payload)
                 return True
-            start, end = self._pstart, self._pend
+            start, end = self._start, self._end
             n = sock.recv_into(view[end:], 0, flags)
             if n == 0:
                 raise EOFError
             self.bytes_in += n
             end += n
-            start, end, big = self._parse(view, start, end, len(self._pbuf))
-            if big is not None:
-                payload, have, hdr = big
-                self._big = (payload, memoryview(payload), have, hdr)
-            self._pstart, self._pend = start, end
+            limit, handler, cap = self.limit, self.handler, len(self._buf)
+            while end - start >= 24:
+                try:
+                    kind, flags, length, msg_id, target, vw = unpack_header(view, limit, start)
+                except ValueError as e:
+                    raise FrameError(f"bad frame from {self.name}: {e}") from None
+                total = 24 + length
+                if end - start >= total:
+                    payload = bytearray(view[start + 24:start + total]) if length else b""
+                    start += total
+                    handler(self, kind, flags, msg_id, target, vw, payload)
+                    if self._out and time.perf_counter() - self._out_t0 > _CORK_AGE:
+                        self.flush()  # frames corked while handling a long batch
+                elif total > cap:
+                    payload = bytearray(length)
+                    have = end - start - 24
+                    payload[:have] = view[start + 24:end]
+                    self._big = (payload, memoryview(payload), have, (kind, flags, msg_id, target, vw))
+                    start = end = 0
+                    break
+                else:
+                    break
+            if start == end:
+                start = end = 0
+            elif start and cap - end < 65536:
+                view[0:end - start] = view[start:end]
+                end -= start
+                start = 0
+            self._start, self._end = start, end
             return True
         except (BlockingIOError, InterruptedError):
             return True
@@ -566,19 +537,22 @@ class Connection:
             exc = e
         except OSError as e:
             exc = None if self._closed else BrokenTransportError(f"connection {self.name} broke: {e}")
-        except BaseException as e:
+        except BaseException as e:  # a bug in a handler must not kill silently
             log.exception("reader of connection %s failed", self.name)
             exc = e
-        self._poll_exc = exc
+        self._read_exc = exc
         return False
 
-    def _poll_done(self) -> None:
-        self._pview.release()
+    def _reader_done(self) -> None:
+        self._view.release()
         if self._big is not None:
             self._big[1].release()
             self._big = None
+        self._finish(self._read_exc)
+
+    def _poll_done(self) -> None:
         try:
-            self._finish(self._poll_exc)
+            self._reader_done()
         finally:
             self._polled.set()
 
@@ -766,7 +740,7 @@ class Poller:
                 if not conn._rlock.acquire(False):
                     continue  # a caller is reading it; it re-arms when done
                 try:
-                    ok = conn._poll_read()
+                    ok = conn._read_some()
                 finally:
                     conn._rlock.release()
                 if ok:

@@ -113,21 +113,21 @@ def test_call_one_parks_and_reads_in_the_caller(procs):
     assert chan.polled
     conn = chan.conn
     seen = []
-    orig = Connection._poll_read
+    orig = Connection._read_some
 
     def spy(self, *a):
         if self is conn:
             seen.append(threading.current_thread().name)
         return orig(self, *a)
 
-    Connection._poll_read = spy
+    Connection._read_some = spy
     try:
         for _ in range(20):
             fut = p.pid.call_one()
             assert conn.poller.is_parked(conn)  # parked before the call was written
             assert fut.get(timeout=10) > 0
     finally:
-        Connection._poll_read = orig
+        Connection._read_some = orig
     assert threading.current_thread().name in seen
     assert not chan.pending
 

@@ -71,18 +71,18 @@ def test_call_get_reads_replies_in_the_calling_thread(procs):
     c = procs.spawn("w_call", Counter, 1)
     seen = set()
     conns = [_conn(c, i) for i in range(4)]
-    orig = type(conns[0])._poll_read
+    orig = type(conns[0])._read_some
 
     def spy(self, *a):
         seen.add(threading.current_thread().name)
         return orig(self, *a)
 
-    type(conns[0])._poll_read = spy
+    type(conns[0])._read_some = spy
     try:
         for _ in range(20):
             assert c.get.call().get(timeout=10).tolist() == [[1, 1, 1, 1]]
     finally:
-        type(conns[0])._poll_read = orig
+        type(conns[0])._read_some = orig
     assert threading.current_thread().name in seen
 
 
