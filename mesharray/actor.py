@@ -56,7 +56,7 @@ import inspect
 import itertools
 import queue
 import random
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 from .errors import ActorError, SerializationError
@@ -364,7 +364,7 @@ class ActorMesh(MeshTrait):
     """
 
     def __init__(self, name: str, actor_id: int, cls_name: str, endpoints: dict[str, dict[str, bool]],
-                 shape: Shape, addresses: tuple[Any, ...], proc_mesh: Any = None) -> None:
+                 shape: Shape, addresses: Sequence[Any], proc_mesh: Any = None) -> None:
         self._name = name
         self._actor_id = actor_id
         self._cls_name = cls_name

@@ -20,11 +20,13 @@ with a :class:`~mesharray.MeshFailure` for each actor mesh that loses a rank
 from __future__ import annotations
 
 import itertools
+import logging
 import numbers
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
-from typing import Any, ParamSpec, Protocol, TypeVar, cast
+from typing import Any, ParamSpec, Protocol, TypeVar, overload
 
 import numpy as np
 
@@ -45,6 +47,7 @@ from .transport import framing, shm
 __all__ = ["ProcMesh", "proc_mesh", "this_host", "HostMesh", "install_array_factory"]
 
 _actor_ids = itertools.count(1).__next__
+log = logging.getLogger("mesharray.proc")
 
 #: bytes of free shared-memory segments a stopped mesh leaves mapped for the next one
 _SHM_KEEP = int(os.environ.get("MESHARRAY_SHM_KEEP", str(64 << 20)))
@@ -108,6 +111,20 @@ def _dtype(dtype: Any) -> np.dtype:
         raise TypeError(f"data type {dtype!r} not understood") from None
 
 
+class _Spawned:
+    """An actor mesh as spawned: what a restart of one of its ranks re-runs."""
+
+    __slots__ = ("actor_id", "payload", "shape", "max_restarts", "used", "system")
+
+    def __init__(self, actor_id: int, payload: Any, shape: Shape, max_restarts: int, system: bool) -> None:
+        self.actor_id = actor_id
+        self.payload = payload  # the SPAWN message: (name, class, args, kwargs, shape), pickled
+        self.shape = shape
+        self.max_restarts = max_restarts
+        self.used: dict[int, int] = {}  # restarts per rank so far
+        self.system = system
+
+
 class _Root:
     """What all views of one process mesh share."""
 
@@ -117,8 +134,12 @@ class _Root:
         self.shape = shape
         self.bootstrap = bootstrap
         self.owner = owner
-        self.addresses = tuple(controller.workers[r].address for r in range(shape.size))
+        # a list: a restarted rank gets a new address, which every actor mesh (sharing
+        # this list) then uses
+        self.addresses = [controller.workers[r].address for r in range(shape.size)]
         self.actor_meshes: list[ActorMesh] = []
+        self.spawned: list[_Spawned] = []  # what to re-run on a restarted rank
+        self.restarts = 0
         self.stopped = False
         self.stopping = False
         self.on_stop: list[Callable[[], None]] = []
@@ -130,14 +151,59 @@ class _Root:
         controller.on_failure.append(self._on_failure)
 
     def _on_failure(self, failure: MeshFailure) -> None:
+        # runs in a thread of its own (see Controller._fail): it may wait for a restart
         sup = getattr(self.owner, "__supervise__", None)
-        if sup is None:
+        if sup is not None:
+            hit = [m for m in self.actor_meshes if any(r in failure.crashed_ranks for r in m.mesh_shape)]
+            if not hit:
+                sup(failure)
+            for m in hit:
+                sup(MeshFailure(m.name, failure.crashed_ranks, failure.error, m))
+        for rank in failure.crashed_ranks:
+            self._maybe_restart(rank)
+
+    def _maybe_restart(self, rank: int) -> None:
+        """Start ``rank`` again and re-run its actors' constructors, if every actor mesh on it may restart.
+
+        A process holds the actors of every mesh spawned over its rank: it is
+        restarted only when each of them (system actors aside) has restarts
+        left on that rank; otherwise the rank stays dead and calls to it raise
+        ``ActorDiedError``.
+        """
+        launch = self.bootstrap
+        if self.stopping or self.stopped or not isinstance(launch, Launch) or not launch.can_restart:
             return
-        hit = [m for m in self.actor_meshes if any(r in failure.crashed_ranks for r in m.mesh_shape)]
-        if not hit:
-            sup(failure)
-        for m in hit:
-            sup(MeshFailure(m.name, failure.crashed_ranks, failure.error, m))
+        on_rank = [s for s in self.spawned if rank in s.shape]
+        user = [s for s in on_rank if not s.system]
+        if not user or any(s.used.get(rank, 0) >= s.max_restarts for s in user):
+            return
+        old = self.controller.workers.get(rank)
+        try:
+            launch.restart(rank)
+            info = self._wait_for_worker(rank, old.pid if old is not None else None)
+            # re-run the constructors on the new process before anyone can call it there
+            addresses = list(self.addresses)
+            addresses[rank] = info.address
+            for s in on_rank:
+                fut: Future[Any] = Future._new()
+                self.controller.router.send_many(addresses, [rank], P.SPAWN, s.actor_id, None, s.payload,
+                                                 cbs=[future_callback(fut)])
+                fut.get(timeout=60)
+                s.used[rank] = s.used.get(rank, 0) + 1
+            self.addresses[rank] = info.address
+            self.restarts += 1
+        except Exception:
+            log.exception("restarting rank %d failed; it stays dead", rank)
+
+    def _wait_for_worker(self, rank: int, old_pid: int | None, timeout: float = 30.0) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.controller.workers.get(rank)
+            if info is not None and info.alive and info.pid != old_pid:
+                return info
+            if self.stopping or time.monotonic() > deadline:
+                raise TimeoutError(f"rank {rank} did not rejoin within {timeout} s")
+            time.sleep(0.01)
 
     def stop(self) -> None:
         # the lock is held for the whole stop: a second caller returns once it is done
@@ -228,7 +294,15 @@ class ProcMesh(MeshTrait):
         w = self._root.controller.workers
         return [w[r].pid for r in self._shape]
 
-    def spawn(self, name: str, actor_class: Callable[_P, _A], *args: _P.args, **kwargs: _P.kwargs) -> _A:
+    @overload
+    def spawn(self, name: str, actor_class: Callable[_P, _A], *args: _P.args, **kwargs: _P.kwargs) -> _A: ...
+    @overload
+    def spawn(self, name: str, actor_class: type[_A], *args: Any, max_restarts: int, **kwargs: Any) -> _A: ...
+
+    # the implementation takes max_restarts out of the constructor's keywords, which
+    # the first overload's ParamSpec cannot express
+    def spawn(self, name: str, actor_class: Any, *args: Any,  # type: ignore[misc]
+              max_restarts: int = 0, **kwargs: Any) -> Any:
         """Construct ``actor_class(*args, **kwargs)`` on every process of this (view of the) mesh.
 
         Returns an :class:`~mesharray.ActorMesh` with this mesh's dims. For a
@@ -236,7 +310,14 @@ class ProcMesh(MeshTrait):
         mesh's endpoints keep their types, ``mesh.typo`` is an error, and the
         constructor's arguments are checked (see :mod:`mesharray.actor`). Raises
         :class:`~mesharray.ActorError` if a constructor raises (for the first
-        failing rank), ``RuntimeError`` on a stopped mesh.
+        failing rank), :class:`~mesharray.MeshStoppedError` on a stopped mesh.
+
+        ``max_restarts=k``: when the process of one of its ranks dies, a new
+        process is started for that rank and the constructor runs again there
+        (at most ``k`` times per rank; the local bootstrap only). Calls in
+        flight at the death, and calls made before the restart is done, raise
+        :class:`~mesharray.ActorDiedError`; so do all calls once the budget is
+        spent. A rank is restarted only when every actor mesh on it allows it.
 
         Examples
         --------
@@ -246,9 +327,14 @@ class ProcMesh(MeshTrait):
             raise TypeError(f"actor mesh name must be a str, got {type(name).__name__}")
         if not (isinstance(actor_class, type) and issubclass(actor_class, Actor)):
             raise TypeError(f"spawn needs a subclass of mesharray.Actor, got {actor_class!r}")
+        if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+            raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
         root = self._root
         if root.stopped or root.stopping:
             raise MeshStoppedError("ProcMesh has already been stopped; cannot spawn actors on it")
+        if max_restarts and not (isinstance(root.bootstrap, Launch) and root.bootstrap.can_restart):
+            raise ValueError("max_restarts needs a bootstrap that can start a rank's process again "
+                             "(the local one); this mesh's cannot (under mpirun a rank cannot be restarted)")
         actor_id = _actor_ids()
         p = framing.dumps((name, actor_class, args, kwargs, self._shape))
         ranks = list(self._shape)
@@ -263,7 +349,8 @@ class ProcMesh(MeshTrait):
         mesh = ActorMesh(name, actor_id, actor_class.__qualname__, dict(actor_class._mesharray_endpoints),
                          self._shape, root.addresses, self)
         root.actor_meshes.append(mesh)
-        return cast(_A, mesh)  # an ActorMesh typed as its actor class: see mesharray.actor
+        root.spawned.append(_Spawned(actor_id, p, self._shape, max_restarts, name.startswith("__mesharray")))
+        return mesh  # an ActorMesh, typed (by the overloads) as its actor class: see mesharray.actor
 
     # -- distributed arrays (made by mesharray.darray; see install_array_factory) ----------
 
@@ -393,6 +480,7 @@ class ProcMesh(MeshTrait):
         d = c.counters.as_dict()
         d["calls"] = c.router.sent_calls
         d["broadcasts"] = c.router.sent_oneway
+        d["restarts"] = self._root.restarts
         d["workers"] = len(c.workers)
         d["alive"] = sum(1 for w in c.workers.values() if w.alive)
         return d

@@ -31,13 +31,26 @@ class Launch:
         MPI bootstrap hands the same launch to a second ``proc_mesh()``).
     """
 
-    __slots__ = ("controller", "shape", "mesh", "_close")
+    __slots__ = ("controller", "shape", "mesh", "_close", "_restart")
 
-    def __init__(self, controller: Controller, shape: Shape, close: Callable[[], None] | None = None) -> None:
+    def __init__(self, controller: Controller, shape: Shape, close: Callable[[], None] | None = None,
+                 restart: Callable[[int], None] | None = None) -> None:
         self.controller = controller
         self.shape = shape
         self.mesh: Any = None
         self._close = close
+        self._restart = restart
+
+    @property
+    def can_restart(self) -> bool:
+        """Whether a dead rank's process can be started again (the local bootstrap can)."""
+        return self._restart is not None
+
+    def restart(self, rank: int) -> None:
+        """Start a new process for the dead ``rank``; it joins the controller as that rank."""
+        if self._restart is None:
+            raise NotImplementedError("this bootstrap cannot restart a rank's process")
+        self._restart(rank)
 
     def close(self) -> None:
         """After the controller stopped the workers: reap them, kill what is left, join threads."""

@@ -130,6 +130,15 @@ class LocalBootstrap:
         code = os.waitstatus_to_exitcode(st[1])
         return (None, -code) if code < 0 else (code, None)
 
+    def restart(self, rank: int) -> None:
+        """Fork a new worker for ``rank`` (whose process died); it says hello as that rank."""
+        with self._cond:
+            if self._zygote_gone:
+                raise BootstrapError(f"cannot restart rank {rank}: the zygote is gone")
+            self.status.pop(rank, None)
+            self.pids.pop(rank, None)
+        self._send(("fork", [rank]))
+
     def kill(self, rank: int) -> None:
         pid = self.pids.get(rank)
         if pid is not None and rank not in self.status:
@@ -197,7 +206,7 @@ def launch(hosts: int, procs: int, *, forward_logs: bool = True, timeout: float 
         c = shape.coordinates(r)
         ctl.labels[r] = f"hosts={c['hosts']},procs={c['procs']}" if hosts > 1 else f"procs={c['procs']}"
     boot = start_local(ctl, shape.size, forward_logs=forward_logs, timeout=timeout)
-    return Launch(ctl, shape, boot.close)
+    return Launch(ctl, shape, boot.close, boot.restart)
 
 
 # --------------------------------------------------------------------------- zygote

@@ -7,6 +7,7 @@ import signal
 import time
 
 import numpy as np
+import psutil
 import pytest
 
 import mesharray as ma
@@ -72,7 +73,9 @@ def test_F21_buffer_read_from_a_dead_owner_fails_fast_and_the_mesh_lives():
         dst = np.empty(1 << 20, dtype="float32")
         b1.read_into(dst).get(timeout=10)
         assert dst[12345] == 12345.0
-        os.kill(k.slice(procs=1).pid.call_one().get(timeout=10), signal.SIGKILL)
+        pid = k.slice(procs=1).pid.call_one().get(timeout=10)
+        os.kill(pid, signal.SIGKILL)
+        psutil.Process(pid).wait(timeout=10) if psutil.pid_exists(pid) else None
         t0 = time.monotonic()
         with pytest.raises(ma.ActorDiedError):
             b1.read_into(dst).get(timeout=10)
