@@ -114,7 +114,7 @@ class DataContext:
         notice its death in their wait).
         """
         try:
-            self.view(ranks).run.broadcast(program)
+            self.view(ranks).run.broadcast(I.encode(program))
         except ActorDiedError:
             pass
 
@@ -127,7 +127,7 @@ class DataContext:
         self.check_live()
         ranks = sorted(set(int(r) for r in ranks))
         try:
-            return ranks, self.view(ranks).run.call(self.with_frees(ranks, program)).get()
+            return ranks, self.view(ranks).run.call(I.encode(self.with_frees(ranks, program))).get()
         except ActorError as exc:
             if isinstance(exc.exception, ActorDiedError):
                 raise exc.exception from exc
@@ -141,7 +141,7 @@ class DataContext:
         naming the dead ranks when a rank died (before or during a collective).
         """
         self.check_live()
-        futs = [(r, self.view([r]).run.call_one([I.Fetch(bid)])) for r in ranks]
+        futs = [(r, self.call_one(r, [I.Fetch(bid)])) for r in ranks]
         out = {}
         for r, f in futs:
             try:
@@ -149,6 +149,10 @@ class DataContext:
             except BaseException as exc:
                 self._raise_failure(exc, bid)
         return out
+
+    def call_one(self, rank: int, program: list) -> Any:
+        """Run ``program`` on ``rank``; a future of its result (a :class:`~.instructions.Fetch`'s block)."""
+        return self.view([rank]).run.call_one(I.encode(program))
 
     def meta(self, rank: int, bid: int) -> tuple[tuple, Any]:
         """Local shape and dtype of block ``bid`` on ``rank`` (raises the failure of its making)."""
@@ -162,7 +166,7 @@ class DataContext:
         if isinstance(inner, InputFailed) and hops < 8:
             # a collective's input failed on other ranks: their block holds the original error
             try:
-                self.view([inner.ranks[0]]).run.call_one([I.Fetch(inner.bid)]).get()
+                self.call_one(inner.ranks[0], [I.Fetch(inner.bid)]).get()
             except BaseException as deeper:
                 self._raise_failure(deeper, inner.bid, hops + 1)
         raise exc
@@ -222,7 +226,7 @@ class DataContext:
                 by_rank.setdefault(r, []).append(bid)
         try:
             bids = sorted({b for v in by_rank.values() for b in v})
-            self.view(sorted(by_rank)).run.broadcast([I.Free(bids)])
+            self.view(sorted(by_rank)).run.broadcast(I.encode([I.Free(bids)]))
         except Exception:  # the mesh is going away (or a rank died): nothing to free there
             pass
 

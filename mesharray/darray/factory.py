@@ -61,7 +61,7 @@ def scatter(procs: ProcMesh, arr: np.ndarray, engine: str, collective: str | Non
     for pos in np.ndindex(*sizes):
         r = int(ranks[pos])
         put = I.Put(bid, I.Value(np.asarray(arr[pos], order="C")), engine)
-        futs.append(ctx.view([r]).run.call_one([put]))
+        futs.append(ctx.call_one(r, [put]))
     for f in futs:
         f.get()
     st = DistributedStorage(ctx, bid, ranks, arr.shape[len(sizes):], arr.dtype, engine, None,

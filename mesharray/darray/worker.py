@@ -161,12 +161,18 @@ def unpack_small(v: Any) -> np.ndarray:
     return np.asarray(v)
 
 
-def _operand(a: I.Operand, rank: int) -> Any:
-    if isinstance(a, I.BlockRef):
-        return STORE.get(a.bid)
-    if isinstance(a, I.PerRank):
-        return a.values[rank]
-    return a.value
+def _operand(a: tuple, rank: int) -> Any:
+    # a wire operand (see instructions.encode): ("b", bid), ("r", {rank: value}), ("v", value)
+    tag = a[0]
+    if tag == "b":
+        return STORE.get(a[1])
+    if tag == "r":
+        return a[1][rank]
+    return a[1]
+
+
+def _first_block(operands: list) -> int | None:
+    return next((a[1] for a in operands if a[0] == "b"), None)
 
 
 def _host(eng: Engine, block: Any) -> np.ndarray:
@@ -203,7 +209,7 @@ def _put(ins: I.Put, me: int) -> tuple[Any, Engine]:
 
 def _elementwise(ins: I.Elementwise, me: int) -> tuple[Any, Engine]:
     vals = [_operand(a, me) for a in ins.operands]
-    first = next((a.bid for a in ins.operands if type(a) is I.BlockRef), None)
+    first = _first_block(ins.operands)
     eng = STORE.engine(first) if first is not None else get_engine("numpy")
     if ins.name == "matmul":
         return eng.matmul(*vals), eng
@@ -213,7 +219,7 @@ def _elementwise(ins: I.Elementwise, me: int) -> tuple[Any, Engine]:
 
 
 def _apply(ins: I.Apply, me: int) -> tuple[Any, Engine]:
-    first = next((a.bid for a in ins.operands if type(a) is I.BlockRef), None)
+    first = _first_block(ins.operands)
     eng = STORE.engine(first) if first is not None else get_engine("numpy")
     r = ins.fn(*[_operand(a, me) for a in ins.operands])
     if not eng.is_block(r):
@@ -316,7 +322,8 @@ class DataActor(Actor):
         """Run instructions in order; returns the result of the last :class:`Fetch`, if any."""
         me = self._me()
         result = None
-        for ins in program:
+        for raw in program:
+            ins = I.decode(raw)
             t = type(ins)
             make = _MAKERS.get(t)
             if make is not None:
