@@ -347,17 +347,15 @@ class Connection:
         self._buf = bytearray(_RECV_BUF)
         self._view = memoryview(self._buf)
         self._start = self._end = 0
-        self._big = None  # (payload, its view, bytes read, header fields) of a frame longer than _buf
+        self._big = None  # (payload, its view, bytes read) of a frame longer than _buf; header in _big_hdr
+        self._big_hdr: tuple = ()
         self._read_exc: BaseException | None = None
 
     def _read_loop(self) -> None:
-        # thread mode: the same reader as poll mode, blocking; flush what the handlers
-        # corked (replies) before blocking again
-        read = self._read_some
+        # thread mode: the same reader as poll mode, blocking, looping inside (its state
+        # stays in locals) until the connection ends
         try:
-            while read(0):
-                if self._out:
-                    self.flush()
+            self._read_some(0, True)
         finally:
             self._reader_done()
 
@@ -467,68 +465,79 @@ class Connection:
                     c._poll_done()
         return ended
 
-    def _read_some(self, flags: int = socket.MSG_DONTWAIT) -> bool:
+    def _read_some(self, flags: int = socket.MSG_DONTWAIT, loop: bool = False) -> bool:
         """The reader of both modes: read what is there, hand every complete frame to the
         handler in order; False once the connection ended (the reason in ``_read_exc``).
 
         ``flags=0``: block until something comes (thread mode, or a caller
-        waiting for its reply). A frame longer than the receive buffer gets a
+        waiting for its reply). ``loop=True`` (thread mode): go on reading
+        until the connection ends, flushing what the handlers corked (replies)
+        before blocking again. A frame longer than the receive buffer gets a
         buffer of exactly its length (after the limit check) and is read into
-        it over as many calls as it takes.
+        it over as many reads as it takes.
         """
-        sock, view = self.sock, self._view
+        sock, view, big = self.sock, self._view, self._big
+        start, end = self._start, self._end
+        limit, handler, cap = self.limit, self.handler, len(self._buf)
         try:
-            if self._big is not None:
-                payload, pv, have, hdr = self._big
-                n = sock.recv_into(pv[have:], 0, flags)
+            while True:
+                if big is not None:
+                    payload, pv, have = big
+                    n = sock.recv_into(pv[have:], 0, flags)
+                    if n == 0:
+                        raise EOFError
+                    self.bytes_in += n
+                    have += n
+                    if have < len(payload):
+                        big = (payload, pv, have)
+                    else:
+                        big = None
+                        pv.release()
+                        handler(self, *self._big_hdr, payload)
+                    if not loop:
+                        self._big = big
+                        return True
+                    continue
+                n = sock.recv_into(view[end:], 0, flags)
                 if n == 0:
                     raise EOFError
                 self.bytes_in += n
-                have += n
-                if have < len(payload):
-                    self._big = (payload, pv, have, hdr)
-                    return True
-                self._big = None
-                pv.release()
-                self.handler(self, *hdr, payload)
-                return True
-            start, end = self._start, self._end
-            n = sock.recv_into(view[end:], 0, flags)
-            if n == 0:
-                raise EOFError
-            self.bytes_in += n
-            end += n
-            limit, handler, cap = self.limit, self.handler, len(self._buf)
-            while end - start >= 24:
-                try:
-                    kind, flags, length, msg_id, target, vw = unpack_header(view, limit, start)
-                except ValueError as e:
-                    raise FrameError(f"bad frame from {self.name}: {e}") from None
-                total = 24 + length
-                if end - start >= total:
-                    payload = bytearray(view[start + 24:start + total]) if length else b""
-                    start += total
-                    handler(self, kind, flags, msg_id, target, vw, payload)
-                    if self._out and time.perf_counter() - self._out_t0 > _CORK_AGE:
-                        self.flush()  # frames corked while handling a long batch
-                elif total > cap:
-                    payload = bytearray(length)
-                    have = end - start - 24
-                    payload[:have] = view[start + 24:end]
-                    self._big = (payload, memoryview(payload), have, (kind, flags, msg_id, target, vw))
+                end += n
+                while end - start >= 24:
+                    try:
+                        kind, flags_, length, msg_id, target, vw = unpack_header(view, limit, start)
+                    except ValueError as e:
+                        raise FrameError(f"bad frame from {self.name}: {e}") from None
+                    total = 24 + length
+                    if end - start >= total:
+                        payload = bytearray(view[start + 24:start + total]) if length else b""
+                        start += total
+                        handler(self, kind, flags_, msg_id, target, vw, payload)
+                        if self._out and time.perf_counter() - self._out_t0 > _CORK_AGE:
+                            self.flush()  # frames corked while handling a long batch
+                    elif total > cap:
+                        payload = bytearray(length)
+                        have = end - start - 24
+                        payload[:have] = view[start + 24:end]
+                        big = (payload, memoryview(payload), have)
+                        self._big_hdr = (kind, flags_, msg_id, target, vw)
+                        start = end = 0
+                        break
+                    else:
+                        break
+                if start == end:
                     start = end = 0
-                    break
-                else:
-                    break
-            if start == end:
-                start = end = 0
-            elif start and cap - end < 65536:
-                view[0:end - start] = view[start:end]
-                end -= start
-                start = 0
-            self._start, self._end = start, end
-            return True
+                elif start and cap - end < 65536:
+                    view[0:end - start] = view[start:end]
+                    end -= start
+                    start = 0
+                if not loop:
+                    self._start, self._end, self._big = start, end, big
+                    return True
+                if self._out:
+                    self.flush()  # replies queued while handling this batch
         except (BlockingIOError, InterruptedError):
+            self._start, self._end, self._big = start, end, big
             return True
         except EOFError:
             exc: BaseException | None = None
@@ -540,6 +549,7 @@ class Connection:
         except BaseException as e:  # a bug in a handler must not kill silently
             log.exception("reader of connection %s failed", self.name)
             exc = e
+        self._big = big
         self._read_exc = exc
         return False
 

@@ -144,3 +144,16 @@ def test_future_is_generic_and_the_only_future():
         assert type(f) is Future and f.get() == 16
     finally:
         b.drop()
+
+
+def test_frames_longer_than_the_receive_buffer_both_ways(procs):
+    # a pickled bytes object travels inline: a frame larger than the 256 KiB receive buffer,
+    # read incrementally by the worker's reader thread and by the caller (poll mode)
+    p = procs.spawn("ch_big", Probe, "b")
+    one = p.slice(procs=0)
+    for n in (300_000, 3 << 20):
+        data = bytes(range(256)) * (n // 256)
+        assert one.echo.call_one(data).get(timeout=30) == data
+        out = p.echo.call(data).get(timeout=30)
+        assert all(v == data for v in out.tolist()[0])
+    assert one.echo.call_one(b"small").get(timeout=10) == b"small"
