@@ -99,7 +99,7 @@ class Connection:
 
     # poll mode only (set by start_polled and Poller.add)
     _fd: int
-    _big: tuple[Any, memoryview, int, Any] | None
+    _big: tuple[Any, memoryview, int] | None
     _poll_exc: BaseException | None
 
     def __init__(self, sock: socket.socket, handler=None, on_close=None, name: str = "",
