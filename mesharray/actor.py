@@ -64,7 +64,7 @@ from .mesh import MeshTrait
 from .runtime import protocol as P
 from .runtime.channel import Channel, flush_all
 from .runtime.context import current
-from .runtime.future import Future
+from .runtime.future import Future, is_done, new_future, reply_on, set_exception, set_result
 from .runtime.router import get_router
 from .transport import framing
 
@@ -143,6 +143,11 @@ class Actor(_MeshSurface):
                 f"(ActorMesh.{hidden[0]}, ...), which would hide them; rename them (e.g. "
                 f"{', '.join(repr('get_' + h) for h in hidden)}). Mesh attributes: {sorted(_mesh_attributes())}")
         cls._mesharray_endpoints = eps
+
+
+def endpoints_of(actor_class: type) -> dict[str, dict[str, bool]]:
+    """The endpoints of an :class:`Actor` subclass: name -> options (a fresh dict)."""
+    return dict(actor_class._mesharray_endpoints)  # type: ignore[attr-defined]
 
 
 def _mesh_attributes() -> frozenset[str]:
@@ -307,9 +312,9 @@ def future_callback(fut: Future[Any]) -> Callable[[int, Any], None]:
     def cb(status: int, payload: Any) -> None:
         value, exc = _outcome(status, payload)
         if exc is None:
-            fut._set_result(value)
+            set_result(fut, value)
         else:
-            fut._set_exception(exc)
+            set_exception(fut, exc)
     return cb
 
 
@@ -330,7 +335,7 @@ class _Gather:
         def cb(status: int, payload: Any) -> None:
             value, exc = _outcome(status, payload)
             if exc is not None:
-                self.fut._set_exception(exc)
+                set_exception(self.fut, exc)
                 return
             self.values[i] = value
             if self.count() == self.n:
@@ -340,12 +345,12 @@ class _Gather:
     def _finish(self) -> None:
         from .array import MeshArray
 
-        if self.fut._done():
+        if is_done(self.fut):
             return
         try:
-            self.fut._set_result(MeshArray.from_results(self.shape, self.values))
+            set_result(self.fut, MeshArray.from_results(self.shape, self.values))
         except Exception as exc:
-            self.fut._set_exception(exc)
+            set_exception(self.fut, exc)
 
 
 # --------------------------------------------------------------------------- meshes
@@ -459,7 +464,7 @@ class Endpoint(Generic[_P, _R]):
         """
         shape = self._mesh._shape
         ranks = list(shape)
-        fut: Future[MeshArray] = Future._new()
+        fut: Future[MeshArray] = new_future()
         g = _Gather(fut, len(ranks), shape)
         cbs = [g.slot(i) for i in range(len(ranks))]
         if not ranks:
@@ -470,7 +475,7 @@ class Endpoint(Generic[_P, _R]):
             if c is None or not c.polled:
                 break
         else:  # all polled: get() reads the replies in its own thread
-            fut._chan = tuple(chans)
+            reply_on(fut, tuple(chans))
         return fut
 
     def _send_one(self, rank: int, shape: Shape, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -508,8 +513,8 @@ class Endpoint(Generic[_P, _R]):
         n = shape.size
         if n != 1:
             raise ValueError(f"call_one requires exactly 1 actor, but mesh has {n}")
-        fut = Future._new()
-        fut._chan = self._send_one(shape.rank(0), shape, args, kwargs, future_callback(fut))
+        fut = new_future()
+        reply_on(fut, self._send_one(shape.rank(0), shape, args, kwargs, future_callback(fut)))
         return fut
 
     def choose(self, *args: _P.args, **kwargs: _P.kwargs) -> Future[_R]:
@@ -518,8 +523,8 @@ class Endpoint(Generic[_P, _R]):
         if shape.size == 0:
             raise ValueError("choose needs at least 1 actor, but mesh has 0")
         r = shape.rank(random.randrange(shape.size))
-        fut = Future._new()
-        fut._chan = self._send_one(r, shape, args, kwargs, future_callback(fut))
+        fut = new_future()
+        reply_on(fut, self._send_one(r, shape, args, kwargs, future_callback(fut)))
         return fut
 
     def stream(self, *args: _P.args, **kwargs: _P.kwargs) -> Iterator[Future[_R]]:
@@ -535,7 +540,7 @@ class Endpoint(Generic[_P, _R]):
         shape = self._mesh._shape
         ranks = list(shape)
         done: queue.SimpleQueue = queue.SimpleQueue()
-        futs = [Future._new() for _ in ranks]
+        futs = [new_future() for _ in ranks]
         for f in futs:
             f.add_done_callback(done.put)
         self._send(ranks, shape, args, kwargs, [future_callback(f) for f in futs])

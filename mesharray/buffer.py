@@ -39,7 +39,7 @@ import numpy as np
 from ._core import buffer_address, copy_bytes
 from ._proc_stat import start_time as _start_time
 from .errors import ActorDiedError, MeshArrayError
-from .runtime.future import Future
+from .runtime.future import Future, completed_future
 from .transport.sockio import recv_exactly_into
 
 __all__ = ["Buffer"]
@@ -463,10 +463,10 @@ class Buffer:
         except BaseException as exc:
             if isinstance(exc, (ValueError, TypeError)):
                 raise
-            return Future._completed(exc=exc)
+            return completed_future(exc=exc)
         finally:
             del keep
-        return Future._completed(self.nbytes)
+        return completed_future(self.nbytes)
 
     def write_from(self, src: Any) -> Future[int]:
         """Copy ``src`` into the buffer; returns a future of the number of bytes copied.
@@ -492,10 +492,10 @@ class Buffer:
         try:
             self._transfer(True, addr, n)
         except BaseException as exc:
-            return Future._completed(exc=exc)
+            return completed_future(exc=exc)
         finally:
             del keep
-        return Future._completed(n)
+        return completed_future(n)
 
     def drop(self) -> None:
         """Release the block; later reads/writes through any handle raise a clear error.

@@ -31,7 +31,7 @@ from typing import Any, ParamSpec, Protocol, TypeVar, overload
 import numpy as np
 
 from ._core import Shape
-from .actor import Actor, ActorMesh, future_callback
+from .actor import Actor, ActorMesh, endpoints_of, future_callback
 from .array import MeshArray
 from .bootstrap import local as _local
 from .bootstrap import mpi as _mpi
@@ -41,7 +41,7 @@ from .errors import MeshFailure, MeshStoppedError
 from .mesh import MeshTrait
 from .runtime import protocol as P
 from .runtime.controller import Controller
-from .runtime.future import Future
+from .runtime.future import Future, new_future
 from .transport import framing, shm
 
 __all__ = ["ProcMesh", "proc_mesh", "this_host", "HostMesh", "install_array_factory"]
@@ -185,7 +185,7 @@ class _Root:
             addresses = list(self.addresses)
             addresses[rank] = info.address
             for s in on_rank:
-                fut: Future[Any] = Future._new()
+                fut: Future[Any] = new_future()
                 self.controller.router.send_many(addresses, [rank], P.SPAWN, s.actor_id, None, s.payload,
                                                  cbs=[future_callback(fut)])
                 fut.get(timeout=60)
@@ -338,7 +338,7 @@ class ProcMesh(MeshTrait):
         actor_id = _actor_ids()
         p = framing.dumps((name, actor_class, args, kwargs, self._shape))
         ranks = list(self._shape)
-        futs = [Future._new() for _ in ranks]
+        futs = [new_future() for _ in ranks]
         # the endpoints' send loop: one SPAWN per rank, no view; a rank that cannot be
         # reached fails its future
         root.controller.router.send_many(root.addresses, ranks, P.SPAWN, actor_id, None, p,
@@ -346,7 +346,7 @@ class ProcMesh(MeshTrait):
         for fut in futs:
             fut.get()  # the first failing rank raises ActorError (or ActorDiedError)
         root.controller.counters.spawns += 1
-        mesh = ActorMesh(name, actor_id, actor_class.__qualname__, dict(actor_class._mesharray_endpoints),
+        mesh = ActorMesh(name, actor_id, actor_class.__qualname__, endpoints_of(actor_class),
                          self._shape, root.addresses, self)
         root.actor_meshes.append(mesh)
         root.spawned.append(_Spawned(actor_id, p, self._shape, max_restarts, name.startswith("__mesharray")))

@@ -19,7 +19,7 @@ from .channel import Channel
 from .channel import dirty as _dirty
 from .channel import flush_all as _flush_all
 
-__all__ = ["Future"]
+__all__ = ["Future", "completed_future", "is_done", "new_future", "reply_on", "set_exception", "set_result"]
 
 T = TypeVar("T")
 
@@ -217,3 +217,17 @@ def _wake(waiter: asyncio.Future[None]) -> None:
 
 
 Future.__module__ = "mesharray"  # public as mesharray.Future (the runtime is internal)
+
+
+# The runtime side of a future, for the layers that make and complete futures
+# (actor, proc, buffer): plain aliases of the methods, so no call costs more.
+new_future = Future._new
+completed_future = Future._completed
+set_result = Future._set_result
+set_exception = Future._set_exception
+is_done = Future._done
+
+
+def reply_on(fut: Future[Any], chan: Any) -> None:
+    """Say which polled channel(s) ``fut``'s reply comes on: ``get()`` then reads it in its own thread."""
+    fut._chan = chan

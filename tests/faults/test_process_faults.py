@@ -61,7 +61,8 @@ def test_F5_controller_death_ends_every_worker(tmp_path, how):
         procs = ma.proc_mesh(procs=2, forward_logs=False)
         x = procs.ones((1 << 16,))
         x.sum(axis="procs").fetch()          # shared-memory segments exist now
-        print(" ".join(map(str, procs.pids)), flush=True)
+        from mesharray.darray import data_context
+        print(data_context(procs).token, " ".join(map(str, procs.pids)), flush=True)
         sys.stdin.readline()
         how = {how!r}
         if how == "sigkill":
@@ -75,7 +76,8 @@ def test_F5_controller_death_ends_every_worker(tmp_path, how):
     p = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=env)
     try:
-        pids = [int(x) for x in p.stdout.readline().split()]
+        token, *rest = p.stdout.readline().split()
+        pids = [int(x) for x in rest]
         assert len(pids) == 2
         p.communicate("\n", timeout=30)
         deadline = time.monotonic() + 10
@@ -87,7 +89,8 @@ def test_F5_controller_death_ends_every_worker(tmp_path, how):
             p.kill()
         p.communicate()
     if os.path.isdir("/dev/shm"):
-        left = {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("ma-")}
+        # this mesh's segments only: other jobs on the machine may be making theirs
+        left = {n for n in set(os.listdir("/dev/shm")) - before if n.startswith(f"ma-{token}-")}
         assert not left, f"shared-memory segments left behind: {left}"
 
 
