@@ -30,6 +30,7 @@ import time
 from .._core import Shape
 from ..errors import BootstrapError
 from ..runtime.controller import Controller
+from ..transport.sockio import read_exactly
 from .launch import Launch
 
 __all__ = ["LocalBootstrap", "start_local"]
@@ -42,19 +43,9 @@ def _write_msg(fd: int, obj) -> None:
     os.write(fd, _LEN.pack(len(data)) + data)
 
 
-def _read_exact(fd: int, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        chunk = os.read(fd, n - len(out))
-        if not chunk:
-            raise EOFError
-        out += chunk
-    return out
-
-
 def _read_msg(fd: int):
-    (n,) = _LEN.unpack(_read_exact(fd, 4))
-    return pickle.loads(_read_exact(fd, n))
+    (n,) = _LEN.unpack(read_exactly(fd, 4))
+    return pickle.loads(read_exactly(fd, n))
 
 
 class LocalBootstrap:

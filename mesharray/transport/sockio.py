@@ -1,11 +1,12 @@
-"""Reading exactly ``n`` bytes from a blocking socket: the one helper the handshake,
-the frame reader and the buffer stream server share."""
+"""Reading exactly ``n`` bytes from a blocking socket (or a pipe): the one helper the
+handshake, the frame reader, the buffer stream server and the zygote's pipe share."""
 
 from __future__ import annotations
 
+import os
 import socket
 
-__all__ = ["recv_exactly", "recv_exactly_into"]
+__all__ = ["read_exactly", "recv_exactly", "recv_exactly_into"]
 
 
 def recv_exactly_into(sock: socket.socket, view: memoryview, start: int = 0) -> int:
@@ -28,4 +29,17 @@ def recv_exactly(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     with memoryview(buf) as v:
         recv_exactly_into(sock, v)
+    return bytes(buf)
+
+
+def read_exactly(fd: int, n: int) -> bytes:
+    """``n`` bytes from the file descriptor ``fd`` (a pipe); ``EOFError`` if it closes first."""
+    buf = bytearray(n)
+    have = 0
+    while have < n:
+        chunk = os.read(fd, n - have)
+        if not chunk:
+            raise EOFError(f"pipe closed after {have} of {n} bytes")
+        buf[have:have + len(chunk)] = chunk
+        have += len(chunk)
     return bytes(buf)
