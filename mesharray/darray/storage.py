@@ -421,21 +421,12 @@ class DistributedStorage:
                 proxies.append(_proxy(st._dtype, x.local_shape) if per_element else _sample(st._dtype))
             elif isinstance(x, MeshArray):
                 aligned = plan.align(x, pad_local=not per_element)
-                m = len(sizes)
-                per = {}
-                for rank, p in pos_of.items():
-                    idx = tuple(pi if s > 1 else 0 for pi, s in zip(p, aligned.shape[:m]))
-                    per[rank] = np.array(aligned[idx])
-                operands.append(I.PerRank(per))
-                proxies.append(_proxy(x.dtype, aligned.shape[m:]))
+                operands.append(I.PerRank(_per_rank(aligned, pos_of, len(sizes))))
+                proxies.append(_proxy(x.dtype, aligned.shape[len(sizes):]))
             elif isinstance(x, np.ndarray) and x.ndim > len(plan.local_shape) and not per_element:
                 m = len(sizes)
                 full = x.reshape((1,) * (m + len(plan.local_shape) - x.ndim) + x.shape)
-                per = {}
-                for rank, p in pos_of.items():
-                    idx = tuple(pi if s > 1 else 0 for pi, s in zip(p, full.shape[:m]))
-                    per[rank] = np.array(full[idx])
-                operands.append(I.PerRank(per))
+                operands.append(I.PerRank(_per_rank(full, pos_of, m)))
                 proxies.append(_proxy(x.dtype, full.shape[m:]))
             else:
                 operands.append(I.Value(x))
@@ -524,6 +515,12 @@ def _matmul_meta(proxies: list) -> tuple[tuple, np.dtype]:
     out = batch + (a2[-2],) * (a.ndim > 1) + (b2[-1],) * (b.ndim > 1)
     dt = np.result_type(a.dtype, b.dtype)
     return tuple(out), dt
+
+
+def _per_rank(values: np.ndarray, pos_of: dict, m: int) -> dict:
+    """Each rank's slice of host ``values`` (mesh axes first, size-1 axes broadcast)."""
+    return {rank: np.array(values[tuple(pi if s > 1 else 0 for pi, s in zip(p, values.shape[:m]))])
+            for rank, p in pos_of.items()}
 
 
 def _decref(ctx_ref: weakref.ref, bid: int, ranks: tuple, nbytes: int) -> None:
