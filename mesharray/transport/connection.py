@@ -90,8 +90,9 @@ BACKLOG_MAX = int(os.environ.get("MESHARRAY_SEND_BACKLOG", str(64 << 20)))
 #: one more closes the oldest of them
 MAX_HANDSHAKES = int(os.environ.get("MESHARRAY_MAX_HANDSHAKES", "128"))
 #: the payload buffer of a frame longer than the receive buffer grows as its bytes
-#: arrive, by at most this much at a time (and at least _GROW_MIN, else by what it
-#: holds): a header that lies about its length costs at most ~1 MiB, never its length
+#: arrive, by what it holds (at least _GROW_MIN, at most _GROW_MAX) at a time: a
+#: header that lies about its length costs what arrived plus one such step, never
+#: the length it claims
 _GROW_MAX = 64 << 20
 _GROW_MIN = 1 << 20
 
