@@ -379,7 +379,7 @@ def test_F9_lying_headers_neither_bloat_a_worker_nor_stall_the_controller():
             a.slice(procs=0).echo.call_one(1).get(timeout=10)
             worst = max(worst, time.monotonic() - t0)
         time.sleep(0.3)
-        assert worst < 0.5, f"a call took {worst:.2f} s while lying headers were read"
+        assert worst < 1.0, f"a call took {worst:.2f} s while lying headers were read"
         assert worker.memory_info().rss - rss0 < 128 * MiB
         assert me.memory_info().rss - my_rss0 < 128 * MiB
         for s in liars:
@@ -450,7 +450,7 @@ def test_F10_slow_loris_is_closed_at_the_whole_handshake_deadline():
             i += 1
             time.sleep(0.3)
         assert len(closed_at) == len(socks)
-        assert max(closed_at.values()) < 2.0
+        assert max(closed_at.values()) < 2.5
         for s in socks:
             s.close()
         assert srv.works()
