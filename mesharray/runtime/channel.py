@@ -205,6 +205,9 @@ class Channel:
                 _mark_dirty(conn)
         except _SendErrors:
             pass  # the close handler fails the pending call with the death error
+        except BaseException:  # nothing was sent (a frame over the limit): the caller gets the error
+            pending.pop(mid, None)
+            raise
         err = self.died
         if err is not None:
             c = pending.pop(mid, None)

@@ -149,7 +149,7 @@ class Future(Generic[T]):
                 raise ValueError(f"timeout must be >= 0, got {timeout}")
             ok = self._lock.acquire(True, timeout)
         if not ok:
-            raise TimeoutError(f"future not done after {timeout} s")
+            raise TimeoutError(f"future not done after {timeout} s; {_may_have_run(self._chan)}")
         self._lock.release()  # let other waiters through
 
     def get(self, timeout: float | None = None) -> T:
@@ -209,6 +209,24 @@ class Future(Generic[T]):
         else:
             state = "done"
         return f"<mesharray.Future {state}>"
+
+
+def _may_have_run(chan: Any) -> str:
+    """What a timed-out caller can know: its request went out, so the call may have run.
+
+    A lost request, a lost reply and a slow call look alike from here;
+    mesharray sends a call at most once, so it never runs twice, and a reply
+    that comes later still completes the future.
+    """
+    ranks: list = []
+    for c in chan if type(chan) is tuple else (chan,) if chan is not None else ():
+        if c.pending:
+            ranks.extend(c.peer.get("ranks", ()))
+    where = ""
+    if ranks:
+        where = (" on rank " if len(ranks) == 1 else " on ranks ") + ", ".join(map(str, ranks))
+    return (f"the call may have run{where}: its request was sent and no reply came (lost, late, or the call "
+            f"is still running); it is never sent twice, and a reply that comes later completes this future")
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

@@ -40,6 +40,7 @@ import threading
 import traceback
 from typing import Any
 
+from ..errors import SerializationError
 from ..transport import framing
 from ..transport.connection import Listener, connect
 from . import protocol as P
@@ -121,8 +122,8 @@ def error_record(exc: BaseException, actor_name: str, coords, host: str, pid: in
 def _error_parts(rec: dict) -> list:
     try:
         return framing.encode(framing.dumps(rec))
-    except Exception:
-        rec = dict(rec, exc=RuntimeError(repr(rec["exc"])), chain=[])
+    except Exception:  # unpicklable, or too large for a frame: its text, cut short
+        rec = dict(rec, exc=RuntimeError(repr(rec["exc"])[:1 << 16]), chain=[], tb=rec["tb"][-(1 << 16):])
         return framing.encode(framing.dumps(rec))
 
 
@@ -171,7 +172,11 @@ class Worker:
     def on_peer_socket(self, sock) -> None:
         chan = Channel(sock, handler=self.on_frame, on_close=self._peer_closed, name="peer", on_call=self._call)
         self.inbound.add(chan)
-        chan.start()
+        try:
+            chan.start()
+        except BaseException:  # no thread to be had: the listener logs it and closes the socket
+            self.inbound.discard(chan)
+            raise
 
     def _peer_closed(self, conn, exc) -> None:
         self.inbound.discard(conn)
@@ -326,11 +331,15 @@ class Worker:
                 parts = framing.encode_one(framing.dumps(result), conn.same_host, chan.peer.get("pid"))
             except Exception as exc:
                 err = TypeError(f"endpoint {method!r} returned a value of type {type(result).__name__} "
-                                f"that cannot be pickled: {exc}")
+                                f"that cannot be sent: {exc}")
                 self._fail(chan, msg_id, True, slot, err)
                 return
         try:
             conn.send(P.REPLY, 0, msg_id, P.OK, 0, parts, cork=cork)
+        except SerializationError as exc:  # over the frame limit, nothing sent: the caller must hear of it
+            self._fail(chan, msg_id, True, slot, TypeError(
+                f"endpoint {method!r} returned a value of type {type(result).__name__} that cannot be sent: "
+                f"{exc}"))
         except ConnectionError:
             pass  # the caller is gone
 

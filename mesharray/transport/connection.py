@@ -33,10 +33,17 @@ Design, for latency:
   a caller blocked on one reply reads its connection itself. Both modes use
   one reader (``Connection._read_some``: recv, parse, hand frames over),
   blocking in thread mode, non-blocking under the poller.
-- A frame longer than the receive buffer gets a buffer of exactly its length,
-  allocated only after the length passed the limit check.
+- A frame longer than the receive buffer gets a buffer of its own, which
+  grows as the bytes arrive (by at most 64 MiB at a time, see :func:`_grow`),
+  so a header that lies about its length costs nothing; the length was checked
+  against the limit (:data:`framing.max_frame_size`) before anything.
 - A malformed header or an oversized length is a :class:`FrameError`: it is
   logged and the connection is dropped; the listener keeps serving others.
+  A frame over the limit is refused at the *sender* too
+  (:class:`SerializationError`, nothing written): the peer would drop the
+  connection, and with it every call in flight on it.
+- :meth:`Connection.inject` loses or delays one connection's frames, for
+  fault tests; off by default, and free while off.
 """
 
 from __future__ import annotations
@@ -46,18 +53,26 @@ import itertools
 import logging
 import os
 import select
+import selectors
 import socket
+import struct
 import sys
 import threading
 import time
-from typing import Any
 
 from .._core import pack_header, unpack_header
-from ..errors import AuthenticationError, BrokenTransportError, ClosedTransportError, FrameError, TransportError
+from ..errors import (
+    AuthenticationError,
+    BrokenTransportError,
+    ClosedTransportError,
+    FrameError,
+    SerializationError,
+    TransportError,
+)
 from . import auth, framing
 
 __all__ = ["Connection", "Listener", "Poller", "Writer", "connect", "default_poller", "default_writer",
-           "parse_address", "BACKLOG_MAX"]
+           "parse_address", "peer_uid", "BACKLOG_MAX", "MAX_HANDSHAKES"]
 
 log = logging.getLogger("mesharray.transport")
 
@@ -71,6 +86,26 @@ _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0x40)
 #: bytes a connection may hold unwritten before its senders wait for the peer to read
 #: (env ``MESHARRAY_SEND_BACKLOG``); they resume once half of it is written
 BACKLOG_MAX = int(os.environ.get("MESHARRAY_SEND_BACKLOG", str(64 << 20)))
+#: connections a listener may hold unauthenticated at once (env ``MESHARRAY_MAX_HANDSHAKES``);
+#: one more closes the oldest of them
+MAX_HANDSHAKES = int(os.environ.get("MESHARRAY_MAX_HANDSHAKES", "128"))
+#: the payload buffer of a frame longer than the receive buffer grows as its bytes
+#: arrive, by what it holds (at least _GROW_MIN, at most _GROW_MAX) at a time: a
+#: header that lies about its length costs what arrived plus one such step, never
+#: the length it claims
+_GROW_MAX = 64 << 20
+_GROW_MIN = 1 << 20
+
+
+def _grow(payload: bytearray, length: int) -> None:
+    """Make ``payload`` (of a frame of ``length`` bytes) longer by one bounded chunk.
+
+    Zero-filled, as ``bytearray(length)`` was (``bytes(n)`` is calloc'd: its
+    pages are the kernel's zero page until written), and ``realloc`` moves
+    large buffers by remapping, not copying.
+    """
+    n = len(payload)
+    payload += bytes(min(length - n, max(n, _GROW_MIN), _GROW_MAX))
 
 
 def parse_address(address: str):
@@ -97,9 +132,11 @@ class Connection:
     (``exc`` is ``None`` for a clean EOF or a local close).
     """
 
+    dropped_out = 0  # frames lost on purpose (inject)
+    dropped_in = 0
     # poll mode only (set by start_polled and Poller.add)
     _fd: int
-    _big: tuple[Any, memoryview, int] | None
+    _big: tuple[bytearray, memoryview, int, int] | None
     _poll_exc: BaseException | None
 
     def __init__(self, sock: socket.socket, handler=None, on_close=None, name: str = "",
@@ -148,6 +185,8 @@ class Connection:
         n = 0
         for p in parts:
             n += p.nbytes if isinstance(p, memoryview) else len(p)
+        if n > self.limit:
+            raise SerializationError(framing.too_large(n, self.limit))
         hdr = pack_header(kind, flags, n, msg_id, target, view)
         if self._closed:
             raise ClosedTransportError(f"connection {self.name} is closed")
@@ -335,6 +374,53 @@ class Connection:
         """Bytes written by senders that the peer has not taken yet."""
         return self._backlog_n
 
+    # -- fault injection (tests) ---------------------------------------------------
+    def inject(self, drop_out=None, drop_in=None, delay: float = 0.0) -> None:
+        """Lose or delay this connection's frames, for fault tests; ``inject()`` stops it.
+
+        ``drop_out``: frames sent on this connection are counted and never
+        written (the sender sees success); ``drop_in``: frames read from it are
+        discarded before the handler sees them. Each is ``True`` (every frame)
+        or a predicate ``f(kind) -> bool`` choosing the frames by kind (e.g.
+        only ``CALL``: a lost request; only ``REPLY``: a lost reply). ``delay``:
+        seconds the sending thread sleeps before each frame it sends.
+        ``dropped_out`` / ``dropped_in`` count the frames lost.
+
+        Free while off: it replaces this connection's ``send`` and handler
+        (instance attributes), the class's code paths never test for it.
+        """
+        real = self.__dict__.get("_real_handler", self.handler)
+        self.__dict__.pop("send", None)
+        self.handler = real
+        self.__dict__.pop("_real_handler", None)
+        if not (drop_out or drop_in or delay):
+            return
+        if drop_out or delay:
+            send = Connection.send
+            out = (lambda kind: True) if drop_out is True else drop_out
+
+            def faulty_send(kind: int, flags: int = 0, msg_id: int = 0, target: int = 0, view: int = 0,
+                            parts=(), cork: bool = False) -> bool:
+                if delay:
+                    time.sleep(delay)
+                if out is not None and out(kind):
+                    self.dropped_out += 1
+                    return False
+                return send(self, kind, flags, msg_id, target, view, parts, cork)
+
+            self.send = faulty_send  # type: ignore[method-assign]
+        if drop_in:
+            keep = (lambda kind: False) if drop_in is True else (lambda kind: not drop_in(kind))
+
+            def faulty_handler(conn, kind, *rest) -> None:
+                if keep(kind):
+                    real(conn, kind, *rest)
+                else:
+                    self.dropped_in += 1
+
+            self._real_handler = real
+            self.handler = faulty_handler
+
     # -- receiving -------------------------------------------------------
     def start(self) -> None:
         """Start the reader thread."""
@@ -347,7 +433,7 @@ class Connection:
         self._buf = bytearray(_RECV_BUF)
         self._view = memoryview(self._buf)
         self._start = self._end = 0
-        self._big = None  # (payload, its view, bytes read) of a frame longer than _buf; header in _big_hdr
+        self._big = None  # (payload, its view, bytes read, length) of a frame longer than _buf; header in _big_hdr
         self._big_hdr: tuple = ()
         self._read_exc: BaseException | None = None
 
@@ -482,14 +568,18 @@ class Connection:
         try:
             while True:
                 if big is not None:
-                    payload, pv, have = big
+                    payload, pv, have, length = big
+                    if have == len(payload):  # it grows with the bytes, never ahead of them
+                        pv.release()
+                        _grow(payload, length)
+                        pv = memoryview(payload)
                     n = sock.recv_into(pv[have:], 0, flags)
                     if n == 0:
                         raise EOFError
                     self.bytes_in += n
                     have += n
-                    if have < len(payload):
-                        big = (payload, pv, have)
+                    if have < length:
+                        big = (payload, pv, have, length)
                     else:
                         big = None
                         pv.release()
@@ -503,6 +593,7 @@ class Connection:
                     raise EOFError
                 self.bytes_in += n
                 end += n
+                handler = self.handler  # per read, not per connection: inject() may swap it
                 while end - start >= 24:
                     try:
                         kind, flags_, length, msg_id, target, vw = unpack_header(view, limit, start)
@@ -510,16 +601,16 @@ class Connection:
                         raise FrameError(f"bad frame from {self.name}: {e}") from None
                     total = 24 + length
                     if end - start >= total:
-                        payload = bytearray(view[start + 24:start + total]) if length else b""
+                        data = bytearray(view[start + 24:start + total]) if length else b""
                         start += total
-                        handler(self, kind, flags_, msg_id, target, vw, payload)
+                        handler(self, kind, flags_, msg_id, target, vw, data)
                         if self._out and time.perf_counter() - self._out_t0 > _CORK_AGE:
                             self.flush()  # frames corked while handling a long batch
                     elif total > cap:
-                        payload = bytearray(length)
-                        have = end - start - 24
-                        payload[:have] = view[start + 24:end]
-                        big = (payload, memoryview(payload), have)
+                        # only what has arrived: a header that lies about its length
+                        # costs nothing (the buffer grows as the bytes come, _grow)
+                        payload = bytearray(view[start + 24:end])
+                        big = (payload, memoryview(payload), len(payload), length)
                         self._big_hdr = (kind, flags_, msg_id, target, vw)
                         start = end = 0
                         break
@@ -861,25 +952,48 @@ def connect(address: str, secret: bytes, timeout: float = 10.0) -> socket.socket
 class Listener:
     """Accepts connections on a unix or TCP address; authenticates each one.
 
-    ``on_connection(sock)`` receives every authenticated socket (in a short
-    handshake thread). A peer that fails the challenge, or stays silent, is
-    logged and dropped; the listener goes on serving others.
+    ``on_connection(sock)`` receives every authenticated socket (a blocking
+    socket, in the listener's thread: it must return quickly). One thread per
+    listener accepts and runs every pending handshake without blocking (a
+    selector), so that peers cannot exhaust it:
+
+    - a unix-socket peer of another uid (``SO_PEERCRED``; root excepted) is
+      closed before the handshake: abstract sockets have no file permissions;
+    - each peer has ``handshake_timeout`` seconds (:data:`auth.HANDSHAKE_TIMEOUT`,
+      env ``MESHARRAY_HANDSHAKE_TIMEOUT``) for the *whole* exchange, however
+      it trickles its bytes in;
+    - at most ``max_handshakes`` (:data:`MAX_HANDSHAKES`, env
+      ``MESHARRAY_MAX_HANDSHAKES``) handshakes are pending at once: a new
+      connection beyond that closes the oldest pending one (an idle socket,
+      most likely; a real peer answers in microseconds);
+    - a peer that fails the challenge, or stays silent, is logged and dropped,
+      and no exception (not even a failed ``accept`` or ``on_connection``)
+      ends the thread: it logs and keeps accepting.
+
+    A TCP listener binds loopback by default; one bound elsewhere needs a
+    secret (``ValueError`` without), and one bound to every interface
+    (``0.0.0.0``, ``::``, ``""``) warns (``RuntimeWarning``).
     """
 
     def __init__(self, secret: bytes, on_connection, kind: str = "unix", host: str = "127.0.0.1",
-                 path: str | None = None, port: int = 0) -> None:
+                 path: str | None = None, port: int = 0, handshake_timeout: float | None = None,
+                 max_handshakes: int | None = None) -> None:
+        if kind == "tcp":
+            _check_bind(host, secret)
         self.secret = secret
         self.on_connection = on_connection
         self.refused = 0
+        self.handshake_timeout = auth.HANDSHAKE_TIMEOUT if handshake_timeout is None else handshake_timeout
+        self.max_handshakes = MAX_HANDSHAKES if max_handshakes is None else max(1, max_handshakes)
+        self._path: str | None = None
         if kind == "unix":
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             if path is None and sys.platform.startswith("linux"):
-                # abstract socket: no file is left behind by a killed process; the
-                # HMAC challenge, not file permissions, keeps strangers out
+                # abstract socket: no file is left behind by a killed process; no file
+                # permissions either, hence the peer's uid check and the HMAC challenge
                 name = f"mesharray-{os.getpid()}-{os.urandom(6).hex()}"
                 self.sock.bind("\0" + name)
                 self.address = "unix:@" + name
-                self._path = None
             else:
                 if path is None:
                     import tempfile
@@ -890,7 +1004,6 @@ class Listener:
                 self.address = "unix:" + path
                 self._path = path
         elif kind == "tcp":
-            self._path = None
             self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self.sock.bind((host, port))
@@ -899,25 +1012,141 @@ class Listener:
         else:
             raise ValueError(f"listener kind must be 'unix' or 'tcp', got {kind!r}")
         self.sock.listen(512)
+        self.sock.setblocking(False)
+        # unauthenticated sockets, oldest first (so also in order of their deadlines)
+        self._pending: dict[socket.socket, auth.ServerHandshake] = {}
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._sel.register(self.sock, selectors.EVENT_READ)
+        self._sel.register(self._wake_r, selectors.EVENT_READ)
+        self._evicted = 0
+        self._t_evict_log = 0.0
         self._closed = False
-        self._thread = threading.Thread(target=self._accept_loop, name="mesharray-accept", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="mesharray-accept", daemon=True)
         self._thread.start()
 
-    def _accept_loop(self) -> None:
+    # -- the listener's thread ----------------------------------------------------
+    def _loop(self) -> None:
         while not self._closed:
             try:
+                self._step()
+            except BaseException:  # nothing may end the thread: every later peer would time out
+                if self._closed:
+                    break
+                log.exception("listener %s: unexpected error; still accepting", self.address)
+                time.sleep(0.01)
+        for s in list(self._pending):
+            s.close()
+        self._pending.clear()
+        self._sel.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _step(self) -> None:
+        timeout = None
+        if self._pending:
+            first = next(iter(self._pending.values()))
+            timeout = max(0.0, first.deadline - time.monotonic())
+        for key, _ in self._sel.select(timeout):
+            obj = key.fileobj
+            if obj is self.sock:
+                self._accept()
+            elif obj is self._wake_r:
+                try:
+                    self._wake_r.recv(64)
+                except OSError:
+                    pass
+            else:
+                self._advance(obj)  # type: ignore[arg-type]  # a pending socket
+        now = time.monotonic()
+        while self._pending:  # deadlines passed (the oldest first)
+            s, hs = next(iter(self._pending.items()))
+            if hs.deadline > now:
+                break
+            got = len(hs.buf)
+            self._refuse(s, f"handshake not finished within {self.handshake_timeout:g} s "
+                            f"({got} of {auth.CLIENT_MSG} bytes received; MESHARRAY_HANDSHAKE_TIMEOUT)")
+
+    def _accept(self) -> None:
+        for _ in range(64):  # a batch, then the pending handshakes get their turn
+            if self._closed:
+                return
+            try:
                 s, _ = self.sock.accept()
-            except OSError:
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
                 if self._closed:
                     return
-                continue
-            threading.Thread(target=self._handshake, args=(s,), daemon=True,
-                             name="mesharray-handshake").start()
+                # out of descriptors or memory: the kernel keeps the connection queued
+                # (listen backlog); retry shortly rather than spin, and never stop accepting
+                log.warning("listener %s: accept failed (%s); retrying", self.address, exc)
+                time.sleep(0.05)
+                return
+            try:
+                self._admit(s)
+            except Exception as exc:
+                self._pending.pop(s, None)
+                self.refused += 1
+                log.warning("refused a connection on %s: %s", self.address, exc)
+                try:
+                    self._sel.unregister(s)
+                except (KeyError, ValueError):
+                    pass
+                s.close()
 
-    def _handshake(self, s: socket.socket) -> None:
+    def _admit(self, s: socket.socket) -> None:
+        if s.family == socket.AF_UNIX:
+            uid = peer_uid(s)
+            if uid is not None and uid != os.geteuid() and uid != 0:
+                self.refused += 1
+                log.warning("refused a connection on %s from uid %d (this process runs as uid %d)",
+                            self.address, uid, os.geteuid())
+                s.close()
+                return
+        s.setblocking(False)
+        hs = auth.ServerHandshake(self.secret, time.monotonic() + self.handshake_timeout)
+        if s.send(hs.hello) != len(hs.hello):  # a fresh socket takes 36 bytes at once
+            raise BrokenTransportError("peer does not take the handshake's first message")
+        if len(self._pending) >= self.max_handshakes:
+            self._evict()
+        self._pending[s] = hs
+        self._sel.register(s, selectors.EVENT_READ)
+
+    def _evict(self) -> None:
+        oldest = next(iter(self._pending))
+        self._refuse(oldest, None)
+        self._evicted += 1
+        now = time.monotonic()
+        if now - self._t_evict_log > 1.0:  # a flood of idle sockets: one line a second, not one each
+            self._t_evict_log = now
+            log.warning("listener %s: over %d pending handshakes (MESHARRAY_MAX_HANDSHAKES); closed the "
+                        "oldest (%d so far)", self.address, self.max_handshakes, self._evicted)
+
+    def _advance(self, s: socket.socket) -> None:
+        hs = self._pending.get(s)
+        if hs is None:
+            return
         try:
-            auth.server_handshake(s, self.secret)
+            data = s.recv(auth.CLIENT_MSG - len(hs.buf))
+            if not data:
+                raise BrokenTransportError("peer closed the connection during the handshake")
+            answer = hs.feed(data)
+        except (BlockingIOError, InterruptedError):
+            return
         except (AuthenticationError, OSError, BrokenTransportError) as exc:
+            self._refuse(s, str(exc))
+            return
+        if answer is None:
+            return
+        del self._pending[s]
+        self._sel.unregister(s)
+        try:
+            if s.send(answer) != len(answer):
+                raise BrokenTransportError("peer does not take the handshake's answer")
+            s.setblocking(True)
+        except OSError as exc:
             self.refused += 1
             log.warning("refused a connection on %s: %s", self.address, exc)
             s.close()
@@ -928,6 +1157,22 @@ class Listener:
             log.exception("connection handler failed on %s", self.address)
             s.close()
 
+    def _refuse(self, s: socket.socket, why: str | None) -> None:
+        self._pending.pop(s, None)
+        try:
+            self._sel.unregister(s)
+        except (KeyError, ValueError):
+            pass
+        s.close()
+        self.refused += 1
+        if why is not None:
+            log.warning("refused a connection on %s: %s", self.address, why)
+
+    @property
+    def pending_handshakes(self) -> int:
+        """Connections accepted and not yet authenticated."""
+        return len(self._pending)
+
     def close(self) -> None:
         if self._closed:
             return
@@ -936,7 +1181,11 @@ class Listener:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        self.sock.close()
+        self.sock.close()  # new peers are refused from now on
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
         if self._thread is not threading.current_thread():
             self._thread.join(2.0)
         if self._path is not None:
@@ -945,3 +1194,40 @@ class Listener:
                 os.rmdir(self._dir)
             except OSError:
                 pass
+
+
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The uid of the process at the other end of a unix socket (``None`` where the OS does not say)."""
+    opt = getattr(socket, "SO_PEERCRED", None)
+    if opt is None:
+        return None
+    try:
+        _, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, opt, _PEERCRED.size))
+    except OSError:
+        return None
+    return uid
+
+
+def _check_bind(host: str, secret: bytes) -> None:
+    """Refuse a TCP listener reachable from other hosts without a secret; warn for all interfaces."""
+    import ipaddress
+
+    wildcard = host in ("", "0.0.0.0", "::")
+    try:
+        loopback = not wildcard and (host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback)
+    except ValueError:  # a host name: it may resolve to any interface
+        loopback = False
+    if loopback:
+        return
+    if not secret:
+        raise ValueError(f"refusing to listen on {host or 'every interface'!r} without a secret: other hosts "
+                         f"could connect; give a secret, or bind 127.0.0.1")
+    if wildcard:
+        import warnings
+
+        warnings.warn(f"listening on every interface ({host or '0.0.0.0'!r}): any host that reaches the port can "
+                      f"try the handshake (the job secret still protects it); bind the one interface the "
+                      f"peers use instead", RuntimeWarning, stacklevel=3)

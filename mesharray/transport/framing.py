@@ -58,9 +58,14 @@ __all__ = [
     "SHM_THRESHOLD",
     "encode_one",
     "write_shm",
+    "too_large",
 ]
 
-#: default bound on one frame's payload; MESHARRAY_MAX_FRAME overrides it
+#: bound on one frame's payload (env ``MESHARRAY_MAX_FRAME``, default 2 GiB): a receiver
+#: drops a connection that announces a longer frame, before allocating anything, and a
+#: sender refuses to send one (:class:`SerializationError`). Not lower by default: what
+#: pickles in band (``bytes``, ``str``, lists...) and every buffer to another host travel
+#: inside the frame; the receiver allocates as the bytes arrive, not up front.
 max_frame_size = int(os.environ.get("MESHARRAY_MAX_FRAME", 1 << 31))
 #: buffers at least this large go through shared memory between same-host processes
 SHM_THRESHOLD = 1 << 16
@@ -150,15 +155,28 @@ def _pickle5(obj, buffers: list) -> bytes:
     return f.getvalue()
 
 
+def too_large(n: int, limit: int) -> str:
+    """The message of a frame over the limit (the sender's :class:`SerializationError`)."""
+    return (f"message of {n} bytes is over the frame limit of {limit} bytes (MESHARRAY_MAX_FRAME); "
+            f"nothing was sent. Send large data as NumPy arrays, CPU tensors or pickle.PickleBuffer: "
+            f"their bytes travel out of band (through shared memory to a peer on this host), not in the frame")
+
+
 def dumps(obj) -> Payload:
-    """Pickle ``obj`` (protocol 5, out-of-band buffers); :class:`SerializationError` if impossible."""
+    """Pickle ``obj`` (protocol 5, out-of-band buffers); :class:`SerializationError` if impossible.
+
+    Also when the pickle alone (without its out-of-band buffers) is over
+    :data:`max_frame_size`: it could never be sent.
+    """
     buffers: list = []
     try:
-        data = _pickle5(obj, buffers)
-        if b"__main__" not in data:
-            return Payload(data, buffers)
+        first: bytes | None = _pickle5(obj, buffers)
     except Exception:
-        pass
+        first = None
+    if first is not None and b"__main__" not in first:
+        if len(first) > max_frame_size:
+            raise SerializationError(too_large(len(first), max_frame_size))
+        return Payload(first, buffers)
     buffers = []
     try:
         import cloudpickle
@@ -174,6 +192,8 @@ def dumps(obj) -> Payload:
         data = f.getvalue()
     except Exception as exc:
         raise SerializationError(f"cannot pickle {type(obj).__name__} for sending: {exc}") from exc
+    if len(data) > max_frame_size:
+        raise SerializationError(too_large(len(data), max_frame_size))
     return Payload(data, buffers)
 
 

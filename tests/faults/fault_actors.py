@@ -31,6 +31,14 @@ class Faulty(ma.Actor):
         return x
 
     @ma.endpoint
+    def make(self, n: int) -> bytes:
+        return b"x" * n
+
+    @ma.endpoint
+    def length(self, x) -> int:
+        return len(x)
+
+    @ma.endpoint
     def record(self, i: int) -> None:
         self.seen.append(i)
 
