@@ -27,11 +27,13 @@ import ctypes
 import ctypes.util
 import errno
 import hmac
+import logging
 import os
 import secrets
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -40,7 +42,10 @@ from ._core import buffer_address, copy_bytes
 from ._proc_stat import start_time as _start_time
 from .errors import ActorDiedError, MeshArrayError
 from .runtime.future import Future, completed_future
+from .transport.auth import HANDSHAKE_TIMEOUT
 from .transport.sockio import recv_exactly_into
+
+log = logging.getLogger("mesharray.buffer")
 
 __all__ = ["Buffer"]
 
@@ -201,6 +206,9 @@ class _Server:
 
     def __init__(self, reg: _Registry) -> None:
         self.reg = reg
+        # at most this many connections served at once; a request header must come
+        # within the handshake deadline (a slow or idle client cannot hold a thread)
+        self.slots = threading.BoundedSemaphore(int(os.environ.get("MESHARRAY_BUFFER_MAX_CONNECTIONS", "64")))
         host = os.environ.get("MESHARRAY_BUFFER_HOST", "127.0.0.1")
         self.sock = socket.create_server((host, 0))
         self.address = (host if host not in ("0.0.0.0", "") else socket.gethostname(), self.sock.getsockname()[1])
@@ -208,17 +216,37 @@ class _Server:
         self.thread.start()
 
     def _serve(self) -> None:
+        # nothing ends this loop but closing the socket: a failed accept (EMFILE) or a
+        # thread that cannot start costs that one connection, never the server
         while True:
             try:
                 conn, _ = self.sock.accept()
             except OSError:
-                return
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+                if self.sock.fileno() < 0:
+                    return
+                time.sleep(0.05)
+                continue
+            if not self.slots.acquire(blocking=False):
+                conn.close()  # too many at once: the client sees the connection closed
+                continue
+            try:
+                threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+            except Exception:
+                log.exception("buffer server: cannot serve a connection")
+                conn.close()
+                self.slots.release()
 
     def _handle(self, conn: socket.socket) -> None:
+        try:
+            self._serve_one(conn)
+        finally:
+            self.slots.release()
+
+    def _serve_one(self, conn: socket.socket) -> None:
         with conn:
             try:
-                head = _recv_exact(conn, _REQ.size)
+                head = _recv_header(conn, _REQ.size, time.monotonic() + HANDSHAKE_TIMEOUT)
+                conn.settimeout(None)  # authenticated: a large transfer takes what it takes
                 magic, op, slot, token, secret, nbytes = _REQ.unpack(head)
                 mem = self.reg.lookup(slot, token, secret) if magic == _MAGIC else None
                 if mem is not None and op == 2:
@@ -236,6 +264,23 @@ class _Server:
                     conn.sendall(_REP.pack(_MAGIC, 0, nbytes))
             except (OSError, ConnectionError):
                 return
+
+
+def _recv_header(conn: socket.socket, n: int, deadline: float) -> bytes:
+    """``n`` bytes that must all arrive before ``deadline`` (one deadline, not one per recv)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    have = 0
+    while have < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"request header not complete within {HANDSHAKE_TIMEOUT:g} s")
+        conn.settimeout(left)
+        got = conn.recv_into(view[have:])
+        if got == 0:
+            raise ConnectionError("peer closed the connection in its request header")
+        have += got
+    return bytes(buf)
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import time
 
@@ -84,3 +85,57 @@ def test_F21_buffer_read_from_a_dead_owner_fails_fast_and_the_mesh_lives():
         b0.read_into(dst).get(timeout=10)
         assert dst[7] == 7.0
         assert k.slice(procs=0).keep.call_one(np.ones(4)).get(timeout=10) == 1
+
+
+def test_buffer_server_is_not_held_by_idle_or_slow_clients():
+    # the same bounds as the control listener (item 3): a slow client's header is cut
+    # at the handshake deadline, idle sockets cost no thread beyond a cap, and the
+    # server keeps serving real readers
+    import socket
+    import threading
+
+    from mesharray import buffer as buffer_mod
+    from mesharray.transport.auth import HANDSHAKE_TIMEOUT
+
+    data = np.ones(1 << 16, dtype="float32")
+    buf = ma.Buffer(data)
+    host, port = buffer_mod._registry().server_address()
+
+    # a client dribbling its header is cut at the deadline
+    slow = socket.create_connection((host, port))
+    t0 = time.monotonic()
+    closed_after = None
+    try:
+        while time.monotonic() - t0 < HANDSHAKE_TIMEOUT + 4:
+            try:
+                slow.send(b"M")
+                if slow.recv(1, socket.MSG_DONTWAIT) == b"":
+                    closed_after = time.monotonic() - t0
+                    break
+            except BlockingIOError:
+                pass
+            except OSError:
+                closed_after = time.monotonic() - t0
+                break
+            time.sleep(0.25)
+    finally:
+        slow.close()
+    assert closed_after is not None, "a client dribbling its header held its connection past the deadline"
+    assert HANDSHAKE_TIMEOUT - 1 <= closed_after <= HANDSHAKE_TIMEOUT + 3
+
+    # a flood of idle sockets costs at most the cap in threads
+    threads0 = threading.active_count()
+    idle = [socket.create_connection((host, port)) for _ in range(200)]
+    try:
+        time.sleep(0.3)
+        assert threading.active_count() <= threads0 + 64 + 2
+    finally:
+        for s in idle:
+            s.close()
+    time.sleep(0.5)
+
+    # a real reader through the stream server itself (not the same-host fast path)
+    handle = pickle.loads(pickle.dumps(buf))
+    dst = np.zeros(1 << 16, dtype="float32")
+    handle._stream(False, dst.ctypes.data, dst.nbytes)
+    assert float(dst.sum()) == float(1 << 16)
