@@ -170,9 +170,11 @@ class ActorDiedError(SupervisionError):
         self.reason = reason
 
     def __str__(self) -> str:
-        ranks = ", ".join(map(str, self.ranks))
-        label = "rank" if len(self.ranks) == 1 else "ranks"
-        text = f"process of {label} {ranks}"
+        if self.ranks:
+            label = "rank" if len(self.ranks) == 1 else "ranks"
+            text = f"process of {label} {', '.join(map(str, self.ranks))}"
+        else:  # a peer known by its address only (an actor calling another actor)
+            text = "a peer process"
         if self.pid is not None:
             text += f" (pid {self.pid})"
         text += " died"

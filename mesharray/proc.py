@@ -481,6 +481,7 @@ class ProcMesh(MeshTrait):
         d["calls"] = c.router.sent_calls
         d["broadcasts"] = c.router.sent_oneway
         d["restarts"] = self._root.restarts
+        d["unresponsive_now"] = sum(1 for w in c.workers.values() if w.alive and w.unresponsive_since is not None)
         d["workers"] = len(c.workers)
         d["alive"] = sum(1 for w in c.workers.values() if w.alive)
         return d
@@ -508,7 +509,7 @@ class ProcMesh(MeshTrait):
 def proc_mesh(hosts: int | None = None, procs: int | None = None, *, bootstrap: str = "auto",
               forward_logs: bool = True, heartbeat_timeout: float = 5.0,
               heartbeat_interval: float = 0.5, timeout: float | None = None, owner=None,
-              name: str = "procs") -> ProcMesh:
+              name: str = "procs", kill_unresponsive: bool = False) -> ProcMesh:
     """Start ``hosts * procs`` worker processes on this host; a mesh with dims ``(hosts, procs)``.
 
     The ``local`` bootstrap: workers are forked from a zygote (a clean process
@@ -532,7 +533,10 @@ def proc_mesh(hosts: int | None = None, procs: int | None = None, *, bootstrap: 
     forward_logs : bool
         Print workers' stdout/stderr/logging here, prefixed with their rank.
     heartbeat_timeout : float
-        A worker silent this long (seconds) is declared hung and killed.
+        A worker whose heartbeats stop this long (seconds) is reported
+        unresponsive (a warning; ``stats()["unresponsive"]``), not killed: an
+        endpoint holding the GIL, or a stopped process, is alive. Deaths are
+        seen from the process itself (its connection closes, its exit status).
     heartbeat_interval : float
         Seconds between a worker's heartbeats.
     timeout : float, optional
@@ -541,6 +545,9 @@ def proc_mesh(hosts: int | None = None, procs: int | None = None, *, bootstrap: 
         Its ``__supervise__(failure)`` method, if any, sees each :class:`~mesharray.MeshFailure`.
     name : str
         Name used in failure reports.
+    kill_unresponsive : bool
+        Kill a worker unresponsive for ``heartbeat_timeout``: its calls then
+        fail with :class:`~mesharray.ActorDiedError` (a hung-process policy).
 
     Examples
     --------
@@ -552,12 +559,13 @@ def proc_mesh(hosts: int | None = None, procs: int | None = None, *, bootstrap: 
     """
     if resolve_bootstrap(bootstrap) == "mpi":
         launch = _mpi.bootstrap(hosts=hosts, procs=procs, timeout=timeout, name=name,
-                                heartbeat_timeout=heartbeat_timeout, heartbeat_interval=heartbeat_interval)
+                                heartbeat_timeout=heartbeat_timeout, heartbeat_interval=heartbeat_interval,
+                                kill_unresponsive=kill_unresponsive)
     else:
         launch = _local.launch(1 if hosts is None else hosts, 1 if procs is None else procs,
                                forward_logs=forward_logs, timeout=60.0 if timeout is None else timeout,
                                heartbeat_timeout=heartbeat_timeout, heartbeat_interval=heartbeat_interval,
-                               name=name)
+                               name=name, kill_unresponsive=kill_unresponsive)
     return ProcMesh._from_launch(launch, owner)
 
 

@@ -122,9 +122,10 @@ class LogSink:
 class Counters:
     """Runtime counters of one process mesh (read with ``ProcMesh.stats()``)."""
 
-    __slots__ = ("replies", "errors", "deaths", "log_bytes", "spawns")
+    __slots__ = ("replies", "errors", "deaths", "log_bytes", "spawns", "unresponsive")
 
     def __init__(self) -> None:
+        self.unresponsive = 0  # times a worker's heartbeats stopped for heartbeat_timeout
         self.replies = 0
         self.errors = 0
         self.deaths = 0

@@ -180,7 +180,8 @@ def start_local(controller, nprocs: int, forward_logs: bool = True, timeout: flo
 
 
 def launch(hosts: int, procs: int, *, forward_logs: bool = True, timeout: float = 60.0,
-           heartbeat_timeout: float = 5.0, heartbeat_interval: float = 0.5, name: str = "procs") -> Launch:
+           heartbeat_timeout: float = 5.0, heartbeat_interval: float = 0.5, name: str = "procs",
+           kill_unresponsive: bool = False) -> Launch:
     """Start ``hosts * procs`` workers on this host, laid out as ``{hosts, procs}``.
 
     What ``proc_mesh(bootstrap="local")`` runs; ``hosts > 1`` lays the
@@ -192,7 +193,8 @@ def launch(hosts: int, procs: int, *, forward_logs: bool = True, timeout: float 
         if v < 1:
             raise ValueError(f"{label} must be >= 1, got {v}")
     shape = Shape({"hosts": hosts, "procs": procs})
-    ctl = Controller(heartbeat_timeout=heartbeat_timeout, heartbeat_interval=heartbeat_interval, name=name)
+    ctl = Controller(heartbeat_timeout=heartbeat_timeout, heartbeat_interval=heartbeat_interval, name=name,
+                     kill_unresponsive=kill_unresponsive)
     for r in range(shape.size):  # labels before the workers start printing
         c = shape.coordinates(r)
         ctl.labels[r] = f"hosts={c['hosts']},procs={c['procs']}" if hosts > 1 else f"procs={c['procs']}"

@@ -48,7 +48,7 @@ log = logging.getLogger("mesharray.controller")
 class WorkerInfo:
     """What the controller knows about one worker."""
 
-    __slots__ = ("rank", "pid", "host", "address", "conn", "last_seen", "error")
+    __slots__ = ("rank", "pid", "host", "address", "conn", "last_seen", "error", "unresponsive_since")
 
     def __init__(self, rank, pid, host, address, conn) -> None:
         self.rank = rank
@@ -58,6 +58,7 @@ class WorkerInfo:
         self.conn = conn
         self.last_seen = time.monotonic()
         self.error: BaseException | None = None
+        self.unresponsive_since: float | None = None  # set while its heartbeats are late
 
     @property
     def alive(self) -> bool:
@@ -78,13 +79,20 @@ class Controller:
         Interface of a TCP listener (default 127.0.0.1: loopback only).
     heartbeat_interval, heartbeat_timeout : float
         Workers send a heartbeat every ``heartbeat_interval`` s; one silent for
-        ``heartbeat_timeout`` s is declared hung and killed.
+        ``heartbeat_timeout`` s is *unresponsive*: reported (a warning, and
+        ``unresponsive`` in ``ProcMesh.stats()``), not killed. A process is
+        declared dead only on definitive signals: its connection's EOF and its
+        exit status. A pause of the controller itself (it is the one that
+        could not read heartbeats) is not blamed on the workers.
+    kill_unresponsive : bool
+        Kill a worker that stays unresponsive for ``heartbeat_timeout`` (its
+        calls fail with ``ActorDiedError``), as a hung-process policy.
     name : str
         Name used in log prefixes and failure reports.
     """
 
     def __init__(self, *, listen: str = "unix", host: str = "127.0.0.1", heartbeat_interval: float = 0.5,
-                 heartbeat_timeout: float = 5.0, name: str = "procs") -> None:
+                 heartbeat_timeout: float = 5.0, name: str = "procs", kill_unresponsive: bool = False) -> None:
         if heartbeat_timeout <= 0 or heartbeat_interval <= 0:
             raise ValueError(f"heartbeat interval and timeout must be > 0, got "
                              f"{heartbeat_interval} and {heartbeat_timeout}")
@@ -93,6 +101,7 @@ class Controller:
         self.name = name
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = max(heartbeat_timeout, 2 * heartbeat_interval)
+        self.kill_unresponsive = kill_unresponsive
         self.workers: dict[int, WorkerInfo] = {}
         self.labels: dict[int, str] = {}
         self.exit_status = None
@@ -124,6 +133,10 @@ class Controller:
             info = conn.peer.get("info")
             if info is not None:
                 info.last_seen = time.monotonic()
+                if info.unresponsive_since is not None:
+                    log.warning("rank %d (pid %s) is responsive again after %.1f s", info.rank, info.pid,
+                                info.last_seen - info.unresponsive_since)
+                    info.unresponsive_since = None
         elif kind == P.LOG:
             self.counters.log_bytes += len(payload)
             rank: Any = conn.peer.get("rank")
@@ -197,21 +210,41 @@ class Controller:
 
     def _monitor_loop(self) -> None:
         period = min(self.heartbeat_interval, self.heartbeat_timeout / 4)
+        last = time.monotonic()
         while not self._monitor_stop.wait(period):
+            now = time.monotonic()
+            stalled = now - last - period
+            last = now
             if self.stopping:
                 continue
-            now = time.monotonic()
+            if stalled > self.heartbeat_interval:
+                # this process was paused (SIGSTOP, a long GC, a GIL-holding call): nobody
+                # read the workers' heartbeats meanwhile, which says nothing about them
+                for info in list(self.workers.values()):
+                    info.last_seen += stalled
+                continue
             for info in list(self.workers.values()):
-                if info.error is None and now - info.last_seen > self.heartbeat_timeout:
-                    silent = now - info.last_seen
-                    err = ActorDiedError((info.rank,), info.pid, reason=f"no heartbeat for {silent:.1f} s")
+                if info.error is not None or now - info.last_seen <= self.heartbeat_timeout:
+                    continue
+                silent = now - info.last_seen
+                if self.kill_unresponsive:
+                    err = ActorDiedError((info.rank,), info.pid, reason=(
+                        f"no heartbeat for {silent:.1f} s; killed as unresponsive (kill_unresponsive=True)"))
                     self._fail(info, err)
                     if self.kill is not None:
                         try:
                             self.kill(info.rank)
                         except Exception:
-                            log.exception("could not kill hung rank %d", info.rank)
+                            log.exception("could not kill unresponsive rank %d", info.rank)
                     info.conn.close(join=False)
+                elif info.unresponsive_since is None:
+                    info.unresponsive_since = now
+                    self.counters.unresponsive += 1
+                    log.warning(
+                        "rank %d (pid %s) is unresponsive: no heartbeat for %.1f s (heartbeat_timeout=%g s). "
+                        "It is alive and is not killed: a long call holding the GIL, or a stopped process; "
+                        "its calls wait (use get(timeout=...)); proc_mesh(kill_unresponsive=True) kills it",
+                        info.rank, info.pid, silent, self.heartbeat_timeout)
 
     # -- adoption ------------------------------------------------------------
     def adopt(self, n: int, timeout: float = 60.0, progress: bool = True, check=None) -> list[WorkerInfo]:

@@ -126,6 +126,7 @@ class Future(Generic[T]):
     def _wait(self, timeout: float | None) -> None:
         if self._value is not _PENDING:
             return
+        asked = timeout
         if _dirty:
             _flush_all()
         chan = self._chan
@@ -149,7 +150,8 @@ class Future(Generic[T]):
                 raise ValueError(f"timeout must be >= 0, got {timeout}")
             ok = self._lock.acquire(True, timeout)
         if not ok:
-            raise TimeoutError(f"future not done after {timeout} s; {_may_have_run(self._chan)}")
+            raise TimeoutError(f"future not done after {asked:g} s (get(timeout={asked:g})); "
+                               f"{_may_have_run(self._chan)}")
         self._lock.release()  # let other waiters through
 
     def get(self, timeout: float | None = None) -> T:
@@ -219,14 +221,21 @@ def _may_have_run(chan: Any) -> str:
     that comes later still completes the future.
     """
     ranks: list = []
+    slow: list[str] = []
     for c in chan if type(chan) is tuple else (chan,) if chan is not None else ():
         if c.pending:
             ranks.extend(c.peer.get("ranks", ()))
+            info = c.peer.get("info")  # the controller's view of that worker
+            since = getattr(info, "unresponsive_since", None)
+            if since is not None:
+                slow.append(f"rank {info.rank} is unresponsive (no heartbeat for "
+                            f"{_monotonic() - info.last_seen:.1f} s; heartbeat_timeout of proc_mesh)")
     where = ""
     if ranks:
         where = (" on rank " if len(ranks) == 1 else " on ranks ") + ", ".join(map(str, ranks))
-    return (f"the call may have run{where}: its request was sent and no reply came (lost, late, or the call "
+    text = (f"the call may have run{where}: its request was sent and no reply came (lost, late, or the call "
             f"is still running); it is never sent twice, and a reply that comes later completes this future")
+    return text + ("; " + "; ".join(slow) if slow else "")
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

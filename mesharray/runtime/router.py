@@ -21,7 +21,7 @@ import os
 import pickle
 import threading
 
-from ..errors import ActorDiedError
+from ..errors import ActorDiedError, MeshStoppedError
 from ..transport import framing, shm
 from ..transport.connection import connect
 from . import protocol as P
@@ -39,6 +39,7 @@ class Router:
         self.channels: dict[str, Channel] = {}
         self.peer_channels: dict[str, Channel] = {}  # used by code running inside actors
         self.dead: dict[str, BaseException] = {}
+        self.stopped: set[str] = set()  # addresses of stopped meshes' workers (never reused: pid + random)
         self._lock = threading.Lock()
         self.identity: dict = {"role": "peer", "pid": os.getpid()}
 
@@ -74,6 +75,8 @@ class Router:
         err = self.dead.get(address)
         if err is not None:
             raise err
+        if address in self.stopped:
+            raise MeshStoppedError(f"the process at {address} belongs to a mesh that was stopped")
         with self._lock:
             chan = table.get(address)
             if chan is not None:
@@ -107,8 +110,10 @@ class Router:
         shm.release_peer(address, getattr(err, "pid", None))
 
     def forget(self, address: str) -> None:
+        """A stopped mesh's worker: drop its channels; later sends raise MeshStoppedError."""
         with self._lock:
             self.dead.pop(address, None)
+            self.stopped.add(address)
             chans = [self.channels.pop(address, None), self.peer_channels.pop(address, None)]
         for chan in chans:
             if chan is not None:

@@ -91,3 +91,21 @@ class Napper(ma.Actor):
 
         await asyncio.sleep(s)
         return s
+
+
+class GilHog(ma.Actor):
+    """Holds the GIL in one C call (a regex that backtracks) for seconds."""
+
+    @ma.endpoint
+    def hog(self, n: int = 27) -> bool:
+        import re
+
+        return re.match(r"(a+)+$", "a" * n + "b") is None
+
+    @ma.endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @ma.endpoint
+    def stop_self(self) -> None:
+        os.kill(os.getpid(), signal.SIGSTOP)

@@ -99,14 +99,16 @@ def test_supervise_hook_may_stop_the_mesh():
     procs.stop()
 
 
-def test_hung_worker_is_found_by_heartbeats():
+def test_hung_worker_is_killed_by_heartbeats_when_asked():
+    # the opt-in policy: kill_unresponsive=True (by default an unresponsive worker
+    # is only reported; see tests/faults/test_supervision_faults.py)
     with ma.proc_mesh(hosts=1, procs=2, heartbeat_timeout=1.0, heartbeat_interval=0.2,
-                      forward_logs=False) as procs:
+                      forward_logs=False, kill_unresponsive=True) as procs:
         p = procs.spawn("p", Probe)
         pending = procs.spawn("a", AsyncActor).slice(procs=0).nap.call_one(30, "x")
         p.slice(procs=0).die.broadcast("stop")  # SIGSTOP: alive but silent
         err, dt = _wait_died(pending, timeout=10)
-        assert "no heartbeat" in str(err) and dt < 3.0
+        assert "no heartbeat" in str(err) and "kill_unresponsive=True" in str(err) and dt < 3.0
         assert p.slice(procs=1).echo.call_one(2).get(timeout=10) == 2
 
 

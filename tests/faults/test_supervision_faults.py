@@ -1,0 +1,107 @@
+"""Fault suite, supervision: item 2 (no false deaths), F4 (hang / SIGSTOP), item 11 messages."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from fault_actors import Faulty, GilHog
+
+import mesharray as ma
+
+pytestmark = pytest.mark.timeout(90)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_item2_an_endpoint_holding_the_gil_longer_than_the_heartbeat_timeout_is_not_killed():
+    with ma.proc_mesh(procs=2, heartbeat_timeout=1.0, heartbeat_interval=0.2, forward_logs=False) as procs:
+        g = procs.spawn("g", GilHog).slice(procs=1)
+        pid = g.pid.call_one().get(timeout=10)
+        t0 = time.monotonic()
+        assert g.hog.call_one(27).get(timeout=60) is True  # ~3 s without a heartbeat
+        assert time.monotonic() - t0 > 1.0, "the endpoint did not hold the GIL long enough to test anything"
+        assert g.pid.call_one().get(timeout=10) == pid  # the same process, alive
+        stats = procs.stats()
+        assert stats["deaths"] == 0 and stats["unresponsive"] >= 1 and stats["unresponsive_now"] == 0
+
+
+def test_F4_stopped_worker_is_reported_unresponsive_times_out_and_teardown_kills_it():
+    procs = ma.proc_mesh(procs=2, heartbeat_timeout=1.0, heartbeat_interval=0.2, forward_logs=False)
+    try:
+        g = procs.spawn("g", GilHog)
+        one = g.slice(procs=1)
+        pid = one.pid.call_one().get(timeout=10)
+        one.stop_self.broadcast()
+        time.sleep(1.8)
+        with pytest.raises(TimeoutError) as info:
+            one.pid.call_one().get(timeout=1.5)
+        msg = str(info.value)
+        assert "get(timeout=1.5)" in msg and "may have run on rank 1" in msg
+        assert "rank 1 is unresponsive" in msg and "heartbeat_timeout" in msg
+        assert procs.stats()["unresponsive_now"] == 1 and procs.stats()["deaths"] == 0
+        assert g.slice(procs=0).pid.call_one().get(timeout=10) != pid  # the other rank works
+    finally:
+        t0 = time.monotonic()
+        procs.stop()
+    assert time.monotonic() - t0 < 15
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_item2_a_paused_controller_does_not_blame_its_workers(tmp_path):
+    # even with kill_unresponsive=True, the controller's own pause (SIGSTOP, 3 s >
+    # heartbeat_timeout) is not a worker's fault
+    script = tmp_path / "controller.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time
+        import mesharray as ma
+        sys.path.insert(0, sys.argv[1])
+        from fault_actors import Faulty
+        with ma.proc_mesh(procs=2, heartbeat_timeout=1.0, heartbeat_interval=0.2, forward_logs=False,
+                          kill_unresponsive=True) as procs:
+            a = procs.spawn("a", Faulty)
+            pids = a.pid.call().get(timeout=10)
+            print("ready", flush=True)
+            sys.stdin.readline()           # the test pauses us for 3 s, then resumes us
+            time.sleep(0.5)
+            print("after", a.pid.call().get(timeout=10).tolist() == pids.tolist(), procs.stats()["deaths"],
+                  flush=True)
+    """))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen([sys.executable, str(script), str(Path(__file__).parent)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        os.kill(p.pid, signal.SIGSTOP)
+        time.sleep(3.0)
+        os.kill(p.pid, signal.SIGCONT)
+        out, err = p.communicate("\n", timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert out.strip().endswith("after True 0"), (out, err[-2000:])
+
+
+def test_item11_a_call_after_stop_raises_mesh_stopped():
+    procs = ma.proc_mesh(procs=1)
+    a = procs.spawn("a", Faulty)
+    procs.stop()
+    with pytest.raises(ma.MeshStoppedError):
+        a.echo.call_one(1).get(timeout=10)
+    with pytest.raises(ma.MeshStoppedError):
+        a.echo.call(1).get(timeout=10)
+    with pytest.raises(ma.MeshStoppedError):
+        a.echo.broadcast(1)
+
+
+def test_item11_a_dead_peer_without_a_known_rank_is_named_by_pid_not_an_empty_list():
+    err = ma.ActorDiedError((), 1234, reason="connection to unix:@x lost")
+    assert "ranks  died" not in str(err) and "pid 1234" in str(err)
+    assert str(ma.ActorDiedError((3,), 7)) == "process of rank 3 (pid 7) died"
