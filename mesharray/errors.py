@@ -13,6 +13,7 @@ Messages are lower-case and name the constraint and the values, e.g.
 from __future__ import annotations
 
 __all__ = [
+    "BackpressureError",
     "MeshArrayError",
     "MeshIndexError",
     "InvalidIndexError",
@@ -215,6 +216,14 @@ class BrokenTransportError(TransportError):
 
 class BusyTransportError(TransportError):
     """Concurrent misuse of a connection that allows one user at a time."""
+
+
+class BackpressureError(TransportError):
+    """Too many calls to one peer are waiting for their replies (``MESHARRAY_MAX_PENDING``).
+
+    Raised instead of waiting when ``MESHARRAY_PENDING_FULL=raise``; by default
+    a caller over the bound waits until replies come back.
+    """
 
 
 class AuthenticationError(TransportError):

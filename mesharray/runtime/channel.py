@@ -26,11 +26,12 @@ target, view, payload)``; ``on_close(channel, exc)`` runs once.
 from __future__ import annotations
 
 import itertools
+import os
 import pickle
 import threading
 import time
 
-from ..errors import ActorDiedError, BrokenTransportError, ClosedTransportError
+from ..errors import ActorDiedError, BackpressureError, BrokenTransportError, ClosedTransportError
 from ..transport.connection import Connection
 from . import protocol as P
 
@@ -43,6 +44,11 @@ _BURST = 100e-6
 
 _CALL, _REPLY, _VIEW, _F_REPLY, _DIED, _OK = P.CALL, P.REPLY, P.VIEW, P.F_REPLY, P.DIED, P.OK
 _SendErrors = (BrokenTransportError, ClosedTransportError)
+
+#: calls to one peer that may await their replies at once; a caller past it waits
+#: for replies (or gets BackpressureError with MESHARRAY_PENDING_FULL=raise)
+MAX_PENDING = int(os.environ.get("MESHARRAY_MAX_PENDING", "65536"))
+PENDING_FULL = os.environ.get("MESHARRAY_PENDING_FULL", "wait")
 _view_lock = threading.Lock()
 
 
@@ -194,6 +200,8 @@ class Channel:
         mid = next_id()
         conn = self.conn
         pending = self.pending
+        if len(pending) >= MAX_PENDING:
+            self._backpressure()
         cork = bool(pending) or conn.corked_bytes > 0
         if park and not cork:
             poller = conn.poller
@@ -213,6 +221,20 @@ class Channel:
             c = pending.pop(mid, None)
             if c is not None:
                 c(_DIED, err)
+
+    def _backpressure(self) -> None:
+        # MAX_PENDING calls to this peer await replies: wait for some (reading them here
+        # when this thread can), or raise if asked to; what is corked goes out first,
+        # else its replies could never come
+        if PENDING_FULL == "raise":
+            raise BackpressureError(
+                f"{len(self.pending)} calls to {self.conn.name} await their replies, the bound "
+                f"MESHARRAY_MAX_PENDING={MAX_PENDING}; wait on some futures first")
+        flush_all()
+        low = MAX_PENDING * 9 // 10
+        while len(self.pending) >= low and self.died is None:
+            if not self.wait(lambda: len(self.pending) < low, time.monotonic() + 0.05):
+                time.sleep(0.001)  # another thread reads this connection: let it
 
     def post(self, kind: int, target: int, view: int, parts) -> None:
         """Send one frame without a reply (a broadcast); raises the death error of a dead peer.

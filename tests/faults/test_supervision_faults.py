@@ -105,3 +105,38 @@ def test_item11_a_dead_peer_without_a_known_rank_is_named_by_pid_not_an_empty_li
     err = ma.ActorDiedError((), 1234, reason="connection to unix:@x lost")
     assert "ranks  died" not in str(err) and "pid 1234" in str(err)
     assert str(ma.ActorDiedError((3,), 7)) == "process of rank 3 (pid 7) died"
+
+
+def test_item9_pending_calls_are_bounded(tmp_path):
+    # a loop of call_one() never waited on: past MESHARRAY_MAX_PENDING per peer the
+    # caller waits for replies (default) or gets BackpressureError (asked for)
+    script = tmp_path / "pending.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        import mesharray as ma
+        sys.path.insert(0, sys.argv[1])
+        from fault_actors import Faulty
+        from mesharray.runtime import channel
+        from mesharray.runtime.router import get_router
+        with ma.proc_mesh(procs=1, forward_logs=False) as procs:
+            a = procs.spawn("a", Faulty)
+            futs, most = [], 0
+            try:
+                for i in range(3000):
+                    futs.append(a.echo.call_one(i))
+                    most = max(most, max(len(c.pending) for c in get_router().channels.values()))
+                print("sent", len(futs), most <= channel.MAX_PENDING, flush=True)
+            except ma.BackpressureError as e:
+                print("refused", len(futs), "MESHARRAY_MAX_PENDING=100" in str(e), flush=True)
+            print("values", [f.get(timeout=30) for f in futs] == list(range(len(futs))), flush=True)
+    """))
+    for mode, expect in (("wait", "sent 3000 True"), ("raise", "refused")):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "MESHARRAY_MAX_PENDING": "100", "MESHARRAY_PENDING_FULL": mode}
+        out = subprocess.run([sys.executable, str(script), str(Path(__file__).parent)], capture_output=True,
+                             text=True, env=env, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        lines = out.stdout.split("\n")
+        assert lines[0].startswith(expect) and lines[1] == "values True", out.stdout
+        if mode == "raise":  # at least the bound went out before the refusal (replies may free a few)
+            _, n, named = lines[0].split()
+            assert int(n) >= 100 and named == "True"
