@@ -204,7 +204,7 @@ def info() -> dict[str, Any]:
     True
     """
     import mesharray
-    from mesharray.bootstrap._detect import detect_launcher, resolve_bootstrap
+    from mesharray.bootstrap import detect_launcher, resolve_bootstrap
 
     engines: dict[str, str | None] = {}
     numpy_version = _version("numpy")

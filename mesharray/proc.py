@@ -9,7 +9,7 @@ the bootstrap that started them.
 Stopping (``stop()``, leaving a ``with`` / ``async with`` block) stops the
 root, whichever view it is called on: every worker exits, calls in flight fail
 with :class:`~mesharray.MeshStoppedError`. Stopping twice is harmless;
-spawning on a stopped mesh raises ``RuntimeError``.
+spawning on a stopped mesh raises :class:`~mesharray.MeshStoppedError`.
 
 Supervision: pass ``owner=`` to :func:`proc_mesh`; if the owner has a
 ``__supervise__(self, failure)`` method, it is called (from a runtime thread)
@@ -24,7 +24,6 @@ import logging
 import numbers
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, Protocol, TypeVar, overload
 
@@ -83,8 +82,8 @@ def install_array_factory(factory: ArrayFactory) -> None:
 def _factory() -> ArrayFactory:
     if _array_factory is None:
         raise RuntimeError(
-            "distributed arrays are not loaded: import mesharray (or mesharray.darray) before "
-            "making arrays on a ProcMesh"
+            "distributed arrays are not loaded: import mesharray.darray (the `import mesharray` facade "
+            "does so on first use of ma.proc_mesh and friends) before making arrays on a ProcMesh"
         )
     return _array_factory
 
@@ -140,6 +139,7 @@ class _Root:
         self.actor_meshes: list[ActorMesh] = []
         self.spawned: list[_Spawned] = []  # what to re-run on a restarted rank
         self.restarts = 0
+        self.restarting: set[int] = set()
         self.stopped = False
         self.stopping = False
         self.on_stop: list[Callable[[], None]] = []
@@ -175,12 +175,19 @@ class _Root:
             return
         on_rank = [s for s in self.spawned if rank in s.shape]
         user = [s for s in on_rank if not s.system]
-        if not user or any(s.used.get(rank, 0) >= s.max_restarts for s in user):
-            return
+        with self._lock:
+            # the budget is spent before trying, so a constructor that kills its new
+            # process spends it too; one restart of a rank at a time
+            if (self.stopping or self.stopped or not user or rank in self.restarting or any(s.system for s in on_rank)
+                    or any(s.used.get(rank, 0) >= s.max_restarts for s in user)):
+                return
+            self.restarting.add(rank)
+            for s in user:
+                s.used[rank] = s.used.get(rank, 0) + 1
         old = self.controller.workers.get(rank)
         try:
             launch.restart(rank)
-            info = self._wait_for_worker(rank, old.pid if old is not None else None)
+            info = self.controller.adopt_one(rank, old.pid if old is not None else None)
             # re-run the constructors on the new process before anyone can call it there
             addresses = list(self.addresses)
             addresses[rank] = info.address
@@ -189,24 +196,20 @@ class _Root:
                 self.controller.router.send_many(addresses, [rank], P.SPAWN, s.actor_id, None, s.payload,
                                                  cbs=[future_callback(fut)])
                 fut.get(timeout=60)
-                s.used[rank] = s.used.get(rank, 0) + 1
             self.addresses[rank] = info.address
             self.restarts += 1
+        except MeshStoppedError:
+            pass  # stopped while restarting: nothing to report
         except Exception:
-            log.exception("restarting rank %d failed; it stays dead", rank)
-
-    def _wait_for_worker(self, rank: int, old_pid: int | None, timeout: float = 30.0) -> Any:
-        deadline = time.monotonic() + timeout
-        while True:
-            info = self.controller.workers.get(rank)
-            if info is not None and info.alive and info.pid != old_pid:
-                return info
-            if self.stopping or time.monotonic() > deadline:
-                raise TimeoutError(f"rank {rank} did not rejoin within {timeout} s")
-            time.sleep(0.01)
+            if not self.stopping:
+                log.exception("restarting rank %d failed; it stays dead", rank)
+        finally:
+            with self._lock:
+                self.restarting.discard(rank)
 
     def stop(self) -> None:
         # the lock is held for the whole stop: a second caller returns once it is done
+        callbacks: list[Callable[[], None]] = []
         with self._lock:
             if self.stopped:
                 return
@@ -218,12 +221,19 @@ class _Root:
                     self.bootstrap.close()
                 for a in self.addresses:
                     self.controller.router.forget(a)
-                # segments that carried this mesh's messages: keep a few for the next mesh
+                # the workers' segments we mapped, and ours that carried this mesh's
+                # messages (a few are kept for the next mesh)
+                for info in self.controller.workers.values():
+                    if info.pid is not None:
+                        shm.forget_peer(info.pid)
                 shm.trim(_SHM_KEEP)
                 self.stopped = True
                 callbacks, self.on_stop = self.on_stop, []
-                for fn in callbacks:
-                    fn()
+        for fn in callbacks:  # outside the lock: a callback may look at the mesh
+            try:
+                fn()
+            except Exception:
+                log.exception("a stop callback of the process mesh raised")
 
 
 class ProcMesh(MeshTrait):
@@ -349,7 +359,9 @@ class ProcMesh(MeshTrait):
         mesh = ActorMesh(name, actor_id, actor_class.__qualname__, endpoints_of(actor_class),
                          self._shape, root.addresses, self)
         root.actor_meshes.append(mesh)
-        root.spawned.append(_Spawned(actor_id, p, self._shape, max_restarts, name.startswith("__mesharray")))
+        # what a restart re-runs (kept only when asked for: it holds the constructor's arguments)
+        root.spawned.append(_Spawned(actor_id, p if max_restarts else None, self._shape, max_restarts,
+                                     name.startswith("__mesharray")))
         return mesh  # an ActorMesh, typed (by the overloads) as its actor class: see mesharray.actor
 
     # -- distributed arrays (made by mesharray.darray; see install_array_factory) ----------
@@ -366,13 +378,14 @@ class ProcMesh(MeshTrait):
                 return
         fn()
 
-    def _check_live(self) -> None:
+    def check_live(self) -> None:
+        """Raise :class:`~mesharray.MeshStoppedError` if the mesh is stopped or stopping."""
         if self._root.stopped or self._root.stopping:
             raise MeshStoppedError(f"{self!r} has been stopped; start a new mesh with proc_mesh()")
 
     def _make(self, kind: str, shape: Any, dtype: Any, engine: str, extra: Any = None,
               collective: str | None = None) -> MeshArray:
-        self._check_live()
+        self.check_live()
         return _factory().make(self, kind, _local_shape(shape), _dtype(dtype), engine, extra, collective)
 
     def zeros(self, shape: Any = (), dtype: Any = "float64", *, engine: str = "numpy",
@@ -444,7 +457,7 @@ class ProcMesh(MeshTrait):
 
         >>> procs.from_numpy(np.arange(8).reshape(1, 4, 2))   # doctest: +SKIP
         """
-        self._check_live()
+        self.check_live()
         return _factory().scatter(self, np.asarray(array), engine, collective)
 
     def apply(self, fn: Callable[..., Any], *arrays: Any) -> MeshArray:
@@ -456,7 +469,7 @@ class ProcMesh(MeshTrait):
         """
         if not callable(fn):
             raise TypeError(f"apply needs a callable, got {type(fn).__name__}")
-        self._check_live()
+        self.check_live()
         return _factory().apply(self, fn, arrays)
 
     # -- lifetime ---------------------------------------------------------------------

@@ -93,7 +93,8 @@ class LocalBootstrap:
                 with self._cond:
                     if msg[0] == "forked":
                         self.pids[msg[1]] = msg[2]
-                    elif msg[0] == "exit":
+                    elif msg[0] == "exit" and self.pids.get(msg[1]) == msg[2]:
+                        # (the exit of an earlier process of a restarted rank says nothing of the new one)
                         self.status[msg[1]] = (msg[2], msg[3])
                     self._cond.notify_all()
         except (EOFError, OSError):

@@ -94,9 +94,12 @@ class DataContext:
 
     def check_live(self) -> None:
         """Raise :class:`~mesharray.MeshStoppedError` once the process mesh was stopped."""
-        if self.mesh.stopped:
+        try:
+            self.mesh.check_live()
+        except MeshStoppedError as exc:
             raise MeshStoppedError(
-                f"the process mesh of this distributed array was stopped ({self.mesh!r}); its blocks are gone")
+                f"the process mesh of this distributed array was stopped ({self.mesh!r}); its blocks are gone"
+            ) from exc
 
     def send(self, ranks: Sequence[int], program: list) -> None:
         """Fire-and-forget a program to ``ranks`` (ordered after earlier messages)."""

@@ -279,17 +279,36 @@ class Controller:
                         check()
                     finally:
                         self._cond.acquire()
-        cfg_base = {"heartbeat_interval": self.heartbeat_interval, "pid": os.getpid()}
         infos = [self.workers[r] for r in range(n)]
         for info in infos:
-            info.last_seen = time.monotonic()
-            self.router.register(info.address, info.conn)
-            cfg = dict(cfg_base, label=self.labels.get(info.rank))
-            info.conn.send(P.CONFIG, parts=[pickle.dumps(cfg)])
+            self._configure(info)
         if shown:
             print(f"mesharray: {n}/{n} processes started ({time.monotonic() - t0:.1f} s)",
                   file=sys.stderr, flush=True)
         return infos
+
+    def _configure(self, info: WorkerInfo) -> None:
+        info.last_seen = time.monotonic()
+        self.router.register(info.address, info.conn)
+        cfg = {"heartbeat_interval": self.heartbeat_interval, "pid": os.getpid(), "label": self.labels.get(info.rank)}
+        info.conn.send(P.CONFIG, parts=[pickle.dumps(cfg)])
+
+    def adopt_one(self, rank: int, old_pid: int | None, timeout: float = 30.0) -> WorkerInfo:
+        """Wait for the hello of a restarted ``rank`` (a process other than ``old_pid``) and configure it."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                info = self.workers.get(rank)
+                if info is not None and info.alive and info.pid != old_pid:
+                    break
+                if self.stopping:
+                    raise MeshStoppedError(f"process mesh {self.name!r} is stopping")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise BootstrapError(f"rank {rank} did not rejoin within {timeout} s")
+                self._cond.wait(min(left, 0.1))
+        self._configure(info)
+        return info
 
     # -- stop -------------------------------------------------------------------
     def stop(self, timeout: float = 3.0) -> None:

@@ -21,6 +21,7 @@ import os
 import pickle
 import threading
 
+from .._proc_stat import state as _proc_state
 from ..errors import ActorDiedError, MeshStoppedError
 from ..transport import framing, shm
 from ..transport.connection import connect
@@ -106,8 +107,11 @@ class Router:
             if c is not chan:
                 c.close(join=False)
         # the dead never clear their busy bytes in our shared-memory segments: free them,
-        # and unmap the segments it sent us
-        shm.release_peer(address, getattr(err, "pid", None))
+        # and unmap the segments it sent us - once it is really gone (a process whose
+        # connection merely dropped may still view those bytes)
+        pid = getattr(err, "pid", None)
+        if pid is not None and _gone(pid):
+            shm.release_peer(address, pid)
 
     def forget(self, address: str) -> None:
         """A stopped mesh's worker: drop its channels; later sends raise MeshStoppedError."""
@@ -208,3 +212,9 @@ def get_router() -> Router:
                 _router = Router(new_secret())
             r = _router
     return r
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (no such process, or a zombie): its memory is free."""
+    st = _proc_state(pid)
+    return st is None or st in (b"Z", b"X")

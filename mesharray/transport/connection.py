@@ -495,10 +495,14 @@ class Connection:
                     elif time.monotonic() >= deadline:
                         break
         finally:
-            self._rlock.release()
-            if not ok:
-                poller.discard(self)
-                self._poll_done()
+            # an ended connection is finished while its read lock is held: the poller
+            # (or another caller) must not start reading buffers being released
+            try:
+                if not ok:
+                    poller.discard(self)
+                    self._poll_done()
+            finally:
+                self._rlock.release()
         return ok
 
     @staticmethod
@@ -544,11 +548,13 @@ class Connection:
                     break
         finally:
             for c in held:
-                c._rlock.release()
-                if c in ended:
-                    if c.poller is not None:
-                        c.poller.discard(c)
-                    c._poll_done()
+                try:
+                    if c in ended:  # finished under its read lock (see read_until)
+                        if c.poller is not None:
+                            c.poller.discard(c)
+                        c._poll_done()
+                finally:
+                    c._rlock.release()
         return ended
 
     def _read_some(self, flags: int = socket.MSG_DONTWAIT, loop: bool = False) -> bool:
@@ -583,7 +589,7 @@ class Connection:
                     else:
                         big = None
                         pv.release()
-                        handler(self, *self._big_hdr, payload)
+                        self.handler(self, *self._big_hdr, payload)
                     if not loop:
                         self._big = big
                         return True
@@ -842,13 +848,13 @@ class Poller:
                     continue  # a caller is reading it; it re-arms when done
                 try:
                     ok = conn._read_some()
+                    if not ok:  # finished under its read lock (see read_until)
+                        self.discard(conn)
+                        conn._poll_done()
                 finally:
                     conn._rlock.release()
                 if ok:
                     self.rearm(conn)
-                else:
-                    self.discard(conn)
-                    conn._poll_done()
 
 
 class Writer:

@@ -101,6 +101,20 @@ def test_named_seams(lower, upper):
     assert hits == []
 
 
+#: private modules meant for every layer above them
+SHARED_PRIVATE = {"mesharray._core", "mesharray._proc_stat"}
+
+
+def test_no_private_module_of_another_part_is_imported():
+    leaks = []
+    for mod, target, _, line in _imports():
+        if not target.startswith("mesharray.") or target in SHARED_PRIVATE or _part(target) == _part(mod):
+            continue
+        if any(p.startswith("_") and not p.startswith("__") for p in target.split(".")[1:]):
+            leaks.append(f"{mod}:{line} imports {target}")
+    assert leaks == []
+
+
 def test_no_private_attribute_of_an_imported_name_across_parts():
     # e.g. ``Future._new()`` in actor.py: the runtime offers new_future() for that
     leaks = []

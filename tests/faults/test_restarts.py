@@ -81,3 +81,54 @@ def test_F20_bad_budget_is_refused():
     with ma.proc_mesh(procs=1) as procs:
         with pytest.raises(ValueError, match="max_restarts"):
             procs.spawn("c", Counter, 0, max_restarts=-1)
+
+
+class DiesOnRestart(ma.Actor):
+    """Its constructor kills its process when run again (a restart that cannot succeed)."""
+
+    def __init__(self, marker: str) -> None:
+        if ma.current_rank().get("procs") == 1:
+            if os.path.exists(marker):
+                os._exit(9)
+            open(marker, "w").close()
+
+    @ma.endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def test_F20_a_constructor_that_dies_on_rerun_spends_the_budget(tmp_path):
+    with ma.proc_mesh(procs=2, forward_logs=False) as procs:
+        d = procs.spawn("d", DiesOnRestart, str(tmp_path / "ran"), max_restarts=2)
+        os.kill(d.slice(procs=1).pid.call_one().get(timeout=10), signal.SIGKILL)
+        time.sleep(3.0)
+        s = procs.stats()
+        assert s["restarts"] == 0 and s["deaths"] <= 3, s  # the first death + at most 2 failed restarts
+        with pytest.raises(ma.ActorDiedError) as info:
+            d.slice(procs=1).pid.call_one().get(timeout=10)
+        assert info.value.ranks == (1,)
+
+
+def test_F20_a_restarted_rank_dying_again_is_named_like_any_rank():
+    with ma.proc_mesh(procs=2, forward_logs=False) as procs:
+        c = procs.spawn("c", Counter, 0, max_restarts=2)
+        one = c.slice(procs=1)
+        os.kill(one.pid.call_one().get(timeout=10), signal.SIGKILL)
+        pid2 = _call_when_back(one.pid)
+        pending = one.incr.call_one()  # in flight at the second death
+        os.kill(pid2, signal.SIGKILL)
+        with pytest.raises(ma.ActorDiedError) as info:
+            pending.get(timeout=10)
+        assert info.value.ranks == (1,) and info.value.pid == pid2
+
+
+def test_F20_no_restart_once_the_mesh_has_distributed_arrays():
+    # the blocks of a rank and its shared-memory groups cannot come back with it
+    with ma.proc_mesh(procs=2, forward_logs=False) as procs:
+        c = procs.spawn("c", Counter, 0, max_restarts=2)
+        procs.ones(2).sum(axis="procs").fetch()
+        os.kill(c.slice(procs=1).pid.call_one().get(timeout=10), signal.SIGKILL)
+        time.sleep(1.0)
+        with pytest.raises(ma.ActorDiedError):
+            c.slice(procs=1).incr.call_one().get(timeout=10)
+        assert procs.stats()["restarts"] == 0
