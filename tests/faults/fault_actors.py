@@ -109,3 +109,20 @@ class GilHog(ma.Actor):
     @ma.endpoint
     def stop_self(self) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
+
+
+class Slow(ma.Actor):
+    """Takes its time over every message: a fast sender must be held back, not the process killed."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    @ma.endpoint
+    def take(self, payload: bytes) -> int:
+        time.sleep(0.0002)
+        self.n += 1
+        return len(payload)
+
+    @ma.endpoint
+    def count(self) -> int:
+        return self.n

@@ -140,3 +140,42 @@ def test_item9_pending_calls_are_bounded(tmp_path):
         if mode == "raise":  # at least the bound went out before the refusal (replies may free a few)
             _, n, named = lines[0].split()
             assert int(n) >= 100 and named == "True"
+
+
+def test_F18_a_fast_sender_and_a_slow_actor_bounded_memory_no_false_death(tmp_path):
+    script = tmp_path / "flood.py"
+    script.write_text(textwrap.dedent("""
+        import sys, threading
+        import psutil
+        import mesharray as ma
+        sys.path.insert(0, sys.argv[1])
+        from fault_actors import Slow
+        me = psutil.Process()
+        peak = [me.memory_info().rss]
+        stop = threading.Event()
+        def sample():
+            while not stop.wait(0.01):
+                peak[0] = max(peak[0], me.memory_info().rss)
+        with ma.proc_mesh(procs=1, forward_logs=False, heartbeat_timeout=1.0, heartbeat_interval=0.2) as procs:
+            s = procs.spawn("s", Slow)
+            s.count.call_one().get(timeout=10)
+            base = me.memory_info().rss
+            threading.Thread(target=sample, daemon=True).start()
+            payload = b"x" * (16 << 10)
+            futs = [s.take.call_one(payload) for _ in range(3000)]     # replies awaited: bounded
+            for _ in range(3000):
+                s.take.broadcast(payload)                             # no replies: the send backlog bounds them
+            assert all(f.get(timeout=60) == len(payload) for f in futs)
+            n = s.count.call_one().get(timeout=60)
+            stop.set()
+            st = procs.stats()
+            print(n, st["deaths"], (peak[0] - base) >> 20, flush=True)
+    """))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MESHARRAY_MAX_PENDING": "200",
+           "MESHARRAY_SEND_BACKLOG": str(4 << 20)}
+    out = subprocess.run([sys.executable, str(script), str(Path(__file__).parent)], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    n, deaths, grew_mib = map(int, out.stdout.split())
+    assert n == 6000 and deaths == 0
+    assert grew_mib < 64, f"the controller grew {grew_mib} MiB while flooding a slow actor"
