@@ -131,7 +131,7 @@ class _Slot:
     """One actor hosted by this worker."""
 
     __slots__ = ("actor_id", "name", "obj", "shape", "lock", "is_async", "failure", "queue",
-                 "concurrent", "endpoints", "ctx", "bound")
+                 "concurrent", "endpoints", "ctx", "bound", "broadcast_error")
 
     def __init__(self, actor_id, name, shape) -> None:
         self.actor_id = actor_id
@@ -146,6 +146,9 @@ class _Slot:
         self.endpoints: set[str] = set()
         self.ctx: Context = None  # type: ignore[assignment]  # set at spawn, before any message
         self.bound: dict = {}
+        # per sender (channel): the error of a broadcast endpoint that raised, told to
+        # that sender at its next call that waits for a reply
+        self.broadcast_error: dict = {}
 
 
 class Worker:
@@ -291,6 +294,8 @@ class Worker:
                                              (conn, msg_id, reply, method, payload, n, vshape))
             return
         with slot.lock:
+            if reply and slot.broadcast_error and self._tell_broadcast_error(conn, msg_id, slot):
+                return
             ctx = slot.ctx  # one per actor: sync endpoints of an actor never overlap
             ctx._view = vshape
             token = current.set(ctx)
@@ -352,6 +357,21 @@ class Worker:
                 pass
         else:
             print(f"broadcast to actor {slot.name!r} raised:\n{rec['tb']}", file=sys.stderr, flush=True)
+            # nobody waits for a broadcast: its sender hears of it at its next call here
+            slot.broadcast_error.setdefault(conn, rec)
+
+    def _tell_broadcast_error(self, conn, msg_id, slot) -> bool:
+        """Answer this call with the error of an earlier broadcast from the same sender (once)."""
+        rec = slot.broadcast_error.pop(conn, None)
+        if rec is None:
+            return False
+        rec = dict(rec, tb="this call did not run: an earlier broadcast from this caller to this actor raised "
+                           "(a broadcast has no reply, so its error comes with the next call):\n" + rec["tb"])
+        try:
+            conn.send(P.REPLY, 0, msg_id, P.ERR, 0, _error_parts(rec))
+        except ConnectionError:
+            pass
+        return True
 
     async def _mailbox(self, slot) -> None:
         loop = asyncio.get_running_loop()
@@ -365,6 +385,8 @@ class Worker:
                 await self._run_async(slot, *item)
 
     async def _run_async(self, slot, conn, msg_id, reply, method, payload, n, vshape) -> None:
+        if reply and slot.broadcast_error and self._tell_broadcast_error(conn, msg_id, slot):
+            return
         ctx = Context(slot.name, slot.obj, slot.shape, vshape, self.rank, self.host, self.pid)
         token = current.set(ctx)
         try:

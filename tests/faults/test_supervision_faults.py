@@ -179,3 +179,20 @@ def test_F18_a_fast_sender_and_a_slow_actor_bounded_memory_no_false_death(tmp_pa
     n, deaths, grew_mib = map(int, out.stdout.split())
     assert n == 6000 and deaths == 0
     assert grew_mib < 64, f"the controller grew {grew_mib} MiB while flooding a slow actor"
+
+
+def test_item11_an_exception_in_a_broadcast_endpoint_reaches_the_caller_at_its_next_call():
+    with ma.proc_mesh(procs=2, forward_logs=False) as procs:
+        a = procs.spawn("a", Faulty)
+        a.raise_.broadcast("from a broadcast")  # nobody waits on it...
+        with pytest.raises(ma.ActorError) as info:
+            a.slice(procs=1).echo.call_one(5).get(timeout=10)  # ...so the next call says it
+        err = info.value
+        assert isinstance(err.exception, ValueError) and str(err.exception) == "from a broadcast"
+        assert "this call did not run: an earlier broadcast" in str(err)
+        # told once; the actor lives and the next call runs
+        assert a.slice(procs=1).echo.call_one(6).get(timeout=10) == 6
+        # rank 0 had the same failure: its next call (here through call()) reports it too
+        with pytest.raises(ma.ActorError):
+            a.echo.call(7).get(timeout=10)
+        assert a.echo.call(8).get(timeout=10).tolist() == [[8, 8]]
