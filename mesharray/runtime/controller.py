@@ -16,9 +16,11 @@ Supervision
   pending call on that worker and every later one. Other workers are
   untouched, so views that exclude the dead rank keep working.
 - **Heartbeats**: every worker sends one every ``heartbeat_interval`` seconds
-  (from a thread of its own, so a long-running endpoint is not "hung"). A
-  worker silent for ``heartbeat_timeout`` seconds (default 5) is declared dead
-  (``reason="no heartbeat for ..."``) and killed through the bootstrap.
+  (from a thread of its own). A worker silent for ``heartbeat_timeout``
+  seconds (default 5) is *unresponsive*: reported, not killed (a call holding
+  the GIL, a stopped process are alive); with ``kill_unresponsive=True`` it is
+  declared dead (``reason="no heartbeat for ..."``) and killed through the
+  bootstrap. A stall of the controller itself is not counted against workers.
 - Failure hooks (``on_failure``) get a :class:`MeshFailure` for each death;
   ``ProcMesh`` uses them to call an owner's ``__supervise__``.
 """
