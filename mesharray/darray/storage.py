@@ -59,7 +59,7 @@ _REDUCE_NAMES = {"add.reduce": "sum", "multiply.reduce": "prod", "minimum.reduce
 def _prefers_nccl(engine: str) -> bool:
     try:
         return get_engine(engine).collective_backend == "nccl"
-    except EngineUnavailableError:  # no such device at the controller: the workers' hosts decide
+    except EngineUnavailableError:  # the controller has no such device: reduce through host memory
         return False
 
 
