@@ -7,6 +7,8 @@ Usage::
     python -m mesharray -c "code" [args...]     # run a string, like python -c
     python -m mesharray run script.py [args...] # the same, for a script named "info"
     python -m mesharray info [--json]           # version, engines, transports, launcher
+    python -m mesharray host --listen tcp://0.0.0.0:26600 [--advertise URL] [--host-id NAME]
+                                                # a host agent (secret: MESHARRAY_SECRET)
 
 Running through ``python -m mesharray`` adds one guarantee to a launch such as
 ``mpirun -n 4 python -m mesharray train.py``: an unhandled exception (or a
@@ -34,11 +36,14 @@ usage: python -m mesharray script.py [args...]
        python -m mesharray -c command [args...]
        python -m mesharray run script.py [args...]
        python -m mesharray info [--json]
+       python -m mesharray host --listen tcp://0.0.0.0:26600 [--advertise URL] [--host-id NAME]
        python -m mesharray --version
 
 Runs a script so that an unhandled exception on any MPI rank aborts the
 whole job (non-zero exit) instead of hanging the others; `info` prints the
-version, the engines and transports available and the detected launcher."""
+version, the engines and transports available and the detected launcher;
+`host` runs a host agent that scripts attach to (ma.attach), with the secret
+taken from MESHARRAY_SECRET."""
 
 
 # --------------------------------------------------------------------------- running
@@ -302,6 +307,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(f"mesharray {mesharray.__version__}")
         return 0
+    if first == "host":
+        from .bootstrap.agent import main as host_main
+
+        return host_main(args[1:])
     if first == "info":
         extra = args[1:]
         unknown = [a for a in extra if a != "--json"]

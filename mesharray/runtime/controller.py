@@ -33,7 +33,7 @@ import pickle
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import ActorDiedError, BootstrapError, MeshFailure, MeshStoppedError
 from ..telemetry import Counters, LogSink
@@ -50,9 +50,10 @@ log = logging.getLogger("mesharray.controller")
 class WorkerInfo:
     """What the controller knows about one worker."""
 
-    __slots__ = ("rank", "pid", "host", "address", "conn", "last_seen", "error", "unresponsive_since")
+    __slots__ = ("rank", "pid", "host", "address", "conn", "last_seen", "error", "unresponsive_since", "hello")
 
-    def __init__(self, rank, pid, host, address, conn) -> None:
+    def __init__(self, rank, pid, host, address, conn, hello: dict | None = None) -> None:
+        self.hello = hello or {}  # everything the worker said of itself (memory domain, data plane, ...)
         self.rank = rank
         self.pid = pid
         self.host = host
@@ -106,8 +107,8 @@ class Controller:
         self.kill_unresponsive = kill_unresponsive
         self.workers: dict[int, WorkerInfo] = {}
         self.labels: dict[int, str] = {}
-        self.exit_status = None
-        self.kill = None
+        self.exit_status: Callable[[int, float], Any] | None = None  # the bootstrap's hooks
+        self.kill: Callable[[int], None] | None = None
         self.on_failure: list = []
         self.sink = LogSink()
         self.counters = Counters()
@@ -149,7 +150,7 @@ class Controller:
                 log.warning("controller: unexpected hello %r", hello)
                 return
             rank = int(hello["rank"])
-            info = WorkerInfo(rank, hello.get("pid"), hello.get("host"), hello.get("address"), conn)
+            info = WorkerInfo(rank, hello.get("pid"), hello.get("host"), hello.get("address"), conn, hello)
             conn.name = f"rank {rank}"
             conn.peer.update(rank=rank, ranks=(rank,), pid=info.pid, address=info.address, info=info)
             with self._cond:

@@ -42,7 +42,9 @@ from typing import Any
 
 from ..errors import SerializationError
 from ..transport import framing
-from ..transport.connection import Listener, connect
+from ..transport.connection import Listener, connect, dual_address
+from ..transport.dataplane import start_process_plane
+from ..transport.hostid import host_id, memory_domain
 from . import protocol as P
 from .channel import Channel
 from .context import Context, current
@@ -164,6 +166,7 @@ class Worker:
         self.done = threading.Event()
         self.controller: Channel | None = None
         self.listener: Listener | None = None
+        self.local_listener: Listener | None = None
         self.inbound: set[Channel] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
@@ -413,8 +416,9 @@ class Worker:
                 return
 
     def shutdown(self) -> None:
-        if self.listener is not None:
-            self.listener.close()
+        for lst in (self.listener, self.local_listener):
+            if lst is not None:
+                lst.close()
         for c in list(self.inbound):
             c.close(join=False)
         if self.controller is not None:
@@ -438,7 +442,7 @@ def _coords(shape, rank):
 
 def run_worker(controller_address: str, secret: bytes, rank: int, *, listen: str = "unix",
                listen_host: str = "127.0.0.1", exit_process: bool = True, forward_logs: bool = True,
-               ready: threading.Event | None = None) -> int:
+               ready: threading.Event | None = None, data_plane: str | None = None) -> int:
     """Run a worker until its controller goes away (or stops it).
 
     Parameters
@@ -464,6 +468,9 @@ def run_worker(controller_address: str, secret: bytes, rank: int, *, listen: str
         are printed prefixed by the rank.
     ready : threading.Event, optional
         Set once the worker has said hello (useful when running in a thread).
+    data_plane : {"tcp", "ucx"}, optional
+        With ``listen="tcp"``: the kind of this process's data plane (bulk data
+        to other hosts; default TCP).
 
     Returns
     -------
@@ -482,6 +489,15 @@ def run_worker(controller_address: str, secret: bytes, rank: int, *, listen: str
     set_secret(secret)
     w = Worker(rank, secret, exit_process)
     w.listener = Listener(secret, w.on_peer_socket, kind=listen, host=listen_host)
+    address = w.listener.address
+    extra: dict = {"domain": memory_domain(), "host_id": host_id()}
+    if listen == "tcp":
+        # callers on other hosts come over TCP; those of this host over a unix socket (and
+        # their large payloads through shared memory); bulk data between hosts has its own plane
+        w.local_listener = Listener(secret, w.on_peer_socket, kind="unix")
+        address = dual_address(address, w.local_listener.address, extra["domain"])
+        plane = start_process_plane(secret, listen_host, data_plane or "tcp")
+        extra.update(data=plane.address, data_kind=plane.kind)
     from .router import get_router
 
     get_router().identity = {"role": "peer", "rank": rank, "pid": w.pid, "host": w.host}
@@ -494,7 +510,7 @@ def run_worker(controller_address: str, secret: bytes, rank: int, *, listen: str
 
         telemetry.forward_process_output(chan.conn)
     hello = {"role": "worker", "rank": rank, "pid": w.pid, "host": w.host,
-             "address": w.listener.address, "forward_logs": forward_logs}
+             "address": address, "forward_logs": forward_logs, **extra}
     chan.send(P.HELLO, parts=[pickle.dumps(hello)])
     chan.start()
     if ready is not None:

@@ -33,6 +33,7 @@ on a host, UCX between hosts when ``ucxx`` imports, else TCP), ``shm``,
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 import struct
@@ -46,7 +47,7 @@ from .connection import Listener, parse_address
 from .sockio import recv_exactly, recv_exactly_into
 
 __all__ = ["Link", "DataPlane", "TcpPlane", "TcpLink", "Rendezvous", "plane_kind", "ucx_status", "MAX_TAG",
-           "KINDS"]
+           "KINDS", "start_process_plane", "process_plane", "rendezvous", "on_tag"]
 
 #: the longest tag a link may carry
 MAX_TAG = 256
@@ -243,11 +244,54 @@ class Rendezvous:
             return self._links.pop(tag)[0]
 
 
+# --------------------------------------------------------------------------- the process's plane
+_PLANE: DataPlane | None = None
+_RENDEZVOUS = Rendezvous()
+_HANDLERS: dict[bytes, Callable[[Link, bytes], None]] = {}
+_PLANE_LOCK = threading.Lock()
+
+
+def on_tag(prefix: bytes, handler: Callable[[Link, bytes], None]) -> None:
+    """Hand accepted links whose tag starts with ``prefix`` to ``handler`` (else they wait in the rendezvous)."""
+    _HANDLERS[prefix] = handler
+
+
+def _dispatch(link: Link, tag: bytes) -> None:
+    for prefix, handler in _HANDLERS.items():
+        if tag.startswith(prefix):
+            handler(link, tag)
+            return
+    _RENDEZVOUS.put(link, tag)
+
+
+def start_process_plane(secret: bytes, host: str, kind: str = "tcp") -> DataPlane:
+    """Start this process's data plane (once): its address goes in the worker's hello."""
+    global _PLANE
+    with _PLANE_LOCK:
+        if _PLANE is None:
+            if kind == "ucx":
+                ucx = importlib.import_module(".ucx", __package__)  # the ucx extra: imports ucxx
+                _PLANE = ucx.UcxPlane(secret, host, _dispatch)
+            else:
+                _PLANE = TcpPlane(secret, host, _dispatch)
+        return _PLANE
+
+
+def process_plane() -> DataPlane | None:
+    """This process's data plane, if it started one (workers launched by a host agent do)."""
+    return _PLANE
+
+
+def rendezvous() -> Rendezvous:
+    """Where accepted links wait for the code that expects them."""
+    return _RENDEZVOUS
+
+
 # --------------------------------------------------------------------------- selection
 def ucx_status() -> tuple[bool, str]:
     """Whether the UCX data plane can be used here, and why (for ``info`` and errors)."""
     try:
-        from . import ucx  # noqa: F401  (imports ucxx)
+        importlib.import_module(".ucx", __package__)  # imports ucxx
     except ImportError as exc:
         return False, f"ucxx is not installed ({exc}); pip install 'mesharray[ucx]'"
     except Exception as exc:  # a broken install: say what broke
