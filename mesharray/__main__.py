@@ -199,7 +199,9 @@ def info() -> dict[str, Any]:
     -------
     dict
         ``version``, ``python``, ``engines`` and ``transports`` (name -> a short
-        description, or None when unavailable), ``launcher`` (or None) and
+        description, or None when unavailable), ``data_plane`` (what carries
+        bulk data on one host and between hosts, and why UCX is or is not
+        available), ``launcher`` (or None) and
         ``bootstrap`` (what ``proc_mesh()`` would use here).
 
     Examples
@@ -230,6 +232,16 @@ def info() -> dict[str, Any]:
     else:
         transports["mpi"] = None
 
+    from mesharray.transport.dataplane import plane_kind, ucx_status
+
+    ucx_ok, ucx_why = ucx_status() if _has("ucxx") else (False, "ucxx is not installed; pip install 'mesharray[ucx]'")
+    setting = os.environ.get("MESHARRAY_DATA_PLANE") or "auto"
+    try:
+        between = plane_kind(setting)
+    except Exception as exc:  # a bad setting, or ucx asked for without ucxx: say so
+        between = f"invalid: {exc}"
+    data_plane = {"setting": setting, "same host": "shared memory", "between hosts": between,
+                  "tcp": "built in", "ucx": ucx_why if ucx_ok else f"unavailable: {ucx_why}"}
     launcher = detect_launcher()
     try:
         bootstrap = resolve_bootstrap("auto")
@@ -244,6 +256,7 @@ def info() -> dict[str, Any]:
         "executable": sys.executable,
         "engines": engines,
         "transports": transports,
+        "data_plane": data_plane,
         "launcher": None if launcher is None else {
             "name": launcher.name, "rank": launcher.rank, "size": launcher.size,
             "local_rank": launcher.local_rank, "local_size": launcher.local_size,
@@ -265,6 +278,9 @@ def _print_info(data: dict[str, Any]) -> None:
         for name, descr in data[section].items():
             text = descr if descr else f"unavailable ({_HINTS.get(name, 'not installed')})"
             print(f"  {name:<6} {text}")
+    dp = data["data_plane"]
+    print(f"data plane (MESHARRAY_DATA_PLANE={dp['setting']}): same host {dp['same host']}; between hosts "
+          f"{dp['between hosts']} (tcp: {dp['tcp']}; ucx: {dp['ucx']})")
     launcher = data["launcher"]
     print(f"launcher: {launcher['description'] if launcher else 'none (plain process)'}")
     print(f"bootstrap: {data['bootstrap']}  (what proc_mesh() uses here)")
