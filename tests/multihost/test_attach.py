@@ -189,3 +189,37 @@ def test_detach_stops_meshes_and_frees_the_agents(two_agents):
         again = ma.attach([a.url for a in ags], secret=SECRET, timeout=10)
         assert time.monotonic() - t < 5
         again.detach()
+
+
+def test_the_multihost_example_runs():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, os.path.join(root, "examples", "multihost.py")], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "sum of everything: 10485760.0 (numpy: 10485760.0 )" in r.stdout
+    assert "sum over hosts, first element per proc: [4.0, 6.0]" in r.stdout
+
+
+def test_the_readme_many_machines_block_runs(two_agents, cluster):
+    """The README's script, with this machine's agents for node1 and node2 (after the cluster detached)."""
+    import os
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "ma.attach" in b)
+    hosts, procs = cluster
+    procs.stop()
+    hosts.detach()  # the agents serve one controller at a time: let the README's script have them
+    code = block.replace('"tcp://node1:26600"', repr(two_agents[0].url)).replace(
+        '"tcp://node2:26600"', repr(two_agents[1].url))
+    assert code != block
+    env = dict(os.environ, MESHARRAY_SECRET=SECRET)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
