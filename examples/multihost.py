@@ -87,7 +87,11 @@ def main() -> None:
     finally:
         for p in agents:
             p.terminate()
-            p.wait()
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
             if p.stdout is not None:
                 p.stdout.close()
 

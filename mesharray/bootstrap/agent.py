@@ -299,6 +299,7 @@ class HostAgent:
         self.session: _Session | None = None
         self._lock = threading.Condition()
         self._stop = threading.Event()
+        self._stop_requested = False
         self.sessions_served = 0
 
     def _on_socket(self, sock: socket.socket) -> None:
@@ -358,8 +359,19 @@ class HostAgent:
             log.info("host agent: controller %s detached; its processes are gone", peer)
 
     def serve_forever(self) -> None:
-        """Serve until :meth:`stop` (or SIGINT/SIGTERM in :func:`main`)."""
-        self._stop.wait()
+        """Serve until :meth:`stop` is called, or :meth:`request_stop` (SIGINT/SIGTERM in :func:`main`).
+
+        Polls (0.2 s): a signal may be delivered to any thread of the process, and
+        the main thread only runs Python signal handlers when it runs at all, so
+        it must not block forever on a lock.
+        """
+        while not self._stop.wait(0.2):
+            if self._stop_requested:
+                self.stop()
+
+    def request_stop(self) -> None:
+        """Ask :meth:`serve_forever` to stop (safe in a signal handler: takes no lock)."""
+        self._stop_requested = True
 
     def stop(self) -> None:
         self.listener.close()
@@ -405,7 +417,7 @@ def main(argv: list[str]) -> int:
         print(f"mesharray host: {exc}", file=sys.stderr)
         return 2
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *a: agent.stop())
+        signal.signal(sig, lambda *a: agent.request_stop())
     print(f"mesharray host listening on {agent.url}", flush=True)
     agent.serve_forever()
     return 0
