@@ -37,6 +37,7 @@ usage: python -m mesharray script.py [args...]
        python -m mesharray run script.py [args...]
        python -m mesharray info [--json]
        python -m mesharray host --listen tcp://0.0.0.0:26600 [--advertise URL] [--host-id NAME]
+       python -m mesharray top URL                # live per-rank table of procs.telemetry.serve()'s URL
        python -m mesharray --version
 
 Runs a script so that an unhandled exception on any MPI rank aborts the
@@ -323,6 +324,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(f"mesharray {mesharray.__version__}")
         return 0
+    if first == "top":
+        from .observe import top_main
+
+        return top_main(args[1:])
     if first == "host":
         from .bootstrap.agent import main as host_main
 
