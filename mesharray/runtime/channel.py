@@ -30,11 +30,14 @@ import os
 import pickle
 import threading
 import time
+from threading import get_ident
 
 from ..errors import ActorDiedError, BackpressureError, BrokenTransportError, ClosedTransportError
 from ..transport.connection import Connection
 from . import protocol as P
 from .recorder import REC, SPAN
+
+_current = REC.current
 
 __all__ = ["Channel", "flush_all", "dirty", "next_id", "sent"]
 
@@ -200,9 +203,9 @@ class Channel:
         """
         sent.calls += 1
         mid = next_id()
-        span = SPAN.get()
+        span = SPAN.get() or _current.get(get_ident())
         if span is not None:  # a call made while handling one: the child span's parent (telemetry)
-            REC.links.append((time.time_ns(), span[0], span[1], _pid(), mid))
+            REC.links.append((time.time_ns(), span[-2], span[-1], _pid(), mid))
         conn = self.conn
         pending = self.pending
         if len(pending) >= MAX_PENDING:

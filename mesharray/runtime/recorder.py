@@ -36,7 +36,8 @@ MAX_ROWS = int(os.environ.get("MESHARRAY_TELEMETRY_ROWS", "100000"))
 #: latency histogram bucket upper bounds, in seconds (Prometheus ``le``)
 BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
            2.5, 5.0, 10.0)
-#: the span of the call being handled: (caller pid, msg id)
+#: the span of the call an async actor's task is handling: (caller pid, msg id) (sync
+#: calls have theirs in ``REC.current`` under the thread's id)
 SPAN: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("mesharray_span", default=None)
 
 
@@ -72,8 +73,10 @@ class Recorder:
         self.actors = _Series(10000)
         self.errors = _Series(1000)
         self.samples = _Series(1200)
-        #: thread id -> (actor, endpoint, wall start ns) of the call it runs now
-        self.current: dict[int, tuple[str, str, int]] = {}
+        #: thread id -> (actor, endpoint, monotonic start ns, caller pid, msg id) of the call it runs now
+        self.current: dict[int, tuple[str, str, int, int, int]] = {}
+        #: wall clock minus the monotonic clock (ns): rows time calls with one monotonic read
+        self.wall_offset = time.time_ns() - time.perf_counter_ns()
         #: (actor, endpoint, status) -> [count, seconds, bytes in, bytes out, *bucket counts]
         self.agg: dict[tuple, list] = {}
         self._folded = 0  # rows[:_folded] are in agg
@@ -83,13 +86,17 @@ class Recorder:
         rows = self.rows
         rows.append(row)
         if len(rows) > MAX_ROWS:
-            with self._lock:
-                if len(self.rows) > MAX_ROWS:
-                    self._fold()
-                    half = len(self.rows) // 2
-                    del self.rows[:half]
-                    self.rows_base += half
-                    self._folded -= half
+            self.trim()
+
+    def trim(self) -> None:
+        """Fold the oldest half of the call rows into the aggregates and drop them (the list object stays)."""
+        with self._lock:
+            if len(self.rows) > MAX_ROWS:
+                self._fold()
+                half = len(self.rows) // 2
+                del self.rows[:half]
+                self.rows_base += half
+                self._folded -= half
 
     def _fold(self) -> None:
         rows, agg = self.rows, self.agg
@@ -125,6 +132,7 @@ class Recorder:
 
     def sample(self) -> None:
         self.samples.append(process_sample())
+        self.wall_offset = time.time_ns() - time.perf_counter_ns()  # (follows clock adjustments)
 
     def snapshot(self, since: dict | None = None) -> dict:
         """What was recorded after the absolute indices in ``since``, the next indices, and the state now."""
@@ -137,7 +145,8 @@ class Recorder:
         for name in ("links", "actors", "errors", "samples"):
             out[name], out["next"][name] = getattr(self, name).since(since.get(name, 0))
         out["process"] = process_sample()
-        out["current"] = list(self.current.values())
+        off = self.wall_offset
+        out["current"] = [(a, e, t + off) for a, e, t, *_ in list(self.current.values())]
         return out
 
 

@@ -39,7 +39,7 @@ import sys
 import threading
 import traceback
 from threading import get_ident
-from time import perf_counter_ns, time_ns
+from time import perf_counter_ns
 from typing import Any
 
 from ..errors import SerializationError
@@ -51,7 +51,7 @@ from . import protocol as P
 from .channel import Channel
 from .context import Context, current
 from .recorder import ENABLED as RECORD
-from .recorder import REC, SPAN, set_title, thread_stacks
+from .recorder import MAX_ROWS, REC, SPAN, set_title, thread_stacks
 from .router import set_secret
 
 __all__ = ["run_worker", "Worker", "error_record"]
@@ -65,6 +65,8 @@ _NO_ARGS_LEN = len(_NO_ARGS_BYTES)
 _names: dict[bytes, str] = {}  # u8 n + method name -> name
 _record = REC.call
 _current = REC.current
+_rows = REC.rows
+_MAX_ROWS = MAX_ROWS
 
 
 def _set_pdeathsig() -> None:
@@ -322,19 +324,20 @@ class Worker:
         if not RECORD:
             self._run_sync(slot, conn, msg_id, reply, method, payload, n, vshape)
             return
-        # telemetry: one row per call (see runtime.recorder); the span is (caller pid, msg id)
+        # telemetry: one row per call (see runtime.recorder); the span is (caller pid, msg id),
+        # found by nested calls through the thread's entry in _current
         tid = get_ident()
-        w0 = time_ns()
         t0 = perf_counter_ns()
-        _current[tid] = (slot.name, method, w0)
         caller = conn.peer.get("pid") or 0
-        stok = SPAN.set((caller, msg_id))
+        _current[tid] = (slot.name, method, t0, caller, msg_id)
         try:
             status, out = self._run_sync(slot, conn, msg_id, reply, method, payload, n, vshape)
         finally:
-            SPAN.reset(stok)
-            _current.pop(tid, None)
-        _record((w0, perf_counter_ns() - t0, slot.name, method, caller, msg_id, len(payload), out, status))
+            del _current[tid]
+        _rows.append((t0 + REC.wall_offset, perf_counter_ns() - t0, slot.name, method, caller, msg_id, len(payload),
+                      out, status))
+        if len(_rows) > _MAX_ROWS:
+            REC.trim()
 
     def _run_sync(self, slot, conn, msg_id, reply, method, payload, n, vshape) -> tuple[str, int]:
         """Run a call of a synchronous actor inline; ``(status, reply bytes)``."""
@@ -439,7 +442,8 @@ class Worker:
             return
         ctx = Context(slot.name, slot.obj, slot.shape, vshape, self.rank, self.host, self.pid)
         token = current.set(ctx)
-        w0, t0 = time_ns(), perf_counter_ns()
+        t0 = perf_counter_ns()
+        w0 = t0 + REC.wall_offset
         caller = conn.peer.get("pid") or 0
         stok = SPAN.set((caller, msg_id))  # (a task's own context: concurrent calls keep theirs)
         status, out = "ok", 0
