@@ -1,0 +1,483 @@
+"""The UCX data plane: :class:`UcxPlane` and :class:`UcxLink`, over ``ucxx`` (the ``ucx`` extra).
+
+Same interface and semantics as :class:`~.dataplane.TcpPlane` /
+:class:`~.dataplane.TcpLink`: blocking whole-buffer ``send`` / ``recv_into``,
+full duplex (one thread sends while another receives on the same link), a
+tag announced by the connecting side and handed to ``on_link(link, tag)`` in a
+thread of the plane's own, links authenticated with the job secret first.
+
+How ucxx is driven (from plain threads, no asyncio)
+---------------------------------------------------
+This module uses ucxx's low-level API (``ucxx._lib.libucxx``: context, worker,
+listener, endpoints, requests), one UCX worker per plane in *blocking progress
+mode*, and no progress thread of ucxx's: the **thread that waits drives the
+progress** (a leader/follower scheme, as MPI libraries do). A caller posts its
+request, and if no other thread is progressing the worker it becomes the
+leader: it runs ``ucp_worker_progress`` and, when there is nothing to do,
+arms the worker and sleeps in ``epoll`` on the worker's event file descriptor
+(GIL released) until the network or another thread wakes it. Other waiting
+threads (the receiving half of a full-duplex transfer, other links) sleep on a
+condition variable; the leader wakes them after each progress pass that
+completed something, and hands leadership over when its own request is done.
+A small background thread takes the lead only when no caller has for a few
+milliseconds, so that listener connection requests and peer failures are
+served while the process is idle.
+
+Why this and not the alternatives (measured here, 2 processes on one 2-core
+VM, ``UCX_TLS=tcp``; see ``bench/README.md``, section "Data plane"): ucxx's
+own progress thread ("thread" mode, which its asyncio layer defaults to)
+completes a request in the progress thread and needs a second thread hop
+(notifier thread, then the waiter): ~310 µs per 8-byte round trip in
+PEERS.md. An asyncio loop in a dedicated thread with ucxx's blocking mode,
+driven through ``run_coroutine_threadsafe``, adds two cross-thread hops per
+operation to the ~33–65 µs of blocking mode. Here the waiting thread itself
+is woken by the kernel when the bytes arrive: no hop in the common case.
+
+Wire protocol
+-------------
+Links use UCX's *stream* API (``ucp_stream_send/recv`` with ``WAITALL``): a
+per-endpoint ordered byte stream, which gives exactly ``TcpLink``'s semantics
+(a receiver may read a sender's buffer in pieces of other sizes) and cannot
+be matched by another endpoint's messages. Tag messages would be matched
+worker-wide, so an unauthenticated peer connected to the same listener could
+inject data into a link whose tag it guessed. On this machine stream and tag
+transfers measured the same (see the bench).
+
+Authentication is the mutual HMAC challenge of :mod:`.auth` (same messages,
+same MACs, one deadline of :data:`.auth.HANDSHAKE_TIMEOUT` seconds for the
+whole exchange), run over the endpoint's stream before its tag is read; a
+wrong secret raises :class:`~mesharray.errors.AuthenticationError` on the
+connecting side, and the accepting side closes that endpoint and keeps
+serving. ucxx's listener binds every interface (its Python API takes a port
+only); nothing is read from a peer before it has proved the secret.
+
+One-sided RMA
+-------------
+Not used: the Python API of ucxx offers tag, stream and active messages only;
+RMA (``MemoryHandle`` / ``RemoteKey``) exists in libucxx's C++ API, which
+would need a Cython shim compiled against the wheel's headers. Over TCP (the
+only transport of machines without RDMA hardware) UCX emulates one-sided
+operations with messages anyway, so a ``Buffer`` read is served as a
+two-sided transfer by the owning process's ``on_link`` thread.
+
+Configuration
+-------------
+Before the first context of the process, :func:`ucx_defaults` sets (only
+where the user has not) ``UCX_TLS=tcp`` when the machine has no RDMA device
+(``/sys/class/infiniband`` empty), and 4 MiB TCP segments
+(``UCX_TCP_RX_SEG_SIZE`` / ``UCX_TCP_TX_SEG_SIZE``), which PEERS.md measured
+as what makes ucxx over TCP fast. Addresses look like ``ucx:HOST:PORT``.
+Importing this module imports ``ucxx`` (~0.5 s the first time); importing
+:mod:`mesharray` never does.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import select
+import struct
+import threading
+import time
+from typing import Callable
+
+import ucxx._lib.libucxx as _ucx
+from ucxx._lib.arr import Array
+
+from ..errors import AuthenticationError
+from . import auth
+from .dataplane import MAX_TAG, Link
+
+__all__ = ["UcxPlane", "UcxLink", "ucx_defaults", "parse_ucx_address"]
+
+_TAG = struct.Struct("!H")
+#: seconds a leader sleeps in epoll before it looks around again (a safety net, not a poll)
+_POLL_S = 0.5
+#: seconds a waiting thread polls before it sleeps in epoll (env ``MESHARRAY_UCX_SPIN_US``)
+SPIN_S = float(os.environ.get("MESHARRAY_UCX_SPIN_US", "0")) * 1e-6
+#: how long the idle progress thread lets callers come back before it takes the lead
+_IDLE_GRACE_S = 0.005
+#: after a peer failure, how long a waiter lets UCX cancel its request before it raises anyway
+_CANCEL_GRACE_S = 2.0
+
+
+def ucx_defaults(environ=os.environ) -> dict[str, str]:
+    """Set the UCX environment defaults this plane is fast with; return what was set.
+
+    Only variables the user has not set are written: ``UCX_TLS=tcp`` where the
+    machine has no RDMA device, and 4 MiB TCP segments.
+
+    Examples
+    --------
+    >>> ucx_defaults({"UCX_TLS": "rc,sm", "UCX_TCP_RX_SEG_SIZE": "1m", "UCX_TCP_TX_SEG_SIZE": "1m"})
+    {}
+    """
+    want = {"UCX_TCP_RX_SEG_SIZE": "4m", "UCX_TCP_TX_SEG_SIZE": "4m"}
+    if not _has_rdma():
+        want["UCX_TLS"] = "tcp"
+    done = {}
+    for key, value in want.items():
+        if key not in environ:
+            environ[key] = value
+            done[key] = value
+    return done
+
+
+def _has_rdma() -> bool:
+    try:
+        return bool(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return False
+
+
+def parse_ucx_address(address: str) -> tuple[str, int]:
+    """``(host, port)`` of a ``ucx:HOST:PORT`` address.
+
+    Examples
+    --------
+    >>> parse_ucx_address("ucx:10.0.0.7:26601")
+    ('10.0.0.7', 26601)
+    >>> parse_ucx_address("tcp:10.0.0.7:26601")
+    Traceback (most recent call last):
+    ...
+    ValueError: bad ucx address 'tcp:10.0.0.7:26601'; expected 'ucx:HOST:PORT'
+    """
+    if not isinstance(address, str):
+        raise TypeError(f"address must be a str, got {type(address).__name__}")
+    host, _, port = address[4:].rpartition(":")
+    if not address.startswith("ucx:") or not host or not port.isdigit():
+        raise ValueError(f"bad ucx address {address!r}; expected 'ucx:HOST:PORT'")
+    return host.strip("[]"), int(port)
+
+
+# --------------------------------------------------------------------------- progress
+class _Engine:
+    """One UCX context and worker in blocking mode, progressed by whichever thread waits."""
+
+    def __init__(self) -> None:
+        ucx_defaults()
+        self.context = _ucx.UCXContext(
+            feature_flags=(_ucx.Feature.STREAM, _ucx.Feature.TAG, _ucx.Feature.WAKEUP))
+        self.worker = _ucx.UCXWorker(self.context)
+        self.worker.init_blocking_progress_mode()
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._epoll = select.epoll()
+        self._epoll.register(self.worker.epoll_file_descriptor, select.EPOLLIN)
+        self._epoll.register(self._wake_fd, select.EPOLLIN)
+        self._cond = threading.Condition(threading.Lock())
+        self._leader = False
+        self._waiters = 0     # callers inside wait()
+        self._followers = 0   # callers asleep on the condition while another leads
+        self._activity = 0    # bumps on every wait(): the idle thread's sign that callers are busy
+        self.closed = False
+        self._idle = threading.Thread(target=self._idle_loop, name="mesharray-ucx-progress", daemon=True)
+        self._idle.start()
+
+    def kick(self) -> None:
+        """Wake the leader out of epoll (a request was posted, or a link failed)."""
+        try:
+            os.eventfd_write(self._wake_fd, 1)
+        except OSError:  # pragma: no cover - closed during shutdown
+            pass
+
+    def _pass(self, timeout: float, spin: float = 0.0) -> None:
+        """One progress pass; sleep in epoll (at most ``timeout`` s) if there was nothing to do.
+
+        With ``spin``, keep polling that many seconds before sleeping: an answer that is
+        already on its way comes back without the epoll wake-up's latency.
+        """
+        worker = self.worker
+        if worker.progress_once():
+            while worker.progress_once():
+                pass
+            return
+        if spin:
+            end = time.perf_counter() + spin
+            while time.perf_counter() < end:
+                if worker.progress_once():
+                    while worker.progress_once():
+                        pass
+                    return
+        if not worker.arm():  # events pending: progress again at once
+            return
+        if self._epoll.poll(timeout):
+            try:
+                os.eventfd_read(self._wake_fd)
+            except BlockingIOError:
+                pass
+
+    def wait(self, done: Callable[[], bool], deadline: float | None = None) -> bool:
+        """Progress (or let the leader progress) until ``done()``; ``False`` if ``deadline`` passed first."""
+        cond = self._cond
+        with cond:
+            self._waiters += 1
+            self._activity += 1
+        try:
+            while True:
+                if done():
+                    return True
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    return False
+                left = _POLL_S if deadline is None else min(_POLL_S, deadline - now)
+                with cond:
+                    if self._leader:
+                        self._followers += 1
+                        try:
+                            cond.wait(left)
+                        finally:
+                            self._followers -= 1
+                        continue
+                    self._leader = True
+                try:
+                    while not done():
+                        self._pass(left, SPIN_S)
+                        if self._followers:  # racy read: a missed notify costs one wait(left) at most
+                            with cond:
+                                cond.notify_all()
+                        if deadline is not None and time.monotonic() >= deadline:
+                            break
+                finally:
+                    with cond:
+                        self._leader = False
+                        if self._followers:
+                            cond.notify_all()  # one of them takes the lead; the others see their requests
+        finally:
+            with cond:
+                self._waiters -= 1
+
+    def _idle_loop(self) -> None:
+        # Not a follower on the condition: waking it at every hand-over would cost each
+        # operation a thread switch. It looks every few ms whether callers went quiet.
+        cond = self._cond
+        seen = -1
+        while not self.closed:
+            with cond:
+                idle = not (self._leader or self._waiters) and self._activity == seen
+                seen = self._activity
+                if idle:
+                    self._leader = True
+            if not idle:
+                time.sleep(_IDLE_GRACE_S)
+                continue
+            try:
+                self._pass(_POLL_S)
+            except Exception:  # pragma: no cover - keep serving; the failing link reports its own error
+                pass
+            finally:
+                with cond:
+                    self._leader = False
+                    if self._followers:
+                        cond.notify_all()
+
+    def close(self) -> None:
+        self.closed = True
+        self.kick()
+        self._idle.join(timeout=2 * _POLL_S + 1)
+        self._epoll.close()
+        os.close(self._wake_fd)
+
+
+# --------------------------------------------------------------------------- link
+class UcxLink:
+    """A data-plane link over one UCX endpoint (stream API: an ordered byte stream, like TCP)."""
+
+    def __init__(self, engine: _Engine, endpoint, peer: str = "") -> None:
+        self._engine = engine
+        self._ep = endpoint
+        self.peer = peer
+        self._error: str | None = None
+        self._closed = False
+        endpoint.set_close_callback(self._on_close)
+
+    def _on_close(self, *args) -> None:
+        # runs inside a progress pass, in whichever thread leads: mark and wake, nothing more
+        if self._error is None:
+            self._error = "closed" if self._closed else "the peer closed the link or went away"
+        self._engine.kick()
+
+    def _broken(self) -> bool:
+        return self._error is not None or not self._ep.alive
+
+    def _run(self, post, view, what: str, deadline: float | None = None) -> None:
+        if self._closed:
+            raise ConnectionError(f"data link to {self.peer or 'peer'} is closed")
+        if self._broken():
+            raise ConnectionError(f"data link to {self.peer or 'peer'} broke before {what}: {self._error or 'endpoint error'}")
+        try:
+            req = post(Array(view))
+        except Exception as exc:  # ucxx raises on a dead endpoint
+            raise ConnectionError(f"data link to {self.peer or 'peer'} broke while {what}: {exc}") from exc
+        engine = self._engine
+        engine.kick()  # a leader asleep in epoll must see the new request
+        failed_at: list[float] = []
+
+        def done() -> bool:
+            if req.completed:
+                return True
+            if self._broken():
+                now = time.monotonic()
+                if not failed_at:
+                    failed_at.append(now)
+                return now - failed_at[0] > _CANCEL_GRACE_S
+            return False
+
+        if not engine.wait(done, deadline):
+            self._abort()
+            raise TimeoutError(f"data link to {self.peer or 'peer'}: {what} not finished in time")
+        if not req.completed:
+            raise ConnectionError(f"data link to {self.peer or 'peer'} broke while {what}: {self._error}")
+        try:
+            req.check_error()
+        except Exception as exc:
+            raise ConnectionError(f"data link to {self.peer or 'peer'} broke while {what}: {exc}") from exc
+
+    def send(self, data) -> None:
+        """Send all of ``data`` (blocks until UCX has taken it; the GIL is released meanwhile)."""
+        view = memoryview(data).cast("B")
+        if view.nbytes:
+            self._run(self._ep.stream_send, view, "sending")
+
+    def recv_into(self, view: memoryview) -> None:
+        """Fill all of ``view`` (``ConnectionError`` if the peer goes away first)."""
+        view = memoryview(view).cast("B")
+        if view.nbytes:
+            self._run(self._ep.stream_recv, view, "receiving")
+
+    # handshake helpers: the same calls, with a deadline
+    def _send_before(self, data: bytes, deadline: float) -> None:
+        self._run(self._ep.stream_send, memoryview(data), "handshaking", deadline)
+
+    def _recv_before(self, n: int, deadline: float) -> bytes:
+        buf = bytearray(n)
+        self._run(self._ep.stream_recv, memoryview(buf), "handshaking", deadline)
+        return bytes(buf)
+
+    def _abort(self) -> None:
+        if self._error is None:
+            self._error = "aborted"
+        self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._ep.close_blocking(period=1_000_000_000, max_attempts=1)
+        except Exception:  # pragma: no cover - already broken
+            pass
+        self._engine.kick()
+
+    def __repr__(self) -> str:
+        return f"UcxLink({self.peer!r})"
+
+
+# --------------------------------------------------------------------------- plane
+class UcxPlane:
+    """The UCX data plane: a ucxx listener; links are authenticated UCX endpoints.
+
+    Parameters
+    ----------
+    secret : bytes
+        The job secret (links prove it with the HMAC challenge of :mod:`.auth`).
+    host : str
+        The address other hosts reach this one at (the listener binds every interface).
+    on_link : callable
+        ``on_link(link, tag)``, called in a new thread for each accepted, authenticated link.
+
+    Examples
+    --------
+    >>> got = {}
+    >>> plane = UcxPlane(b"k" * 32, "127.0.0.1", lambda link, tag: got.setdefault(tag, link))
+    >>> link = plane.connect(plane.address, b"hello")
+    >>> link.send(b"abc")
+    >>> deadline = time.monotonic() + 5
+    >>> while b"hello" not in got and time.monotonic() < deadline:
+    ...     time.sleep(0.01)
+    >>> buf = bytearray(3)
+    >>> got[b"hello"].recv_into(memoryview(buf)); bytes(buf)
+    b'abc'
+    >>> link.close(); got[b"hello"].close(); plane.close()
+    """
+
+    kind = "ucx"
+
+    def __init__(self, secret: bytes, host: str, on_link: Callable[[Link, bytes], None]) -> None:
+        self.secret = secret
+        self.on_link = on_link
+        self._engine = _Engine()
+        self._listener = _ucx.UCXListener.create(self._engine.worker, 0, self._on_endpoint, deliver_endpoint=True)
+        self.address = f"ucx:{host}:{self._listener.port}"
+        self._closed = False
+
+    def _on_endpoint(self, endpoint) -> None:
+        # inside a progress pass: the handshake blocks, so it gets a thread of its own
+        if self._closed:
+            return
+        threading.Thread(target=self._serve, args=(endpoint,), name="mesharray-ucx-link", daemon=True).start()
+
+    def _serve(self, endpoint) -> None:
+        link = UcxLink(self._engine, endpoint)
+        deadline = time.monotonic() + auth.HANDSHAKE_TIMEOUT
+        try:
+            ns = os.urandom(auth.NONCE)
+            link._send_before(auth.MAGIC + ns, deadline)
+            answer = auth._server_answer(self.secret, ns, link._recv_before(auth.CLIENT_MSG, deadline))
+            link._send_before(answer, deadline)
+            (n,) = _TAG.unpack(link._recv_before(_TAG.size, deadline))
+            if n > MAX_TAG:
+                raise ValueError(f"tag of {n} bytes; at most {MAX_TAG}")
+            tag = link._recv_before(n, deadline) if n else b""
+        except (ConnectionError, TimeoutError, ValueError):  # AuthenticationError is a ConnectionError
+            link.close()
+            return
+        self.on_link(link, tag)
+
+    def connect(self, address: str, tag: bytes, timeout: float = 30.0) -> UcxLink:
+        """Open a link to the plane at ``address`` (``ucx:HOST:PORT``), announcing ``tag``."""
+        if len(tag) > MAX_TAG:
+            raise ValueError(f"tag of {len(tag)} bytes; at most {MAX_TAG}")
+        host, port = parse_ucx_address(address)
+        deadline = time.monotonic() + timeout
+        while True:
+            link = None
+            try:
+                endpoint = _ucx.UCXEndpoint.create(self._engine.worker, host, port, True)
+                link = UcxLink(self._engine, endpoint, address)
+                self._client_handshake(link, min(deadline, time.monotonic() + auth.HANDSHAKE_TIMEOUT))
+                link._send_before(_TAG.pack(len(tag)) + tag, deadline)
+                return link
+            except AuthenticationError:
+                if link is not None:
+                    link.close()
+                raise
+            except (ConnectionError, TimeoutError, _ucx.UCXError) as exc:
+                if link is not None:
+                    link.close()
+                if time.monotonic() >= deadline:
+                    raise ConnectionError(f"cannot open a data link to {address}: {exc}") from exc
+                time.sleep(0.02)
+
+    def _client_handshake(self, link: UcxLink, deadline: float) -> None:
+        msg = link._recv_before(4 + auth.NONCE, deadline)
+        if msg[:4] != auth.MAGIC:
+            raise AuthenticationError(f"bad handshake magic {msg[:4]!r}; expected {auth.MAGIC!r}")
+        ns = msg[4:]
+        nc = os.urandom(auth.NONCE)
+        link._send_before(auth.MAGIC + nc + auth._mac(self.secret, b"C", ns, nc), deadline)
+        try:
+            mac = link._recv_before(32, deadline)
+        except ConnectionError as exc:
+            raise AuthenticationError("listener refused our hmac (wrong secret?)") from exc
+        if not hmac.compare_digest(mac, auth._mac(self.secret, b"S", nc, ns)):
+            raise AuthenticationError("listener failed the hmac challenge (wrong secret)")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._listener = None
+        self._engine.close()
+
+    def __repr__(self) -> str:
+        return f"UcxPlane({self.address!r})"
