@@ -79,22 +79,30 @@ import select
 import struct
 import threading
 import time
+import weakref
 from typing import Callable
 
-import ucxx._lib.libucxx as _ucx
-from ucxx._lib.arr import Array
+# Read by libucs when ucxx loads it, so it must be set before the import: ucxx itself sets
+# UCX_MEMTYPE_CACHE, which UCX >= 1.19 no longer knows and warns about in every process.
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+import ucxx._lib.libucxx as _ucx  # noqa: E402
+from ucxx._lib.arr import Array  # noqa: E402
 
 from ..errors import AuthenticationError
 from . import auth
-from .dataplane import MAX_TAG, Link
 
 __all__ = ["UcxPlane", "UcxLink", "ucx_defaults", "parse_ucx_address"]
 
 _TAG = struct.Struct("!H")
+#: the longest tag a link may carry: ``dataplane.MAX_TAG`` (not imported: dataplane imports this module)
+MAX_TAG = 256
 #: seconds a leader sleeps in epoll before it looks around again (a safety net, not a poll)
 _POLL_S = 0.5
 #: seconds a waiting thread polls before it sleeps in epoll (env ``MESHARRAY_UCX_SPIN_US``)
-SPIN_S = float(os.environ.get("MESHARRAY_UCX_SPIN_US", "0")) * 1e-6
+SPIN_S = float(os.environ.get("MESHARRAY_UCX_SPIN_US", "25")) * 1e-6
+#: the largest request that spins (a large transfer is better served asleep: the cores copy the data)
+SPIN_MAX = 64 << 10
 #: how long the idle progress thread lets callers come back before it takes the lead
 _IDLE_GRACE_S = 0.005
 #: after a peer failure, how long a waiter lets UCX cancel its request before it raises anyway
@@ -109,8 +117,11 @@ def ucx_defaults(environ=os.environ) -> dict[str, str]:
 
     Examples
     --------
-    >>> ucx_defaults({"UCX_TLS": "rc,sm", "UCX_TCP_RX_SEG_SIZE": "1m", "UCX_TCP_TX_SEG_SIZE": "1m"})
-    {}
+    >>> env = {"UCX_TLS": "rc,sm", "UCX_TCP_RX_SEG_SIZE": "1m"}
+    >>> sorted(ucx_defaults(env))
+    ['UCX_TCP_TX_SEG_SIZE']
+    >>> env["UCX_TLS"], env["UCX_TCP_RX_SEG_SIZE"], env["UCX_TCP_TX_SEG_SIZE"]
+    ('rc,sm', '1m', '4m')
     """
     want = {"UCX_TCP_RX_SEG_SIZE": "4m", "UCX_TCP_TX_SEG_SIZE": "4m"}
     if not _has_rdma():
@@ -169,6 +180,9 @@ class _Engine:
         self._waiters = 0     # callers inside wait()
         self._followers = 0   # callers asleep on the condition while another leads
         self._activity = 0    # bumps on every wait(): the idle thread's sign that callers are busy
+        self.links: weakref.WeakSet[UcxLink] = weakref.WeakSet()
+        self._spin_hits = 1.0  # moving average: how often a spin caught the answer
+        self._spin_probe = 0
         self.closed = False
         self._idle = threading.Thread(target=self._idle_loop, name="mesharray-ucx-progress", daemon=True)
         self._idle.start()
@@ -191,13 +205,23 @@ class _Engine:
             while worker.progress_once():
                 pass
             return
-        if spin:
+        if spin and (self._spin_hits >= 0.3 or not self._spin_probe & 31):
+            # Adaptive: a spin that keeps missing (the peer is slow, or the cores are busy and
+            # spinning would steal the peer's) is skipped, and retried every 32nd pass.
+            self._spin_probe += 1
             end = time.perf_counter() + spin
+            hit = False
             while time.perf_counter() < end:
                 if worker.progress_once():
-                    while worker.progress_once():
-                        pass
-                    return
+                    hit = True
+                    break
+            self._spin_hits = 0.75 * self._spin_hits + 0.25 * hit
+            if hit:
+                while worker.progress_once():
+                    pass
+                return
+        elif spin:
+            self._spin_probe += 1
         if not worker.arm():  # events pending: progress again at once
             return
         if self._epoll.poll(timeout):
@@ -206,8 +230,11 @@ class _Engine:
             except BlockingIOError:
                 pass
 
-    def wait(self, done: Callable[[], bool], deadline: float | None = None) -> bool:
-        """Progress (or let the leader progress) until ``done()``; ``False`` if ``deadline`` passed first."""
+    def wait(self, done: Callable[[], bool], deadline: float | None = None, spin: float = 0.0) -> bool:
+        """Progress (or let the leader progress) until ``done()``; ``False`` if ``deadline`` passed first.
+
+        ``spin``: seconds to poll before each sleep in epoll (small messages: see :meth:`_pass`).
+        """
         cond = self._cond
         with cond:
             self._waiters += 1
@@ -231,7 +258,7 @@ class _Engine:
                     self._leader = True
                 try:
                     while not done():
-                        self._pass(left, SPIN_S)
+                        self._pass(left, spin)
                         if self._followers:  # racy read: a missed notify costs one wait(left) at most
                             with cond:
                                 cond.notify_all()
@@ -271,11 +298,24 @@ class _Engine:
                         cond.notify_all()
 
     def close(self) -> None:
+        """Close every link of this engine and stop the idle thread.
+
+        The file descriptors are closed with the engine object (:meth:`__del__`), not here: a
+        thread may still be inside ``kick()``, and a closed descriptor number can be reused.
+        """
+        for link in list(self.links):
+            link.close()
         self.closed = True
         self.kick()
-        self._idle.join(timeout=2 * _POLL_S + 1)
-        self._epoll.close()
-        os.close(self._wake_fd)
+        if self._idle is not threading.current_thread():
+            self._idle.join(timeout=2 * _POLL_S + 1)
+
+    def __del__(self) -> None:
+        try:
+            self._epoll.close()
+            os.close(self._wake_fd)
+        except (AttributeError, OSError):  # pragma: no cover - half-built
+            pass
 
 
 # --------------------------------------------------------------------------- link
@@ -289,6 +329,7 @@ class UcxLink:
         self._error: str | None = None
         self._closed = False
         endpoint.set_close_callback(self._on_close)
+        engine.links.add(self)
 
     def _on_close(self, *args) -> None:
         # runs inside a progress pass, in whichever thread leads: mark and wake, nothing more
@@ -300,14 +341,15 @@ class UcxLink:
         return self._error is not None or not self._ep.alive
 
     def _run(self, post, view, what: str, deadline: float | None = None) -> None:
-        if self._closed:
-            raise ConnectionError(f"data link to {self.peer or 'peer'} is closed")
+        peer = self.peer or "peer"
+        if self._closed or self._engine.closed:
+            raise ConnectionError(f"data link to {peer} is closed")
         if self._broken():
-            raise ConnectionError(f"data link to {self.peer or 'peer'} broke before {what}: {self._error or 'endpoint error'}")
+            raise ConnectionError(f"data link to {peer} broke before {what}: {self._error or 'endpoint error'}")
         try:
             req = post(Array(view))
         except Exception as exc:  # ucxx raises on a dead endpoint
-            raise ConnectionError(f"data link to {self.peer or 'peer'} broke while {what}: {exc}") from exc
+            raise ConnectionError(f"data link to {peer} broke while {what}: {exc}") from exc
         engine = self._engine
         engine.kick()  # a leader asleep in epoll must see the new request
         failed_at: list[float] = []
@@ -322,15 +364,20 @@ class UcxLink:
                 return now - failed_at[0] > _CANCEL_GRACE_S
             return False
 
-        if not engine.wait(done, deadline):
+        try:
+            finished = engine.wait(done, deadline, SPIN_S if view.nbytes <= SPIN_MAX else 0.0)
+        except (OSError, ValueError) as exc:  # the plane was closed under us (its epoll is gone)
+            raise ConnectionError(f"data link to {peer} closed while {what}") from exc
+        if not finished:
             self._abort()
-            raise TimeoutError(f"data link to {self.peer or 'peer'}: {what} not finished in time")
+            raise TimeoutError(f"data link to {peer}: {what} not finished in time")
         if not req.completed:
-            raise ConnectionError(f"data link to {self.peer or 'peer'} broke while {what}: {self._error}")
+            raise ConnectionError(f"data link to {peer} broke while {what}: {self._error}")
         try:
             req.check_error()
         except Exception as exc:
-            raise ConnectionError(f"data link to {self.peer or 'peer'} broke while {what}: {exc}") from exc
+            why = f"{self._error} ({exc})" if self._error else str(exc)
+            raise ConnectionError(f"data link to {peer} broke while {what}: {why}") from exc
 
     def send(self, data) -> None:
         """Send all of ``data`` (blocks until UCX has taken it; the GIL is released meanwhile)."""
@@ -362,11 +409,14 @@ class UcxLink:
         if self._closed:
             return
         self._closed = True
+        self._engine.links.discard(self)
         try:
+            # cancels this endpoint's requests (their waiters raise ConnectionError), then closes it
             self._ep.close_blocking(period=1_000_000_000, max_attempts=1)
         except Exception:  # pragma: no cover - already broken
             pass
-        self._engine.kick()
+        if not self._engine.closed:
+            self._engine.kick()
 
     def __repr__(self) -> str:
         return f"UcxLink({self.peer!r})"
@@ -402,7 +452,7 @@ class UcxPlane:
 
     kind = "ucx"
 
-    def __init__(self, secret: bytes, host: str, on_link: Callable[[Link, bytes], None]) -> None:
+    def __init__(self, secret: bytes, host: str, on_link: Callable[[UcxLink, bytes], None]) -> None:
         self.secret = secret
         self.on_link = on_link
         self._engine = _Engine()
@@ -473,6 +523,7 @@ class UcxPlane:
             raise AuthenticationError("listener failed the hmac challenge (wrong secret)")
 
     def close(self) -> None:
+        """Stop accepting, and close every link this plane opened or accepted."""
         if self._closed:
             return
         self._closed = True
