@@ -29,7 +29,7 @@ except ImportError as exc:  # the extra is not installed: say which one
     pytest.skip(f"ucxx does not import ({exc}); pip install 'mesharray[ucx]' (or make test-ucx)",
                 allow_module_level=True)
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.ucx]
 
 SECRET = b"s" * 32
 BIG = 64 << 20
