@@ -236,6 +236,7 @@ class _Engine:
         ``spin``: seconds to poll before each sleep in epoll (small messages: see :meth:`_pass`).
         """
         cond = self._cond
+        kicked = False
         with cond:
             self._waiters += 1
             self._activity += 1
@@ -249,6 +250,9 @@ class _Engine:
                 left = _POLL_S if deadline is None else min(_POLL_S, deadline - now)
                 with cond:
                     if self._leader:
+                        if not kicked:  # the leader may be asleep in epoll: it must see our request
+                            self.kick()
+                            kicked = True
                         self._followers += 1
                         try:
                             cond.wait(left)
@@ -351,7 +355,6 @@ class UcxLink:
         except Exception as exc:  # ucxx raises on a dead endpoint
             raise ConnectionError(f"data link to {peer} broke while {what}: {exc}") from exc
         engine = self._engine
-        engine.kick()  # a leader asleep in epoll must see the new request
         failed_at: list[float] = []
 
         def done() -> bool:
