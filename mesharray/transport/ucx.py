@@ -162,6 +162,16 @@ def parse_ucx_address(address: str) -> tuple[str, int]:
 
 
 # --------------------------------------------------------------------------- progress
+class _Follower:
+    """A thread waiting while another leads: woken when ``done()`` or to take the lead."""
+
+    __slots__ = ("done", "woken")
+
+    def __init__(self, done: Callable[[], bool]) -> None:
+        self.done = done
+        self.woken = threading.Event()
+
+
 class _Engine:
     """One UCX context and worker in blocking mode, progressed by whichever thread waits."""
 
@@ -175,10 +185,10 @@ class _Engine:
         self._epoll = select.epoll()
         self._epoll.register(self.worker.epoll_file_descriptor, select.EPOLLIN)
         self._epoll.register(self._wake_fd, select.EPOLLIN)
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
         self._leader = False
         self._waiters = 0     # callers inside wait()
-        self._followers = 0   # callers asleep on the condition while another leads
+        self._followers: list[_Follower] = []  # callers asleep while another leads
         self._activity = 0    # bumps on every wait(): the idle thread's sign that callers are busy
         self.links: weakref.WeakSet[UcxLink] = weakref.WeakSet()
         self._spin_hits = 1.0  # moving average: how often a spin caught the answer
@@ -235,9 +245,10 @@ class _Engine:
 
         ``spin``: seconds to poll before each sleep in epoll (small messages: see :meth:`_pass`).
         """
-        cond = self._cond
+        lock = self._lock
+        me: _Follower | None = None
         kicked = False
-        with cond:
+        with lock:
             self._waiters += 1
             self._activity += 1
         try:
@@ -248,42 +259,65 @@ class _Engine:
                 if deadline is not None and now >= deadline:
                     return False
                 left = _POLL_S if deadline is None else min(_POLL_S, deadline - now)
-                with cond:
-                    if self._leader:
+                with lock:
+                    lead = not self._leader
+                    if lead:
+                        self._leader = True
+                    else:
+                        if me is None:
+                            me = _Follower(done)
+                        me.woken.clear()
+                        self._followers.append(me)
                         if not kicked:  # the leader may be asleep in epoll: it must see our request
                             self.kick()
                             kicked = True
-                        self._followers += 1
-                        try:
-                            cond.wait(left)
-                        finally:
-                            self._followers -= 1
-                        continue
-                    self._leader = True
+                if not lead:
+                    assert me is not None
+                    if not me.woken.wait(left):
+                        with lock:
+                            if me in self._followers:
+                                self._followers.remove(me)
+                    continue
                 try:
                     while not done():
                         self._pass(left, spin)
-                        if self._followers:  # racy read: a missed notify costs one wait(left) at most
-                            with cond:
-                                cond.notify_all()
+                        if self._followers:  # racy read: a follower missed here waits left s at most
+                            self._wake_followers(False)
                         if deadline is not None and time.monotonic() >= deadline:
                             break
                 finally:
-                    with cond:
-                        self._leader = False
-                        if self._followers:
-                            cond.notify_all()  # one of them takes the lead; the others see their requests
+                    self._step_down()
         finally:
-            with cond:
+            with lock:
                 self._waiters -= 1
 
+    def _wake_followers(self, hand_over: bool) -> None:
+        """Wake the followers whose requests are done; with ``hand_over``, one more to lead."""
+        with self._lock:
+            keep = []
+            for f in self._followers:
+                if f.done():
+                    f.woken.set()
+                elif hand_over:
+                    f.woken.set()
+                    hand_over = False
+                else:
+                    keep.append(f)
+            self._followers[:] = keep
+
+    def _step_down(self) -> None:
+        with self._lock:
+            self._leader = False
+        if self._followers:
+            self._wake_followers(True)
+
     def _idle_loop(self) -> None:
-        # Not a follower on the condition: waking it at every hand-over would cost each
-        # operation a thread switch. It looks every few ms whether callers went quiet.
-        cond = self._cond
+        # Not a follower: waking it at every hand-over would cost each operation a thread
+        # switch. It looks every few ms whether callers went quiet, and then leads.
+        lock = self._lock
         seen = -1
         while not self.closed:
-            with cond:
+            with lock:
                 idle = not (self._leader or self._waiters) and self._activity == seen
                 seen = self._activity
                 if idle:
@@ -296,10 +330,7 @@ class _Engine:
             except Exception:  # pragma: no cover - keep serving; the failing link reports its own error
                 pass
             finally:
-                with cond:
-                    self._leader = False
-                    if self._followers:
-                        cond.notify_all()
+                self._step_down()
 
     def close(self) -> None:
         """Close every link of this engine and stop the idle thread.
