@@ -15,23 +15,28 @@ progress** (a leader/follower scheme, as MPI libraries do). A caller posts its
 request, and if no other thread is progressing the worker it becomes the
 leader: it runs ``ucp_worker_progress`` and, when there is nothing to do,
 arms the worker and sleeps in ``epoll`` on the worker's event file descriptor
-(GIL released) until the network or another thread wakes it. Other waiting
-threads (the receiving half of a full-duplex transfer, other links) sleep on a
-condition variable; the leader wakes them after each progress pass that
-completed something, and hands leadership over when its own request is done.
-A small background thread takes the lead only when no caller has for a few
-milliseconds, so that listener connection requests and peer failures are
-served while the process is idle.
+(GIL released) until the network or another thread wakes it. For a request of
+at most 64 KiB it first polls for up to 25 µs (``MESHARRAY_UCX_SPIN_US``): an
+answer already on its way then comes back without the epoll wake-up; the
+spin is adaptive, skipped while spins keep missing (a slow peer, or busy
+cores where spinning would steal the peer's time). Other waiting threads (the
+receiving half of a full-duplex transfer, other links) sleep on an event of
+their own, set by the leader when *their* request is done, or to hand them
+the lead when its own is. A background thread takes the lead only when no
+caller has for a few milliseconds, so that connection requests and peer
+failures are served while the process is idle.
 
-Why this and not the alternatives (measured here, 2 processes on one 2-core
-VM, ``UCX_TLS=tcp``; see ``bench/README.md``, section "Data plane"): ucxx's
-own progress thread ("thread" mode, which its asyncio layer defaults to)
-completes a request in the progress thread and needs a second thread hop
-(notifier thread, then the waiter): ~310 µs per 8-byte round trip in
-PEERS.md. An asyncio loop in a dedicated thread with ucxx's blocking mode,
-driven through ``run_coroutine_threadsafe``, adds two cross-thread hops per
-operation to the ~33–65 µs of blocking mode. Here the waiting thread itself
-is woken by the kernel when the bytes arrive: no hop in the common case.
+Why this and not the alternatives, measured on the 2-core VM between two
+processes (8-byte round trip p50; 64 MiB one way), in runs minutes apart
+under load 2.5–3: this design 17–43 µs, 2.7–4.5 GB/s (TCP plane in the same
+runs 14–15 µs, 2.9–4.3 GB/s: ``bench/README.md``, "Data plane"); ucxx's asyncio
+API with an event loop in a dedicated thread, driven by
+``run_coroutine_threadsafe``, in blocking mode 94 µs and 4.1 GB/s, in its
+default thread mode (ucxx's progress thread, then its notifier thread, then
+the loop) 2.3 ms and 1.5 GB/s. The asyncio route costs a thread hop to the
+loop and one back per operation; here the waiting thread is woken by the
+kernel itself in the common case (one waiter per plane). With several threads
+waiting on one plane, a follower's completion costs one thread switch.
 
 Wire protocol
 -------------
@@ -40,8 +45,15 @@ per-endpoint ordered byte stream, which gives exactly ``TcpLink``'s semantics
 (a receiver may read a sender's buffer in pieces of other sizes) and cannot
 be matched by another endpoint's messages. Tag messages would be matched
 worker-wide, so an unauthenticated peer connected to the same listener could
-inject data into a link whose tag it guessed. On this machine stream and tag
-transfers measured the same (see the bench).
+inject data into a link whose tag it guessed, and a receive must have the size
+of the message sent. The price: tag transfers of 64 MiB measured ~10–15 %
+faster here (rendezvous; median 4.8 vs 4.2 GB/s), and a stream has no flow
+control of its own: bytes sent before the receiver calls ``recv_into`` are
+buffered by the receiver's UCX (in its memory, then copied), where a TCP
+socket would stop the sender once the kernel buffers are full. The users of
+links (ring collectives, ``Buffer``) only send what the peer is about to
+receive, so this is bounded by their message sizes; a peer that sends
+without being read from grows the reader's memory.
 
 Authentication is the mutual HMAC challenge of :mod:`.auth` (same messages,
 same MACs, one deadline of :data:`.auth.HANDSHAKE_TIMEOUT` seconds for the
