@@ -78,7 +78,10 @@ Before the first context of the process, :func:`ucx_defaults` sets (only
 where the user has not) ``UCX_TLS=tcp`` when the machine has no RDMA device
 (``/sys/class/infiniband`` empty), and 4 MiB TCP segments
 (``UCX_TCP_RX_SEG_SIZE`` / ``UCX_TCP_TX_SEG_SIZE``), which PEERS.md measured
-as what makes ucxx over TCP fast. Addresses look like ``ucx:HOST:PORT``.
+as what makes ucxx over TCP fast, and ``UCXX_LOG_LEVEL=FATAL`` (ucxx logs every
+peer failure, which this module reports as ``ConnectionError``); at import,
+``UCX_WARN_UNUSED_ENV_VARS=n``. Addresses look like ``ucx:HOST:PORT``; a
+loopback host is dialled as ``127.0.0.1`` (:func:`_dial_host`).
 Importing this module imports ``ucxx`` (~0.5 s the first time); importing
 :mod:`mesharray` never does.
 """
@@ -86,6 +89,7 @@ Importing this module imports ``ucxx`` (~0.5 s the first time); importing
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
 import select
 import struct
@@ -125,17 +129,19 @@ def ucx_defaults(environ=os.environ) -> dict[str, str]:
     """Set the UCX environment defaults this plane is fast with; return what was set.
 
     Only variables the user has not set are written: ``UCX_TLS=tcp`` where the
-    machine has no RDMA device, and 4 MiB TCP segments.
+    machine has no RDMA device, 4 MiB TCP segments, and ucxx's own log at FATAL.
 
     Examples
     --------
     >>> env = {"UCX_TLS": "rc,sm", "UCX_TCP_RX_SEG_SIZE": "1m"}
     >>> sorted(ucx_defaults(env))
-    ['UCX_TCP_TX_SEG_SIZE']
+    ['UCXX_LOG_LEVEL', 'UCX_TCP_TX_SEG_SIZE']
     >>> env["UCX_TLS"], env["UCX_TCP_RX_SEG_SIZE"], env["UCX_TCP_TX_SEG_SIZE"]
     ('rc,sm', '1m', '4m')
     """
-    want = {"UCX_TCP_RX_SEG_SIZE": "4m", "UCX_TCP_TX_SEG_SIZE": "4m"}
+    # ucxx logs every endpoint failure at ERROR on stderr; here a peer that goes away is
+    # a ConnectionError raised to the caller, with UCX's reason in its message
+    want = {"UCX_TCP_RX_SEG_SIZE": "4m", "UCX_TCP_TX_SEG_SIZE": "4m", "UCXX_LOG_LEVEL": "FATAL"}
     if not _has_rdma():
         want["UCX_TLS"] = "tcp"
     done = {}
@@ -171,6 +177,28 @@ def parse_ucx_address(address: str) -> tuple[str, int]:
     if not address.startswith("ucx:") or not host or not port.isdigit():
         raise ValueError(f"bad ucx address {address!r}; expected 'ucx:HOST:PORT'")
     return host.strip("[]"), int(port)
+
+
+def _dial_host(host: str) -> str:
+    """The address to connect to for ``host``: ``127.0.0.1`` for any loopback address.
+
+    UCX's TCP transport looks up the network device that holds the address a connection
+    request arrived on; the loopback device holds 127.0.0.1 only, so a connection to
+    127.0.0.3 (how tests run several "hosts" on one machine) is refused as "not
+    connected". Every 127.x address reaches the same listener, which binds all interfaces.
+
+    Examples
+    --------
+    >>> _dial_host("127.0.0.3"), _dial_host("10.1.2.3"), _dial_host("node7")
+    ('127.0.0.1', '10.1.2.3', 'node7')
+    """
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if ip.is_loopback:
+        return "127.0.0.1" if ip.version == 4 else "::1"
+    return host
 
 
 # --------------------------------------------------------------------------- progress
@@ -534,6 +562,7 @@ class UcxPlane:
         if len(tag) > MAX_TAG:
             raise ValueError(f"tag of {len(tag)} bytes; at most {MAX_TAG}")
         host, port = parse_ucx_address(address)
+        host = _dial_host(host)
         deadline = time.monotonic() + timeout
         while True:
             link = None

@@ -361,3 +361,20 @@ def test_docstring_examples():
 
 def test_same_tag_limit_as_the_interface():
     assert ucx.MAX_TAG == MAX_TAG
+
+
+def test_other_loopback_addresses_reach_the_plane():
+    # how the multihost tests run several "hosts" on one machine: 127.0.0.2, 127.0.0.3, ...
+    rdv = Rendezvous()
+    a = ucx.UcxPlane(SECRET, "127.0.0.3", rdv.put)
+    b = ucx.UcxPlane(SECRET, "127.0.0.2", lambda link, tag: None)
+    try:
+        assert a.address.startswith("ucx:127.0.0.3:")
+        link = b.connect(a.address, b"lo3", timeout=10)
+        link.send(b"abcd")
+        buf = bytearray(4)
+        rdv.take(b"lo3", timeout=5).recv_into(memoryview(buf))
+        assert bytes(buf) == b"abcd"
+    finally:
+        a.close()
+        b.close()
