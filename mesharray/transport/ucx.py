@@ -108,7 +108,7 @@ from ucxx._lib.arr import Array  # noqa: E402
 from ..errors import AuthenticationError
 from . import auth
 
-__all__ = ["UcxPlane", "UcxLink", "ucx_defaults", "parse_ucx_address"]
+__all__ = ["UcxPlane", "UcxLink", "ucx_defaults", "parse_ucx_address", "rdma_available"]
 
 _TAG = struct.Struct("!H")
 #: the longest tag a link may carry: ``dataplane.MAX_TAG`` (not imported: dataplane imports this module)
@@ -142,7 +142,7 @@ def ucx_defaults(environ=os.environ) -> dict[str, str]:
     # ucxx logs every endpoint failure at ERROR on stderr; here a peer that goes away is
     # a ConnectionError raised to the caller, with UCX's reason in its message
     want = {"UCX_TCP_RX_SEG_SIZE": "4m", "UCX_TCP_TX_SEG_SIZE": "4m", "UCXX_LOG_LEVEL": "FATAL"}
-    if not _has_rdma():
+    if not rdma_available():
         want["UCX_TLS"] = "tcp"
     done = {}
     for key, value in want.items():
@@ -152,7 +152,13 @@ def ucx_defaults(environ=os.environ) -> dict[str, str]:
     return done
 
 
-def _has_rdma() -> bool:
+def rdma_available() -> bool:
+    """Whether this machine has an RDMA device (``/sys/class/infiniband`` lists one).
+
+    Without one, UCX runs over TCP, where it measured slower than the built-in TCP
+    plane for collectives (a 64 MiB ring allreduce took 1.2-2.4x as long here), so
+    an automatic choice of plane should pick UCX only where this is true.
+    """
     try:
         return bool(os.listdir("/sys/class/infiniband"))
     except OSError:
@@ -403,6 +409,7 @@ class UcxLink:
         self.peer = peer
         self._error: str | None = None
         self._closed = False
+        self._orphans: list = []  # (request, buffer) pairs given up on but not yet cancelled
         endpoint.set_close_callback(self._on_close)
         engine.links.add(self)
 
@@ -444,8 +451,12 @@ class UcxLink:
             raise ConnectionError(f"data link to {peer} closed while {what}") from exc
         if not finished:
             self._abort()
+            if not req.completed:
+                self._orphans.append((req, view))
             raise TimeoutError(f"data link to {peer}: {what} not finished in time")
         if not req.completed:
+            # UCX has not let go of the buffer yet: keep it alive until close() cancels the request
+            self._orphans.append((req, view))
             raise ConnectionError(f"data link to {peer} broke while {what}: {self._error}")
         try:
             req.check_error()
@@ -489,6 +500,7 @@ class UcxLink:
             self._ep.close_blocking(period=1_000_000_000, max_attempts=1)
         except Exception:  # pragma: no cover - already broken
             pass
+        self._orphans = [(req, view) for req, view in self._orphans if not req.completed]
         if not self._engine.closed:
             self._engine.kick()
 
