@@ -119,6 +119,8 @@ _POLL_S = 0.5
 SPIN_S = float(os.environ.get("MESHARRAY_UCX_SPIN_US", "25")) * 1e-6
 #: the largest request that spins (a large transfer is better served asleep: the cores copy the data)
 SPIN_MAX = 64 << 10
+#: how often a waiter asks UCX whether the endpoint is alive (its close callback usually says first)
+_ALIVE_EVERY_S = 0.25
 #: how long the idle progress thread lets callers come back before it takes the lead
 _IDLE_GRACE_S = 0.005
 #: after a peer failure, how long a waiter lets UCX cancel its request before it raises anyway
@@ -410,6 +412,7 @@ class UcxLink:
         self._error: str | None = None
         self._closed = False
         self._orphans: list = []  # (request, buffer) pairs given up on but not yet cancelled
+        self._alive_checked = 0.0
         endpoint.set_close_callback(self._on_close)
         engine.links.add(self)
 
@@ -420,7 +423,16 @@ class UcxLink:
         self._engine.kick()
 
     def _broken(self) -> bool:
-        return self._error is not None or not self._ep.alive
+        # The close callback sets _error; ``ep.alive`` is the fallback. It is asked rarely:
+        # every call into ucxx releases the GIL, and with a second busy thread in the
+        # process (a ring's sender) each release can cost a GIL hand-over of tens of µs.
+        if self._error is not None:
+            return True
+        now = time.monotonic()
+        if now - self._alive_checked < _ALIVE_EVERY_S:
+            return False
+        self._alive_checked = now
+        return not self._ep.alive
 
     def _run(self, post, view, what: str, deadline: float | None = None) -> None:
         peer = self.peer or "peer"
