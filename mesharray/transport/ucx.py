@@ -38,6 +38,17 @@ loop and one back per operation; here the waiting thread is woken by the
 kernel itself in the common case (one waiter per plane). With several threads
 waiting on one plane, a follower's completion costs one thread switch.
 
+Where it falls short: every call into ucxx (post, ``completed``, progress, arm)
+releases and retakes the GIL. With two Python threads driving links of one
+process at once (a ring collective's sender and receiver), each release is a
+chance for the other thread, or the OS on a busy machine, to hold things up:
+traced on the loaded 2-core VM, posting a 4-byte request took up to ~250 µs
+when both threads posted together, and the ring allreduce over this plane
+took 1.2–3x as long as over the TCP plane (whose socket calls release the GIL
+once per operation). The fix is a compiled hot path (post, progress and the
+epoll wait in one ``nogil`` section, against the C API of the wheels); until
+then, prefer the TCP plane on machines without RDMA (:func:`rdma_available`).
+
 Wire protocol
 -------------
 Links use UCX's *stream* API (``ucp_stream_send/recv`` with ``WAITALL``): a
@@ -158,8 +169,9 @@ def rdma_available() -> bool:
     """Whether this machine has an RDMA device (``/sys/class/infiniband`` lists one).
 
     Without one, UCX runs over TCP, where it measured slower than the built-in TCP
-    plane for collectives (a 64 MiB ring allreduce took 1.2-2.4x as long here), so
-    an automatic choice of plane should pick UCX only where this is true.
+    plane for collectives (the ring allreduce on 2 processes took 1.2-2.4x as long at
+    64 MiB and 1.5-3x at 4 MiB and 8 B, on the loaded 2-core VM), so an automatic
+    choice of plane should pick UCX only where this is true.
     """
     try:
         return bool(os.listdir("/sys/class/infiniband"))
