@@ -72,7 +72,12 @@ whole exchange), run over the endpoint's stream before its tag is read; a
 wrong secret raises :class:`~mesharray.errors.AuthenticationError` on the
 connecting side, and the accepting side closes that endpoint and keeps
 serving. ucxx's listener binds every interface (its Python API takes a port
-only); nothing is read from a peer before it has proved the secret.
+only). Nothing a peer sends is interpreted before it has proved the secret,
+but UCX does receive it: a stream buffers what arrives before it is asked
+for, so an unauthenticated peer can make this process hold what it sends for
+the :data:`.auth.HANDSHAKE_TIMEOUT` seconds of the handshake (the TCP plane
+reads at most 68 bytes from such a peer). Keep the UCX port inside the
+cluster's network.
 
 One-sided RMA
 -------------
@@ -525,6 +530,10 @@ class UcxLink:
         except Exception:  # pragma: no cover - already broken
             pass
         self._orphans = [(req, view) for req, view in self._orphans if not req.completed]
+        try:
+            self._ep.remove_close_callback()  # the callback holds the link: no cycle left for the GC
+        except Exception:  # pragma: no cover
+            pass
         if not self._engine.closed:
             self._engine.kick()
 
@@ -571,13 +580,15 @@ class UcxPlane:
         self._closed = False
 
     def _on_endpoint(self, endpoint) -> None:
-        # inside a progress pass: the handshake blocks, so it gets a thread of its own
-        if self._closed:
-            return
+        # Inside a progress pass: the handshake blocks, so it gets a thread of its own, and so
+        # does a refusal (closing an endpoint progresses the worker, which a callback may not).
         threading.Thread(target=self._serve, args=(endpoint,), name="mesharray-ucx-link", daemon=True).start()
 
     def _serve(self, endpoint) -> None:
         link = UcxLink(self._engine, endpoint)
+        if self._closed:
+            link.close()
+            return
         deadline = time.monotonic() + auth.HANDSHAKE_TIMEOUT
         try:
             ns = os.urandom(auth.NONCE)
@@ -588,7 +599,7 @@ class UcxPlane:
             if n > MAX_TAG:
                 raise ValueError(f"tag of {n} bytes; at most {MAX_TAG}")
             tag = link._recv_before(n, deadline) if n else b""
-        except (ConnectionError, TimeoutError, ValueError):  # AuthenticationError is a ConnectionError
+        except Exception:  # a refused or broken peer (AuthenticationError is a ConnectionError): drop it
             link.close()
             return
         self.on_link(link, tag)
