@@ -378,3 +378,42 @@ def test_other_loopback_addresses_reach_the_plane():
     finally:
         a.close()
         b.close()
+
+
+def test_many_threads_on_many_links_of_one_plane(plane):
+    # 4 links, both ends in this process: 8 threads send and 8 receive at once, all on one
+    # UCX worker; every waiter must be woken when its own request is done (no lost wake-up)
+    client = ucx.UcxPlane(SECRET, "127.0.0.1", lambda link, tag: None)
+    pairs = []
+    try:
+        for i in range(4):
+            tag = b"m%d" % i
+            pairs.append((client.connect(plane.address, tag, timeout=10), plane.rendezvous.take(tag, timeout=5)))
+        n, reps, errors = 1 << 20, 10, []
+
+        def side(link, mine, theirs):
+            try:
+                out, want, got = _pattern(mine, n), _pattern(theirs, n), np.empty(n, np.uint8)
+                for _ in range(reps):
+                    t = threading.Thread(target=link.recv_into, args=(memoryview(got),))
+                    t.start()
+                    link.send(out)
+                    t.join(30)
+                    assert not t.is_alive() and np.array_equal(got, want)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=side, args=(end, 10 * i + k, 10 * i + 1 - k))
+                   for i, pair in enumerate(pairs) for k, end in enumerate(pair)]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads) and not errors, errors
+        assert time.monotonic() - t0 < 30
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
+        client.close()
