@@ -114,15 +114,36 @@ import time
 import weakref
 from typing import Callable
 
+from ..errors import AuthenticationError
+from . import auth
+
 # Read by libucs when ucxx loads it, so it must be set before the import: ucxx itself sets
 # UCX_MEMTYPE_CACHE, which UCX >= 1.19 no longer knows and warns about in every process.
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
-import ucxx._lib.libucxx as _ucx  # noqa: E402
-from ucxx._lib.arr import Array  # noqa: E402
 
-from ..errors import AuthenticationError
-from . import auth
+def _foreign_ucx() -> list[str]:
+    """UCX libraries already mapped into this process from outside the ``libucx`` wheel."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libucs.so" in line}
+    except OSError:  # not Linux
+        return []
+    return sorted(p for p in paths if "/libucx/" not in p)
+
+
+try:
+    import ucxx._lib.libucxx as _ucx
+    from ucxx._lib.arr import Array
+except OSError as _exc:
+    # Seen here: Open MPI's pip wheel bundles an older UCX; once mpi4py has loaded it, the
+    # wheel's libuct.so binds to that libucs.so.0 and misses symbols. Say so, not just the symbol.
+    _other = _foreign_ucx()
+    if not _other:
+        raise
+    raise OSError(f"ucxx cannot load its UCX: another UCX ({', '.join(_other)}) was loaded into this "
+                  f"process first, e.g. by mpi4py with Open MPI's wheel; import mesharray.transport.ucx "
+                  f"(or call dataplane.ucx_status()) before mpi4py ({_exc})") from _exc
 
 __all__ = ["UcxPlane", "UcxLink", "ucx_defaults", "parse_ucx_address", "rdma_available"]
 

@@ -417,3 +417,19 @@ def test_many_threads_on_many_links_of_one_plane(plane):
             a.close()
             b.close()
         client.close()
+
+
+def test_a_ucx_loaded_first_by_mpi_is_reported_not_crashed():
+    # Open MPI's pip wheel bundles an older UCX: after mpi4py, ucxx cannot load its own
+    pytest.importorskip("mpi4py")
+    import subprocess
+    import sys
+
+    code = ("from mpi4py import MPI\n"
+            "from mesharray.transport.dataplane import ucx_status\n"
+            "print(ucx_status())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    if "(True," in out.stdout:
+        pytest.skip("this mpi4py's MPI does not bring its own UCX")
+    assert "another UCX" in out.stdout and "before mpi4py" in out.stdout, out.stdout
