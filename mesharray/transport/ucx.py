@@ -99,7 +99,10 @@ peer failure, which this module reports as ``ConnectionError``); at import,
 ``UCX_WARN_UNUSED_ENV_VARS=n``. Addresses look like ``ucx:HOST:PORT``; a
 loopback host is dialled as ``127.0.0.1`` (:func:`_dial_host`).
 Importing this module imports ``ucxx`` (~0.5 s the first time); importing
-:mod:`mesharray` never does.
+:mod:`mesharray` never does. Import it before ``mpi4py`` where both are used:
+Open MPI's pip wheel bundles an older UCX under the same library names, and
+whichever loads first is the one both get (ucxx first: both work, MPI
+included; MPI first: ucxx cannot load, and the import says why).
 """
 
 from __future__ import annotations
