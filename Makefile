@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH  := torch==2.13.0
 SRC    := $(wildcard mesharray/*.pyx mesharray/*.pxi mesharray/*.pxd) setup.py pyproject.toml
 
-.PHONY: demo test test-core test-mpi test-ucx lint bench install clean
+.PHONY: demo test test-core test-mpi lint bench install clean
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,7 @@ $(VENV)/.installed-ucx: $(VENV)/.installed-test
 	$(PIP) install -e ".[ucx]"
 	touch $@
 
+.PHONY: test-ucx
 test-ucx: $(VENV)/.installed-ucx
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests/transport/test_ucx.py -q -p no:cacheprovider
 
