@@ -61,8 +61,9 @@ test-mpi: $(VENV)/.installed-test
 	    $(PY) -m pytest tests/mpi -q -p no:cacheprovider --timeout=60 --color=no || exit 1; \
 	done
 
-# The UCX data plane: the `ucx` extra (ucxx-cu12 and its libucx/libucxx wheels, ~250 MB
-# installed; 25 s from nothing on the 2-core VM) and the tests that need it (marker `ucx`).
+# The UCX data plane: the `ucx` extra (ucxx-cu12 and its libucx/libucxx/cuda-bindings wheels,
+# ~220 MB installed, ~4 s to download and install on the 2-core VM; the -e reinstall also
+# rebuilds the extension, 25-90 s) and the tests that need it (marker `ucx`, ~10 s).
 $(VENV)/.installed-ucx: $(VENV)/.installed-test
 	$(PIP) install -e ".[ucx]"
 	touch $@
