@@ -222,20 +222,20 @@ def info() -> dict[str, Any]:
     engines["torch"] = f"torch {torch_version}" if torch_version else None
     engines["xla"] = f"torch_xla {_version('torch_xla')}" if _has("torch_xla") else None
 
+    # UCX before MPI: Open MPI's wheel carries an older UCX that, once loaded, keeps ucxx from loading
+    from mesharray.transport.dataplane import plane_kind, ucx_status
+
+    ucx_ok, ucx_why = ucx_status() if _has("ucxx") else (False, "ucxx is not installed; pip install 'mesharray[ucx]'")
     transports: dict[str, str | None] = {"tcp": "tcp (loopback unless told otherwise)"}
     transports["unix"] = "unix sockets" if hasattr(__import__("socket"), "AF_UNIX") else None
     transports["shm"] = "shared memory" if os.name == "posix" else None
-    transports["ucx"] = f"ucxx {_version('ucxx-cu12') or _version('ucxx') or ''}".strip() \
-        if _has("ucxx") else None
+    transports["ucx"] = f"ucxx {_version('ucxx-cu12') or _version('ucxx') or ''}".strip() if ucx_ok else None
     if _has("mpi4py"):
         library = _mpi_library()
         transports["mpi"] = f"mpi4py {_version('mpi4py')}" + (f" ({library})" if library else "")
     else:
         transports["mpi"] = None
 
-    from mesharray.transport.dataplane import plane_kind, ucx_status
-
-    ucx_ok, ucx_why = ucx_status() if _has("ucxx") else (False, "ucxx is not installed; pip install 'mesharray[ucx]'")
     setting = os.environ.get("MESHARRAY_DATA_PLANE") or "auto"
     try:
         between = plane_kind(setting)

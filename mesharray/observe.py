@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import html
 import json
+import logging
 import os
 import pickle
 import sqlite3
@@ -60,6 +61,8 @@ from .telemetry import compress_labels  # noqa: F401  (re-exported)
 from .transport.connection import connect
 
 __all__ = ["Telemetry", "QueryResult", "RETENTION"]
+
+log = logging.getLogger("mesharray.telemetry")
 
 RETENTION = float(os.environ.get("MESHARRAY_TELEMETRY_RETENTION", "600"))
 _MAX_KEEP = 500_000  # rows per table kept at the controller
@@ -111,6 +114,7 @@ class Telemetry:
         self.aggregates: dict[int, dict] = {}
         self._server: _Server | None = None
         self._closed = False
+        self._exported_until = 0.0  # unix time of the newest span or log line sent to OTLP
 
     # -- collection -----------------------------------------------------------------
     def _link(self, rank: int) -> _Link:
@@ -277,10 +281,14 @@ class Telemetry:
         return QueryResult(rows, missing)
 
     # -- stacks ------------------------------------------------------------------
-    def stacks(self, timeout: float = 5.0) -> dict[int, str]:
-        """Each live rank's Python thread stacks (a rank that does not answer within ``timeout`` says why)."""
+    def stacks(self, timeout: float = 5.0, native: bool = False) -> dict[int, str]:
+        """Each live rank's Python thread stacks (a rank that does not answer within ``timeout`` says why).
+
+        ``native=True``: where ``py-spy`` is installed on a rank's host, its
+        ``py-spy dump --native`` of the rank (C frames too) is added.
+        """
         with self._lock:
-            answers, missing = self._ask_all(lambda r: {"what": "stacks"}, timeout)
+            answers, missing = self._ask_all(lambda r: {"what": "stacks", "native": native}, timeout)
         out = {rank: a["stacks"] for rank, a in answers.items()}
         for m in missing:
             out[m["rank"]] = f"<no stacks: {m['why']}>"
@@ -359,24 +367,49 @@ class Telemetry:
         return len(events)
 
     # -- OpenTelemetry -----------------------------------------------------------------
+    def start_otlp_export(self, endpoint: str | None = None, interval: float | None = None) -> None:
+        """Export to an OTLP collector every ``interval`` s (``MESHARRAY_OTLP_INTERVAL``, 10) until the mesh stops.
+
+        Started by itself for every mesh when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set.
+        Each round sends what was recorded since the last one.
+        """
+        every = float(os.environ.get("MESHARRAY_OTLP_INTERVAL", "10")) if interval is None else interval
+
+        def loop() -> None:
+            while not self._closed:
+                time.sleep(every)
+                if self._closed:
+                    return
+                try:
+                    self.export_otlp(endpoint)
+                except Exception as exc:  # a collector that is down costs that round only
+                    log.warning("OTLP export to %s failed: %s", endpoint or os.environ.get(
+                        "OTEL_EXPORTER_OTLP_ENDPOINT"), exc)
+
+        threading.Thread(target=loop, name="mesharray-otlp", daemon=True).start()
+
     def export_otlp(self, endpoint: str | None = None, timeout: float = 5.0) -> dict[str, int]:
         """POST spans, metrics and logs as OTLP/JSON to ``endpoint`` (default ``OTEL_EXPORTER_OTLP_ENDPOINT``).
 
         Uses OTLP's HTTP/JSON encoding (``/v1/traces``, ``/v1/metrics``, ``/v1/logs``),
-        which every OpenTelemetry collector accepts; no SDK needed. Returns
-        how many records of each kind were sent.
+        which every OpenTelemetry collector accepts; no SDK needed. Sends what
+        was recorded since the last export; returns how many records of each
+        kind were sent (metrics are cumulative counters, sent whole).
         """
         endpoint = (endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "").rstrip("/")
         if not endpoint:
             raise ValueError("no OTLP endpoint: pass one or set OTEL_EXPORTER_OTLP_ENDPOINT")
         self.collect(agg=True)
         db = self.database()
+        since = self._exported_until
         try:
             spans = db.execute("SELECT span_id, parent_id, trace_id, name, rank, host, start, duration_us, status "
-                               "FROM spans").fetchall()
-            logs = db.execute("SELECT time, rank, label, stream, level, text FROM logs").fetchall()
+                               "FROM spans WHERE start > ?", (since,)).fetchall()
+            logs = db.execute("SELECT time, rank, label, stream, level, text FROM logs WHERE time > ?",
+                              (since,)).fetchall()
         finally:
             db.close()
+        self._exported_until = max([since] + [r[6] for r in spans] + [r[0] for r in logs])
         resource = {"attributes": [_kv("service.name", "mesharray"), _kv("mesharray.mesh", self.name)]}
         otlp_spans = []
         for sid, parent, tid, name, rank, host, start, dur, status in spans:

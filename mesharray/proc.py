@@ -297,6 +297,8 @@ class ProcMesh(MeshTrait):
         """
         root = _Root(controller, shape, bootstrap, owner)
         root.mesh = cls(root, shape)
+        if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+            root.mesh.telemetry.start_otlp_export()  # spans, metrics and logs to the collector, every 10 s
         return root.mesh
 
     @classmethod
@@ -538,13 +540,14 @@ class ProcMesh(MeshTrait):
                 root.on_stop.append(root.telemetry.close)
             return root.telemetry
 
-    def stacks(self, timeout: float = 5.0) -> dict[int, str]:
+    def stacks(self, timeout: float = 5.0, native: bool = False) -> dict[int, str]:
         """The Python thread stacks of every rank of this view (what a hung call is doing).
 
         Asked on a connection of its own, so a rank busy in a long call answers
         too. ``{rank: text}``; a rank that cannot answer gets the reason.
+        ``native=True`` adds ``py-spy dump --native`` where py-spy is installed.
         """
-        every = self.telemetry.stacks(timeout)
+        every = self.telemetry.stacks(timeout, native)
         return {r: every.get(r, "<not in the mesh>") for r in self._shape}
 
     def stats(self) -> dict:

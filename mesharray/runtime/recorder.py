@@ -166,13 +166,31 @@ def process_sample() -> tuple[int, float, int, int, int]:
     return (time.time_ns(), t.user + t.system, rss, threading.active_count(), fds)
 
 
-def thread_stacks() -> str:
-    """Every Python thread's stack, innermost call last (what ``procs.stacks()`` shows)."""
+def thread_stacks(native: bool = False) -> str:
+    """Every Python thread's stack, innermost call last (what ``procs.stacks()`` shows).
+
+    ``native``: also ``py-spy dump --native`` of this process, where ``py-spy`` is installed.
+    """
     names = {t.ident: t.name for t in threading.enumerate()}
     out = []
     for ident, frame in sys._current_frames().items():
         out.append(f"Thread {names.get(ident, '?')} ({ident}):\n" + "".join(traceback.format_stack(frame)))
-    return "\n".join(out)
+    text = "\n".join(out)
+    if native:
+        import shutil
+        import subprocess
+
+        spy = shutil.which("py-spy")
+        if spy is None:
+            text += "\n(native frames: py-spy is not installed on this host)"
+        else:
+            try:
+                r = subprocess.run([spy, "dump", "--native", "--pid", str(os.getpid())], capture_output=True,
+                                   text=True, timeout=20)
+                text += "\n--- py-spy dump --native ---\n" + (r.stdout or r.stderr)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                text += f"\n(py-spy failed: {exc})"
+    return text
 
 
 REC = Recorder()

@@ -475,7 +475,7 @@ class Worker:
                 ans: Any = REC.snapshot(req.get("since"))
                 ans.update(rank=self.rank, host=self.host_id, aggregates=REC.aggregates() if req.get("agg") else None)
             elif what == "stacks":
-                ans = {"rank": self.rank, "pid": self.pid, "stacks": thread_stacks()}
+                ans = {"rank": self.rank, "pid": self.pid, "stacks": thread_stacks(bool(req.get("native")))}
             else:
                 raise ValueError(f"unknown telemetry request {what!r}")
             conn.send(P.REPLY, 0, msg_id, P.OK, 0, framing.encode(framing.dumps(ans)))

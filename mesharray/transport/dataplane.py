@@ -27,7 +27,8 @@ accepting side's code waits on (``take(tag)``), which is how the members of a
 collective group find each other's links.
 
 ``MESHARRAY_DATA_PLANE`` (or ``transport=``) selects ``auto`` (shared memory
-on a host, UCX between hosts when ``ucxx`` imports, else TCP), ``shm``,
+on a host; between hosts UCX where there is RDMA hardware and ``ucxx`` imports,
+else TCP), ``shm``,
 ``tcp`` or ``ucx``; :func:`plane_kind` resolves it.
 """
 
@@ -302,7 +303,8 @@ def ucx_status() -> tuple[bool, str]:
 def plane_kind(requested: str | None = None) -> str:
     """The data plane to use between hosts: ``"tcp"`` or ``"ucx"``, from ``requested`` or the environment.
 
-    ``auto`` (the default) picks UCX when ``ucxx`` imports, else TCP; ``ucx``
+    ``auto`` (the default) picks UCX when this machine has an RDMA device and
+    ``ucxx`` imports, else TCP (over plain TCP, UCX measured slower); ``ucx``
     without ``ucxx`` raises :class:`BootstrapError` naming the extra; ``shm``
     is only a choice for one host, and means TCP between hosts.
 
@@ -322,10 +324,24 @@ def plane_kind(requested: str | None = None) -> str:
         raise ValueError(f"data plane must be one of {KINDS}, got {kind!r}")
     if kind in ("tcp", "shm"):
         return "tcp"
+    if kind == "auto":
+        # UCX only where it has RDMA to offer: over plain TCP it measured slower than the
+        # built-in plane for collectives (bench/README.md, "Data plane")
+        if not _rdma_present():
+            return "tcp"
+        return "ucx" if ucx_status()[0] else "tcp"
     ok, why = ucx_status()
-    if kind == "ucx" and not ok:
+    if not ok:
         raise BootstrapError(f"data plane 'ucx' requested but {why}")
-    return "ucx" if ok else "tcp"
+    return "ucx"
+
+
+def _rdma_present() -> bool:
+    """Whether the kernel lists an RDMA device (checked without importing ucxx)."""
+    try:
+        return bool(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return False
 
 
 def split_host(address: str) -> str:

@@ -235,3 +235,29 @@ def test_the_readme_many_machines_block_runs(two_agents, cluster):
     env = dict(os.environ, MESHARRAY_SECRET=SECRET)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_collectives_across_hosts_over_ucx(two_agents, cluster):
+    """The same reductions with the UCX data plane between the host leaders (the `ucx` extra)."""
+    from mesharray.transport.dataplane import ucx_status
+
+    ok, why = ucx_status()
+    if not ok:
+        pytest.skip(f"UCX data plane unavailable: {why}")
+    hosts, procs = cluster
+    procs.stop()
+    hosts.detach()  # (the module's cluster is done with; the agents serve one controller at a time)
+    hosts = ma.attach([a.url for a in two_agents], secret=SECRET, transport="ucx")
+    procs = hosts.spawn_procs(per_host={"procs": 2})
+    try:
+        assert {k for _, k in procs.host_info} and all(
+            w.hello.get("data_kind") == "ucx" for w in procs._root.controller.workers.values())
+        x = procs.arange(5000, dtype="float64") * (procs.rank_array() + 1)
+        ref = np.asarray(x.fetch())
+        np.testing.assert_allclose(np.asarray(x.sum(axis="hosts").fetch()), ref.sum(axis=0))
+        np.testing.assert_allclose(np.asarray(x.sum().fetch()), ref.sum())
+        b = ma.broadcast_from(x, "hosts", root=1)
+        np.testing.assert_array_equal(np.asarray(b.fetch())[0], ref[1])
+    finally:
+        procs.stop()
+        hosts.detach()

@@ -170,6 +170,41 @@ def test_otlp_export_reaches_a_collector(mesh):
         srv.server_close()
 
 
+def test_otlp_export_starts_by_itself_when_the_endpoint_is_set(monkeypatch):
+    got: list = []
+
+    class Collector(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            got.append((self.path, body))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{srv.server_address[1]}")
+    monkeypatch.setenv("MESHARRAY_OTLP_INTERVAL", "0.3")
+    procs = ma.proc_mesh(procs=2)
+    try:
+        procs.spawn("auto", Busy).step.call(1).get()
+
+        def names():
+            return [s["name"] for p, b in list(got) if p == "/v1/traces"
+                    for s in b["resourceSpans"][0]["scopeSpans"][0]["spans"]]
+
+        assert _until(lambda: names().count("auto.step") == 2, timeout=10)
+        time.sleep(0.8)  # later rounds send only what is new: no span twice
+        assert names().count("auto.step") == 2
+    finally:
+        procs.stop()
+        srv.shutdown()
+        srv.server_close()
+
+
 def test_bad_sql_is_a_clear_error_and_the_mesh_lives(mesh):
     procs, busy = mesh
     with pytest.raises(ValueError, match="no such table: nope"):
@@ -222,6 +257,8 @@ def test_aggregation_can_be_switched_off(capsys, monkeypatch):
     procs = ma.proc_mesh(procs=4)
     try:
         procs.spawn("b", Busy).say.call("each of us").get()
+        # (a line travels from the worker's pipe on its own: wait until all four arrived)
+        assert _until(lambda: len(procs.telemetry.sql("SELECT rank FROM logs WHERE text = 'each of us'")) == 4)
     finally:
         procs.stop()
     out = capsys.readouterr().out
