@@ -283,6 +283,8 @@ class Channel:
     @staticmethod
     def wait_all(chans, done, deadline: float | None) -> bool:
         """:meth:`wait` over several channels (the replies of one ``call()``), one ``poll`` for all."""
+        if len(chans) == 1:  # one actor: a blocking read, as call_one's (no poll object, no poll syscall)
+            return chans[0].wait(done, deadline)
         ended = Connection.read_all([ch.conn for ch in chans], done, deadline)
         if ended is None:
             return False
