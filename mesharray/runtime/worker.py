@@ -333,7 +333,7 @@ class Worker:
         try:
             status, out = self._run_sync(slot, conn, msg_id, reply, method, payload, n, vshape)
         finally:
-            del _current[tid]
+            _current.pop(tid, None)
         _rows.append((t0 + REC.wall_offset, perf_counter_ns() - t0, slot.name, method, caller, msg_id, len(payload),
                       out, status))
         if len(_rows) > _MAX_ROWS:

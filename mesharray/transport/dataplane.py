@@ -56,6 +56,9 @@ KINDS = ("auto", "shm", "tcp", "ucx")
 _TAG = struct.Struct("!H")
 #: size of one send/recv call on a TCP link: large enough to keep the kernel busy
 CHUNK = 4 << 20
+#: seconds a link may go without progress before a send or receive fails (env
+#: ``MESHARRAY_COLLECTIVE_TIMEOUT``, the bound the shared-memory collectives use too)
+LINK_TIMEOUT = float(os.environ.get("MESHARRAY_COLLECTIVE_TIMEOUT", "60"))
 
 
 class Link(Protocol):
@@ -83,7 +86,9 @@ class TcpLink:
     __slots__ = ("sock", "peer")
 
     def __init__(self, sock: socket.socket, peer: str = "") -> None:
-        sock.settimeout(None)
+        # a peer that goes silent without closing (its host vanished) fails the transfer after
+        # this long without a byte, instead of hanging it (the collectives' bound, 60 s)
+        sock.settimeout(LINK_TIMEOUT)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):

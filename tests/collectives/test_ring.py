@@ -110,3 +110,18 @@ def test_a_broken_link_is_actor_died_not_a_hang():
             m.close()
         for p in planes:
             p.close()
+
+
+def test_a_silent_neighbour_times_out_instead_of_hanging(monkeypatch):
+    from mesharray.transport import dataplane
+
+    monkeypatch.setattr(dataplane, "LINK_TIMEOUT", 0.5)  # (MESHARRAY_COLLECTIVE_TIMEOUT, 60 s by default)
+    members, planes = _rings(2)
+    try:
+        with pytest.raises(ma.ActorDiedError, match="timed out"):
+            members[0].allreduce(np.ones(1 << 10))  # member 1 is alive but never takes part
+    finally:
+        for m in members:
+            m.close()
+        for p in planes:
+            p.close()
