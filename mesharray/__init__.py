@@ -61,6 +61,7 @@ if TYPE_CHECKING:  # what __getattr__ below returns, for type checkers and edito
     from .proc import attach as attach
     from .proc import proc_mesh as proc_mesh
     from .proc import this_host as this_host
+    from . import k8s as k8s
 
 __version__ = "0.1.0"
 
@@ -90,6 +91,9 @@ _LAZY = {
     "reduce_scatter": "mesharray.darray",
 }
 
+# submodules reached as attributes (``ma.k8s.attach(...)``), imported on first use
+_SUBMODULES = {"k8s": "mesharray.k8s"}
+
 # Modules whose objects can make distributed arrays (a ProcMesh's zeros, ones, ...):
 # the first use of one also loads mesharray.darray, which installs itself into proc
 # (it sits above proc, so proc never imports it).
@@ -118,10 +122,16 @@ __all__ = [
     "SupervisionError",
     "TransportError",
     *_LAZY,
+    *_SUBMODULES,
 ]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        value = importlib.import_module(_SUBMODULES[name])
+        importlib.import_module("mesharray.darray")
+        globals()[name] = value
+        return value
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'mesharray' has no attribute {name!r}")
