@@ -39,6 +39,7 @@ from .errors import (
 
 if TYPE_CHECKING:  # what __getattr__ below returns, for type checkers and editors (keep in sync with _LAZY)
     # ("X as X": an explicit re-export)
+    from . import k8s as k8s
     from ._core import Shape as Shape
     from ._core import broadcast_shapes as broadcast_shapes
     from ._core import reduction_plan as reduction_plan
@@ -61,7 +62,6 @@ if TYPE_CHECKING:  # what __getattr__ below returns, for type checkers and edito
     from .proc import attach as attach
     from .proc import proc_mesh as proc_mesh
     from .proc import this_host as this_host
-    from . import k8s as k8s
 
 __version__ = "0.1.0"
 

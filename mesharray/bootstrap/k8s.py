@@ -380,7 +380,10 @@ def create_objects(api: Any, objs: Sequence[Mapping[str, Any]]) -> list[tuple[st
 
     # answers are not read into the client's models (_preload_content=False): nothing here needs them,
     # and a model stricter than a server's answer would fail a request that succeeded
-    core, batch, custom = client.CoreV1Api(api), client.BatchV1Api(api), client.CustomObjectsApi(api)
+    # Any: plain dicts go in (the client accepts them), raw answers come out
+    core: Any = client.CoreV1Api(api)
+    batch: Any = client.BatchV1Api(api)
+    custom: Any = client.CustomObjectsApi(api)
     made: list[tuple[str, str, str]] = []
     for obj in objs:
         kind, ns, name = obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"]
@@ -407,7 +410,10 @@ def delete_objects(api: Any, made: Sequence[tuple[str, str, str]]) -> None:
     """Delete what :func:`create_objects` made, the Job (or JobSet) first; its pods go with it (background GC)."""
     from kubernetes import client
 
-    core, batch, custom = client.CoreV1Api(api), client.BatchV1Api(api), client.CustomObjectsApi(api)
+    # Any: plain dicts go in (the client accepts them), raw answers come out
+    core: Any = client.CoreV1Api(api)
+    batch: Any = client.BatchV1Api(api)
+    custom: Any = client.CustomObjectsApi(api)
     body = {"propagationPolicy": "Background"}
     for kind, ns, name in reversed(list(made)):
         try:
@@ -430,7 +436,8 @@ def read_secret(api: Any, namespace: str, name: str, key: str = SECRET_KEY) -> b
     from kubernetes import client
 
     try:
-        raw = client.CoreV1Api(api).read_namespaced_secret(name, namespace, _preload_content=False)
+        core: Any = client.CoreV1Api(api)
+        raw = core.read_namespaced_secret(name, namespace, _preload_content=False)
     except client.ApiException as exc:
         raise BootstrapError(f"could not read the agents' secret from Secret {namespace}/{name}: "
                              f"{_api_error(exc)} (or set MESHARRAY_SECRET)") from exc
@@ -699,7 +706,7 @@ class PodWatcher:
             try:
                 items, rv = _list_pods(core, self.namespace, selector, 10.0)
                 present = {p["metadata"]["uid"] for p in items}
-                for uid, h in list(self.uids.items()):
+                for uid in list(self.uids):
                     if uid not in present:
                         self._check("DELETED", {"metadata": {"uid": uid}})
                 for p in items:

@@ -33,6 +33,7 @@ import copy
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -94,7 +95,8 @@ def parse_selector(text: str) -> list[Callable[[dict], bool]]:
             k, v = (s.strip() for s in re.split("==?", t, maxsplit=1))
             preds.append(lambda lb, k=k, v=v: lb.get(k) == v)
         elif t.startswith("!"):
-            preds.append(lambda lb, k=t[1:].strip(): k not in lb)
+            key = t[1:].strip()
+            preds.append(lambda lb, k=key: k not in lb)
         else:
             preds.append(lambda lb, k=t: k in lb)
     return preds
@@ -148,7 +150,7 @@ class FakeCluster:
         class Handler(_Handler):
             fake = cluster
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = _Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, name="fake-apiserver", daemon=True)
@@ -287,7 +289,7 @@ class FakeCluster:
         try:
             while True:
                 self._dirty = False
-                for (plural, ns, name), obj in list(self.objects.items()):
+                for (plural, ns, _), obj in list(self.objects.items()):
                     if plural == "jobsets":
                         self._reconcile_jobset(ns, obj)
                 for (plural, ns, name), obj in list(self.objects.items()):
@@ -393,9 +395,17 @@ class FakeCluster:
         self._thread.join(5)
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], (ConnectionError, OSError)):  # a client that hangs up is no error
+            super().handle_error(request, client_address)
+
+
 class _Handler(BaseHTTPRequestHandler):
     fake: FakeCluster
-    protocol_version = "HTTP/1.0"
+    # HTTP/1.1: watches are chunked, one event a chunk, as the real server sends them (a client reads a
+    # chunk as soon as it comes; an unchunked stream would be read in 64 KiB blocks)
+    protocol_version = "HTTP/1.1"
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet
         pass
@@ -456,6 +466,7 @@ class _Handler(BaseHTTPRequestHandler):
         deadline = time.monotonic() + min(float(q.get("timeoutSeconds") or 60), 300)
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         start = q.get("resourceVersion") or ""
         with fake.cond:
@@ -469,7 +480,8 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             while True:
                 for kind, obj in pending:
-                    self.wfile.write(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
+                    line = json.dumps({"type": kind, "object": obj}).encode() + b"\n"
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
                 self.wfile.flush()
                 with fake.cond:
                     while True:
@@ -483,6 +495,8 @@ class _Handler(BaseHTTPRequestHandler):
                         fake.cond.wait(max(0.0, min(0.5, deadline - time.monotonic())))
                     pending = [(k, o) for _, k, o in new]
                     if not pending and (fake.closing or time.monotonic() >= deadline):
+                        self.wfile.write(b"0\r\n\r\n")
+                        self.close_connection = True
                         return
         except (BrokenPipeError, ConnectionResetError):
             return
@@ -543,7 +557,10 @@ class Kubelet:
                 with open(p.log_path, errors="replace") as f:
                     return f.read()
         path = os.path.join(self.log_dir, pod_name + ".log")
-        return open(path, errors="replace").read() if os.path.exists(path) else ""
+        if not os.path.exists(path):
+            return ""
+        with open(path, errors="replace") as f:
+            return f.read()
 
     def _loop(self) -> None:
         c = self.cluster
@@ -694,3 +711,4 @@ class Kubelet:
             self._kill_tree(p, 0.0)
         self.procs.clear()
         self._thread.join(5)
+        shutil.rmtree(self.log_dir, ignore_errors=True)
