@@ -650,8 +650,10 @@ def wait_for_hosts(api: Any, name: str, namespace: str = "default", hosts: int |
         except client.ApiException as exc:
             if exc.status != 410:  # 410 Gone: the resource version expired; list again
                 raise BootstrapError(f"could not watch the pods of mesh {name!r}: {_api_error(exc)}") from exc
-        except Exception as exc:  # a dropped watch connection: list again
+            time.sleep(max(0.0, min(0.2, deadline - time.monotonic())))
+        except Exception as exc:  # a dropped watch connection (or an expired one, as some clients report it)
             log.debug("watch of mesh %s ended: %s", name, exc)
+            time.sleep(max(0.0, min(0.2, deadline - time.monotonic())))
         finally:
             w.stop()
         if time.monotonic() >= deadline:

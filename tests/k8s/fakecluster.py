@@ -143,6 +143,8 @@ class FakeCluster:
         self.cond = threading.Condition()
         self.closing = False
         self._reconciling = self._dirty = False
+        #: watches from a resource version at or below this one get "410 Gone" (as after the server's compaction)
+        self.compacted = 0
         self.requests: list[tuple[str, str]] = []
         self.kubelet = Kubelet(self, first_ip=first_ip, grace_cap=grace_cap)
         cluster = self
@@ -475,6 +477,11 @@ class _Handler(BaseHTTPRequestHandler):
                 pending = [("ADDED", o) for (p, n, _), o in fake.objects.items()
                            if p == plural and n == ns and matches(o, preds)]
                 last = fake.rv
+            elif int(start) <= fake.compacted:
+                pending, last = [("ERROR", {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                                            "reason": "Expired", "code": 410,
+                                            "message": f"too old resource version: {start}"})], fake.rv
+                deadline = 0.0  # the stream ends after the error, as the real server's does
             else:
                 pending, last = [], int(start)
         try:

@@ -111,6 +111,34 @@ def test_watching_finds_pods_created_in_any_order(cluster, kubeconfig):
         assert wait_until(lambda: not cluster.pods(selector=f"{K.MESH_LABEL}=order"), 10)
 
 
+def test_an_expired_watch_lists_again(cluster, kubeconfig):
+    """410 Gone (the server compacted the version the watch asked for): list again, then watch from there."""
+    import threading
+
+    api = K.load_api()
+    cluster.compacted = 10**9  # every watch from a version expires
+    try:
+        cluster.create("pods", "default", _pod_manifest("gone", 0, 2))
+
+        def later():
+            wait_until(lambda: any("watch=true" in p and "gone" in p for _, p in cluster.requests), 20)
+            cluster.compacted = 0
+            cluster.create("pods", "default", _pod_manifest("gone", 1, 2))
+
+        t = threading.Thread(target=later)
+        t.start()
+        found = K.wait_for_hosts(api, "gone", "default", 2, timeout=30)
+        t.join()
+        assert [h.name for h in found] == ["gone-0", "gone-1"]
+        lists = [p for m, p in cluster.requests if "gone" in p and "watch" not in p]
+        assert len(lists) >= 2  # listed again after the expired watch
+    finally:
+        cluster.compacted = 0
+        for p in cluster.pods(selector=f"{K.MESH_LABEL}=gone"):
+            cluster.delete("pods", "default", p["metadata"]["name"])
+        assert wait_until(lambda: not cluster.pods(selector=f"{K.MESH_LABEL}=gone"), 10)
+
+
 def test_a_restarted_pod_is_found_through_the_api(cluster, kubeconfig):
     api = K.load_api()
     try:
