@@ -172,3 +172,12 @@ def test_cli_rejects_bad_arguments():
     assert out.returncode == 2 and "--name" in out.stderr
     out = _cli()
     assert out.returncode == 2
+
+
+@pytest.mark.parametrize("module", ["mesharray.bootstrap.k8s", "mesharray.k8s"])
+def test_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0
