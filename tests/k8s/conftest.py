@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-import time
-
 import pytest
 
 pytest.importorskip("kubernetes", reason="the k8s tests need the official client: pip install 'mesharray[k8s]'")
@@ -27,19 +24,3 @@ def kubeconfig(cluster, monkeypatch):
     monkeypatch.delenv("MESHARRAY_SECRET", raising=False)
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     return cluster.kubeconfig
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 (the pods' loopback IPs share the port space of nothing else here)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(cond, timeout: float = 10.0, step: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(step)
-    return cond()

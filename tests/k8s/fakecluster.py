@@ -671,11 +671,26 @@ class Kubelet:
         self.procs.pop(pp.uid, None)
 
     def _tree(self, pp: _PodProc) -> list[psutil.Process]:
+        """Every process of the pod (its container's cgroup, here): the session the kubelet started it in
+        (a process whose parent died is still in it), and the descendants of its main process."""
+        found: dict[int, psutil.Process] = {}
         try:
             root = psutil.Process(pp.proc.pid)
-            return [root, *root.children(recursive=True)]
+            for p in [root, *root.children(recursive=True)]:
+                found[p.pid] = p
         except psutil.Error:
-            return []
+            pass
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) in found:
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[3]) == pp.proc.pid:  # the session id
+                    found[int(entry)] = psutil.Process(int(entry))
+            except (OSError, ValueError, IndexError, psutil.Error):
+                continue
+        return list(found.values())
 
     def _kill_tree(self, pp: _PodProc, grace: float) -> None:
         """SIGTERM to every process of the pod, SIGKILL after ``grace`` seconds (a container's stop)."""

@@ -6,7 +6,7 @@ import sys
 import time
 
 import pytest
-from conftest import wait_until
+from k8s_util import wait_until
 
 from mesharray.bootstrap import k8s as K
 from mesharray.errors import BootstrapError

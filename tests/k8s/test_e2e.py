@@ -6,8 +6,8 @@ import time
 
 import numpy as np
 import pytest
-from actors import Where
-from conftest import free_port, wait_until
+from k8s_actors import Where
+from k8s_util import free_port, wait_until
 
 import mesharray as ma
 
