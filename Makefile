@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH  := torch==2.13.0
 SRC    := $(wildcard mesharray/*.pyx mesharray/*.pxi mesharray/*.pxd) setup.py pyproject.toml
 
-.PHONY: demo test test-core test-mpi lint bench install clean
+.PHONY: demo test test-core test-mpi lint bench install clean tools
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -28,13 +28,25 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -e ".[test,torch,mpi]"
 	touch $@
 
+# The programs tests/telemetry drives: a headless browser for the web view, tmux for `top`.
+# Installed from Debian's packages when missing and this runs as root with apt (CI); the
+# tests that need them skip, naming what is missing, anywhere they cannot be installed.
+tools:
+	@missing=""; command -v chromium >/dev/null || missing="$$missing chromium"; \
+	command -v tmux >/dev/null || missing="$$missing tmux"; \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing$$missing (Debian packages) for tests/telemetry"; \
+	  (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+	     --no-install-recommends $$missing >/dev/null) || echo "could not install$$missing: those tests skip"; \
+	fi
+
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(PY) examples/quickstart.py
 	$(PY) examples/linreg.py
 
-test: $(VENV)/.installed-test
+test: $(VENV)/.installed-test tools
 	$(MAKE) lint
 	$(PY) -m pytest tests --ignore=tests/mpi -q -p no:cacheprovider
 	$(MAKE) test-mpi
@@ -60,6 +72,17 @@ test-mpi: $(VENV)/.installed-test
 	  PATH="$(CURDIR)/$(VENV)/bin:$$PATH" timeout -k 10 300 $(MPIRUN) $(MPIRUN_FLAGS) -n $$n \
 	    $(PY) -m pytest tests/mpi -q -p no:cacheprovider --timeout=60 --color=no || exit 1; \
 	done
+
+# The UCX data plane: the `ucx` extra (ucxx-cu12 and its libucx/libucxx/cuda-bindings wheels,
+# ~220 MB installed, ~4 s to download and install on the 2-core VM; the -e reinstall also
+# rebuilds the extension, 25-90 s) and the tests that need it (marker `ucx`, ~10 s).
+$(VENV)/.installed-ucx: $(VENV)/.installed-test
+	$(PIP) install -e ".[ucx]"
+	touch $@
+
+.PHONY: test-ucx
+test-ucx: $(VENV)/.installed-ucx
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests/transport/test_ucx.py -q -p no:cacheprovider
 
 # The soak test for 60 s (make test runs it for 6): traffic of every kind while workers
 # are killed; the controller's RSS, fds and threads must stay flat.

@@ -41,6 +41,7 @@ usage: python -m mesharray script.py [args...]
        python -m mesharray host --listen tcp://0.0.0.0:26600 [--advertise URL] [--host-id NAME]
        python -m mesharray k8s manifest --name NAME --hosts N --image IMAGE [--procs-per-host 8]
                                   [--namespace NS] [--jobset] [--resources gpu=8] [--secret-name S]
+       python -m mesharray top URL                # live per-rank table of procs.telemetry.serve()'s URL
        python -m mesharray --version
 
 Runs a script so that an unhandled exception on any MPI rank aborts the
@@ -329,6 +330,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(f"mesharray {mesharray.__version__}")
         return 0
+    if first == "top":
+        from .observe import top_main
+
+        return top_main(args[1:])
     if first == "host":
         from .bootstrap.agent import main as host_main
 

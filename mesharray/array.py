@@ -449,6 +449,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
     def __float__(self) -> float:
         """``float(a)`` of a one-element array (NumPy's rule; gathers a distributed one).
 
+        >>> import mesharray as ma
         >>> float(ma.MeshArray([2.5], ["procs"]).sum())
         2.5
         """

@@ -39,6 +39,7 @@ from .bootstrap import resolve_bootstrap
 from .bootstrap.launch import Launch
 from .errors import BootstrapError, MeshFailure, MeshStoppedError
 from .mesh import MeshTrait
+from .observe import Telemetry
 from .runtime import protocol as P
 from .runtime.controller import Controller
 from .runtime.future import Future, new_future
@@ -167,6 +168,7 @@ class _Root:
         self.stopped = False
         self.stopping = False
         self.on_stop: list[Callable[[], None]] = []
+        self.telemetry: Telemetry | None = None
         self._lock = threading.Lock()
         for r in range(shape.size):
             coords = shape.coordinates(r)
@@ -517,6 +519,33 @@ class ProcMesh(MeshTrait):
         Stopping twice is harmless.
         """
         self._root.stop()
+
+    @property
+    def telemetry(self) -> Telemetry:
+        """What the whole mesh does: ``sql(...)``, ``metrics()``, ``trace(path)``, ``serve()``, ``stacks()``.
+
+        See :mod:`mesharray.observe`. One per root mesh, whichever view asks;
+        closed when the mesh stops.
+
+        >>> procs.telemetry.sql("SELECT endpoint, count(*) AS n FROM messages GROUP BY endpoint")  # doctest: +SKIP
+        """
+        root = self._root
+        with root._lock:
+            if root.telemetry is None:
+                if root.stopped:
+                    raise MeshStoppedError("the mesh was stopped: its telemetry is gone")
+                root.telemetry = Telemetry(root.controller, root.controller.labels, root.controller.name)
+                root.on_stop.append(root.telemetry.close)
+            return root.telemetry
+
+    def stacks(self, timeout: float = 5.0) -> dict[int, str]:
+        """The Python thread stacks of every rank of this view (what a hung call is doing).
+
+        Asked on a connection of its own, so a rank busy in a long call answers
+        too. ``{rank: text}``; a rank that cannot answer gets the reason.
+        """
+        every = self.telemetry.stacks(timeout)
+        return {r: every.get(r, "<not in the mesh>") for r in self._shape}
 
     def stats(self) -> dict:
         """Runtime counters.

@@ -38,6 +38,8 @@ import socket
 import sys
 import threading
 import traceback
+from threading import get_ident
+from time import perf_counter_ns
 from typing import Any
 
 from ..errors import SerializationError
@@ -48,6 +50,8 @@ from ..transport.hostid import host_id, memory_domain
 from . import protocol as P
 from .channel import Channel
 from .context import Context, current
+from .recorder import ENABLED as RECORD
+from .recorder import MAX_ROWS, REC, SPAN, set_title, thread_stacks
 from .router import set_secret
 
 __all__ = ["run_worker", "Worker", "error_record"]
@@ -59,6 +63,10 @@ _EMPTY_OK = framing.encode(framing.dumps(None))
 _NO_ARGS_BYTES = b"".join(framing.encode(framing.dumps(((), {}))))
 _NO_ARGS_LEN = len(_NO_ARGS_BYTES)
 _names: dict[bytes, str] = {}  # u8 n + method name -> name
+_record = REC.call
+_current = REC.current
+_rows = REC.rows
+_MAX_ROWS = MAX_ROWS
 
 
 def _set_pdeathsig() -> None:
@@ -173,6 +181,10 @@ class Worker:
         self._loop_lock = threading.Lock()
         self.heartbeat_interval = 0.5
         self.exitcode = 0
+        self.host_id = host_id()
+        self.label: str | None = None
+        self.mesh_name = "procs"
+        self.actor_names: list[str] = []
 
     # -- connections ------------------------------------------------------
     def on_peer_socket(self, sock) -> None:
@@ -218,10 +230,17 @@ class Worker:
             from .. import telemetry
 
             telemetry.set_worker_label(cfg.get("label"))
+            self.label = cfg.get("label") or self.label
+            self.mesh_name = cfg.get("mesh") or self.mesh_name
+            self._retitle()
         elif kind == P.STOP_ACTOR:
             slot = self.actors.pop(target, None)
+            if slot is not None and RECORD:
+                REC.actor(slot.name, "stopped")
             if slot is not None and slot.queue is not None:
                 self.loop().call_soon_threadsafe(slot.queue.put_nowait, None)
+        elif kind == P.INTROSPECT:
+            self._introspect(conn, msg_id, payload)
         elif kind == P.STOP:
             if flags & P.F_REPLY:
                 conn.send(P.REPLY, 0, msg_id, P.OK, 0, _EMPTY_OK)
@@ -254,6 +273,12 @@ class Worker:
         finally:
             current.reset(token)
         self.actors[actor_id] = slot
+        if RECORD:
+            REC.actor(name, "spawned" if slot.failure is None else "spawn_failed",
+                      "" if slot.failure is None else repr(slot.failure["exc"])[:500])
+            if not name.startswith("__"):
+                self.actor_names.append(name)
+                self._retitle()
         if slot.is_async and slot.failure is None:
             loop = self.loop()
             ready = threading.Event()
@@ -296,21 +321,42 @@ class Worker:
             self.loop().call_soon_threadsafe(slot.queue.put_nowait,
                                              (conn, msg_id, reply, method, payload, n, vshape))
             return
+        if not RECORD:
+            self._run_sync(slot, conn, msg_id, reply, method, payload, n, vshape)
+            return
+        # telemetry: one row per call (see runtime.recorder); the span is (caller pid, msg id),
+        # found by nested calls through the thread's entry in _current
+        tid = get_ident()
+        t0 = perf_counter_ns()
+        caller = conn.peer.get("pid") or 0
+        _current[tid] = (slot.name, method, t0, caller, msg_id)
+        try:
+            status, out = self._run_sync(slot, conn, msg_id, reply, method, payload, n, vshape)
+        finally:
+            del _current[tid]
+        _rows.append((t0 + REC.wall_offset, perf_counter_ns() - t0, slot.name, method, caller, msg_id, len(payload),
+                      out, status))
+        if len(_rows) > _MAX_ROWS:
+            REC.trim()
+
+    def _run_sync(self, slot, conn, msg_id, reply, method, payload, n, vshape) -> tuple[str, int]:
+        """Run a call of a synchronous actor inline; ``(status, reply bytes)``."""
         with slot.lock:
             if reply and slot.broadcast_error and self._tell_broadcast_error(conn, msg_id, slot):
-                return
+                return "not_run", 0
             ctx = slot.ctx  # one per actor: sync endpoints of an actor never overlap
             ctx._view = vshape
             token = current.set(ctx)
             try:
                 result = self._invoke(slot, method, payload, n)
             except BaseException as exc:
-                self._fail(conn, msg_id, reply, slot, exc)
-                return
+                self._fail(conn, msg_id, reply, slot, exc, method)
+                return type(exc).__name__, 0
             finally:
                 current.reset(token)
         if reply:
-            self._reply(conn, msg_id, slot, method, result, cork=True)
+            return "ok", self._reply(conn, msg_id, slot, method, result, cork=True)
+        return "ok", 0
 
     def _invoke(self, slot, method, payload, n):
         """Run endpoint ``method`` on a CALL payload (``n``: its method name's length): what sync and
@@ -328,7 +374,7 @@ class Worker:
         fn = slot.bound[method] = getattr(slot.obj, method)
         return fn
 
-    def _reply(self, chan, msg_id, slot, method, result, cork=False) -> None:
+    def _reply(self, chan, msg_id, slot, method, result, cork=False) -> int:
         # cork=True in a reader thread: the reader flushes before it blocks again (so the
         # frame goes to the connection itself, not through the channel's flusher)
         conn = chan.conn
@@ -340,18 +386,22 @@ class Worker:
             except Exception as exc:
                 err = TypeError(f"endpoint {method!r} returned a value of type {type(result).__name__} "
                                 f"that cannot be sent: {exc}")
-                self._fail(chan, msg_id, True, slot, err)
-                return
+                self._fail(chan, msg_id, True, slot, err, method)
+                return 0
         try:
             conn.send(P.REPLY, 0, msg_id, P.OK, 0, parts, cork=cork)
         except SerializationError as exc:  # over the frame limit, nothing sent: the caller must hear of it
             self._fail(chan, msg_id, True, slot, TypeError(
                 f"endpoint {method!r} returned a value of type {type(result).__name__} that cannot be sent: "
-                f"{exc}"))
+                f"{exc}"), method)
+            return 0
         except ConnectionError:
-            pass  # the caller is gone
+            return 0  # the caller is gone
+        return 24 + sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)
 
-    def _fail(self, conn, msg_id, reply, slot, exc) -> None:
+    def _fail(self, conn, msg_id, reply, slot, exc, method: str = "?") -> None:
+        if RECORD:
+            REC.error(slot.name, method, exc)
         rec = error_record(exc, slot.name, _coords(slot.shape, self.rank), self.host, self.pid)
         if reply:
             try:
@@ -392,28 +442,66 @@ class Worker:
             return
         ctx = Context(slot.name, slot.obj, slot.shape, vshape, self.rank, self.host, self.pid)
         token = current.set(ctx)
+        t0 = perf_counter_ns()
+        w0 = t0 + REC.wall_offset
+        caller = conn.peer.get("pid") or 0
+        stok = SPAN.set((caller, msg_id))  # (a task's own context: concurrent calls keep theirs)
+        status, out = "ok", 0
         try:
             result = self._invoke(slot, method, payload, n)
             if inspect.isawaitable(result):
                 result = await result
         except BaseException as exc:
-            self._fail(conn, msg_id, reply, slot, exc)
+            self._fail(conn, msg_id, reply, slot, exc, method)
+            status = type(exc).__name__
             return
         finally:
             current.reset(token)
+            SPAN.reset(stok)
+            if RECORD and status != "ok":
+                _record((w0, perf_counter_ns() - t0, slot.name, method, caller, msg_id, len(payload), 0, status))
         if reply:
-            self._reply(conn, msg_id, slot, method, result)
+            out = self._reply(conn, msg_id, slot, method, result)
+        if RECORD:
+            _record((w0, perf_counter_ns() - t0, slot.name, method, caller, msg_id, len(payload), out, status))
+
+    # -- telemetry ----------------------------------------------------------
+    def _introspect(self, conn, msg_id, payload) -> None:
+        """Answer the controller's telemetry questions (on a connection of their own: never behind a call)."""
+        req = pickle.loads(payload)
+        what = req.get("what")
+        try:
+            if what == "snapshot":
+                ans: Any = REC.snapshot(req.get("since"))
+                ans.update(rank=self.rank, host=self.host_id, aggregates=REC.aggregates() if req.get("agg") else None)
+            elif what == "stacks":
+                ans = {"rank": self.rank, "pid": self.pid, "stacks": thread_stacks()}
+            else:
+                raise ValueError(f"unknown telemetry request {what!r}")
+            conn.send(P.REPLY, 0, msg_id, P.OK, 0, framing.encode(framing.dumps(ans)))
+        except Exception as exc:
+            rec = error_record(exc, "__telemetry__", None, self.host, self.pid)
+            conn.send(P.REPLY, 0, msg_id, P.ERR, 0, _error_parts(rec))
+
+    def _retitle(self) -> None:
+        actors = ",".join(self.actor_names[-3:])
+        set_title(f"mesharray {self.mesh_name} rank {self.rank} [{self.label or ''}]" + (f" {actors}" if actors else ""))
 
     # -- life ---------------------------------------------------------------
     def heartbeat_loop(self) -> None:
         conn = self.controller
         if conn is None:
             return
+        beats = 0
         while not self.done.wait(self.heartbeat_interval):
             try:
                 conn.send(P.HEARTBEAT)
             except ConnectionError:
                 return
+            beats += 1
+            if RECORD and beats * self.heartbeat_interval >= 2.0:
+                beats = 0
+                REC.sample()
 
     def shutdown(self) -> None:
         for lst in (self.listener, self.local_listener):

@@ -621,6 +621,8 @@ class Connection:
                     if not loop:
                         self._big = big
                         return True
+                    if big is None and self._out:
+                        self.flush()  # the reply to a large frame: out now, not at the flusher's next round
                     continue
                 n = sock.recv_into(view[end:], 0, flags)
                 if n == 0:

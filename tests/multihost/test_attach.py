@@ -6,8 +6,8 @@ import time
 
 import numpy as np
 import pytest
-from actors import Where
-from conftest import SECRET
+from mh_actors import Where
+from mh_agents import SECRET
 
 import mesharray as ma
 
@@ -175,7 +175,7 @@ def test_same_script_runs_on_a_local_mesh_and_on_attached_hosts(cluster):
 
 def test_detach_stops_meshes_and_frees_the_agents(two_agents):
     # (runs after the module's cluster fixture was set up: use fresh agents)
-    from conftest import agents
+    from mh_agents import agents
 
     with agents(2, first_ip=4, prefix="d") as ags:
         hosts = ma.attach([a.url for a in ags], secret=SECRET)
@@ -189,6 +189,18 @@ def test_detach_stops_meshes_and_frees_the_agents(two_agents):
         again = ma.attach([a.url for a in ags], secret=SECRET, timeout=10)
         assert time.monotonic() - t < 5
         again.detach()
+
+
+def test_telemetry_across_hosts(cluster):
+    _, procs = cluster
+    w = procs.spawn("seen", Where)
+    w.where.call().get(timeout=30)
+    rows = procs.telemetry.sql("SELECT host, count(*) AS n FROM messages WHERE actor = 'seen' GROUP BY host "
+                               "ORDER BY host")
+    assert rows == [{"host": "h0", "n": 2}, {"host": "h1", "n": 2}] and rows.missing == []
+    stacks = procs.stacks()
+    assert sorted(stacks) == [0, 1, 2, 3] and all("Thread" in s for s in stacks.values())
+    w.stop()
 
 
 def test_the_multihost_example_runs():

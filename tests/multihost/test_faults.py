@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 import pytest
-from actors import Where
-from conftest import SECRET, Agent, agents, wait_until
+from mh_actors import Where
+from mh_agents import SECRET, Agent, agents, wait_until
 
 import mesharray as ma
 from mesharray.bootstrap import agent as agent_mod
@@ -78,7 +78,7 @@ _CONTROLLER = textwrap.dedent("""
     import sys, time
     import mesharray as ma
     sys.path.insert(0, {here!r})
-    from actors import Where
+    from mh_actors import Where
     hosts = ma.attach({urls!r}, secret={secret!r})
     procs = hosts.spawn_procs(per_host={{"procs": 2}})
     w = procs.spawn("w", Where)

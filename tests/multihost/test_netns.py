@@ -18,7 +18,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import SECRET, Agent
+from mh_agents import SECRET, Agent
 
 pytestmark = pytest.mark.timeout(180)
 
