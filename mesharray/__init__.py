@@ -39,6 +39,7 @@ from .errors import (
 
 if TYPE_CHECKING:  # what __getattr__ below returns, for type checkers and editors (keep in sync with _LAZY)
     # ("X as X": an explicit re-export)
+    from . import k8s as k8s
     from ._core import Shape as Shape
     from ._core import broadcast_shapes as broadcast_shapes
     from ._core import reduction_plan as reduction_plan
@@ -90,6 +91,9 @@ _LAZY = {
     "reduce_scatter": "mesharray.darray",
 }
 
+# submodules reached as attributes (``ma.k8s.attach(...)``), imported on first use
+_SUBMODULES = {"k8s": "mesharray.k8s"}
+
 # Modules whose objects can make distributed arrays (a ProcMesh's zeros, ones, ...):
 # the first use of one also loads mesharray.darray, which installs itself into proc
 # (it sits above proc, so proc never imports it).
@@ -118,10 +122,16 @@ __all__ = [
     "SupervisionError",
     "TransportError",
     *_LAZY,
+    *_SUBMODULES,
 ]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        value = importlib.import_module(_SUBMODULES[name])
+        importlib.import_module("mesharray.darray")
+        globals()[name] = value
+        return value
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'mesharray' has no attribute {name!r}")

@@ -9,6 +9,8 @@ Usage::
     python -m mesharray info [--json]           # version, engines, transports, launcher
     python -m mesharray host --listen tcp://0.0.0.0:26600 [--advertise URL] [--host-id NAME]
                                                 # a host agent (secret: MESHARRAY_SECRET)
+    python -m mesharray k8s manifest --name NAME --hosts N --image IMAGE [...]
+                                                # Kubernetes objects of a mesh (| kubectl apply -f -)
 
 Running through ``python -m mesharray`` adds one guarantee to a launch such as
 ``mpirun -n 4 python -m mesharray train.py``: an unhandled exception (or a
@@ -37,6 +39,8 @@ usage: python -m mesharray script.py [args...]
        python -m mesharray run script.py [args...]
        python -m mesharray info [--json]
        python -m mesharray host --listen tcp://0.0.0.0:26600 [--advertise URL] [--host-id NAME]
+       python -m mesharray k8s manifest --name NAME --hosts N --image IMAGE [--procs-per-host 8]
+                                  [--namespace NS] [--jobset] [--resources gpu=8] [--secret-name S]
        python -m mesharray top URL                # live per-rank table of procs.telemetry.serve()'s URL
        python -m mesharray --version
 
@@ -44,7 +48,9 @@ Runs a script so that an unhandled exception on any MPI rank aborts the
 whole job (non-zero exit) instead of hanging the others; `info` prints the
 version, the engines and transports available and the detected launcher;
 `host` runs a host agent that scripts attach to (ma.attach), with the secret
-taken from MESHARRAY_SECRET."""
+taken from MESHARRAY_SECRET; `k8s manifest` prints the Kubernetes objects of a
+mesh of host agents (pipe it to `kubectl apply -f -`; the script then calls
+ma.k8s.attach(NAME))."""
 
 
 # --------------------------------------------------------------------------- running
@@ -332,6 +338,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .bootstrap.agent import main as host_main
 
         return host_main(args[1:])
+    if first == "k8s":
+        from .bootstrap.k8s import main as k8s_main
+
+        return k8s_main(args[1:])
     if first == "info":
         extra = args[1:]
         unknown = [a for a in extra if a != "--json"]

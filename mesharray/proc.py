@@ -660,6 +660,8 @@ class _Hosts:
         self.meshes: list[ProcMesh] = []
         self.detached = False
         self.lock = threading.Lock()
+        self.on_detach: list[Callable[[], None]] = []
+        self.per_host: dict[str, int] | None = None
 
 
 class HostMesh(MeshTrait):
@@ -702,13 +704,17 @@ class HostMesh(MeshTrait):
         """Start processes on every host of this view: ``hosts.spawn_procs(per_host={"procs": 8})``.
 
         The result has dims ``{"hosts": H, "procs": N}`` (``per_host`` names
-        one dim and its size; its name becomes the second dim's). Keywords
+        one dim and its size; its name becomes the second dim's; without it,
+        the hosts' default — ``--procs-per-host`` of a Kubernetes mesh — else
+        one process per host). Keywords
         are those of :func:`proc_mesh` (``heartbeat_timeout``,
         ``forward_logs``, ``owner``, ``kill_unresponsive``).
 
         >>> import mesharray as ma
         >>> procs = ma.this_host().spawn_procs(per_host={"procs": 2})   # doctest: +SKIP
         """
+        if per_host is None and self._hosts is not None:
+            per_host = self._hosts.per_host
         per_host = dict(per_host or {"procs": 1})
         if len(per_host) != 1:
             raise ValueError(f"per_host names one dimension and its size, got {per_host!r}")
@@ -746,10 +752,56 @@ class HostMesh(MeshTrait):
                 return
             h.detached = True
             meshes, h.meshes = h.meshes, []
+            callbacks, h.on_detach = h.on_detach, []
         for m in meshes:
             m.stop()
         for a in h.agents:
             a.close()
+        for fn in callbacks:  # after the agents were let go: a callback may delete the hosts themselves
+            try:
+                fn()
+            except Exception:
+                log.exception("a detach callback of the host mesh raised")
+
+    def add_detach_callback(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once, after the mesh detached (for layers above that own the hosts, e.g. ``ma.k8s``).
+
+        Called at once when it is already detached.
+        """
+        h = self._hosts
+        if h is not None:
+            with h.lock:
+                if not h.detached:
+                    h.on_detach.append(fn)
+                    return
+        fn()
+
+    def lose_host(self, index: int, reason: str) -> list[int]:
+        """Declare host ``index`` (of the attached mesh) gone: its ranks fail now with ``ActorDiedError(reason)``.
+
+        For what learns of a lost host before its connections do (``ma.k8s``
+        watches its pods: a pod deleted or failed). The agent is let go too.
+        Returns the global ranks declared dead, mesh by mesh.
+        """
+        h = self._hosts
+        if h is None:
+            raise ValueError("this_host() has no attached hosts to lose")
+        agent = h.agents[index]
+        with h.lock:
+            meshes = list(h.meshes)
+        dead: list[int] = []
+        for m in meshes:
+            root = m._root
+            for rank, host in zip(m._shape, m.host_ids):
+                if host == agent.host_id and root.controller.declare_dead(rank, reason):
+                    dead.append(rank)
+        agent.close()
+        return dead
+
+    def set_default_per_host(self, per_host: dict[str, int] | None) -> None:
+        """What :meth:`spawn_procs` starts on each host when given no ``per_host`` (e.g. ``{"procs": 8}``)."""
+        if self._hosts is not None:
+            self._hosts.per_host = None if per_host is None else dict(per_host)
 
     @property
     def detached(self) -> bool:

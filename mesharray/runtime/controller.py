@@ -355,6 +355,23 @@ class Controller:
         self.listener.close()
         self.stopped = True
 
+    def declare_dead(self, rank: int, reason: str) -> bool:
+        """Fail ``rank`` now, as if its connection had ended: for deaths the bootstrap learns of first.
+
+        A pod deleted by Kubernetes, a host whose machine vanished (no FIN ever
+        comes): its calls fail with :class:`ActorDiedError` giving ``reason``,
+        and its connection is closed. Returns False when the rank was not alive.
+        """
+        info = self.workers.get(rank)
+        if info is None or info.error is not None or self.stopping:
+            return False
+        self._fail(info, ActorDiedError((rank,), info.pid, None, None, reason))
+        try:
+            info.conn.close(join=False)
+        except Exception:  # pragma: no cover - already closed
+            pass
+        return True
+
     def close_connections(self, timeout: float = 2.0) -> None:
         for c in list(self._conns):
             c.close(join=False)

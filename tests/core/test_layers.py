@@ -22,7 +22,7 @@ LAYERS = [
     ("mesharray.actor", "mesharray.buffer"),
     ("mesharray.bootstrap", "mesharray.observe"),
     ("mesharray.proc",),
-    ("mesharray.darray",),
+    ("mesharray.darray", "mesharray.k8s"),
     ("mesharray", "mesharray.__main__", "mesharray.testing"),
 ]
 

@@ -1,0 +1,22 @@
+"""Helpers of the Kubernetes tests (a module of its own: other test folders have a conftest and actors too)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 (the pods' loopback IPs share the port space of nothing else here)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(cond, timeout: float = 10.0, step: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(step)
+    return cond()
