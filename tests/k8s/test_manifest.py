@@ -1,8 +1,9 @@
 """``python -m mesharray k8s manifest``: every variant validates against the Kubernetes schemas, offline.
 
 Jobs, Services and Secrets: ``kubernetes-validate --strict`` (the OpenAPI schemas it bundles; strict
-rejects unknown fields). The JobSet: its CRD's schema (kept in schemas/, from kubernetes-sigs/jobset),
-made strict the same way, and the Job template inside it validated as a batch/v1 Job.
+rejects unknown fields). The JobSet: a schema of its spec written for these tests from the JobSet API
+reference (schemas/jobset-v1alpha2.json: the fields and types of jobset.x-k8s.io/v1alpha2, not the upstream
+CRD file), made strict the same way, and the Job template inside it validated as a batch/v1 Job.
 """
 
 from __future__ import annotations
