@@ -145,15 +145,17 @@ class DataContext:
                 raise exc.exception from exc
             raise
 
-    def fetch(self, ranks: Sequence[int], bid: int) -> dict:
+    def fetch(self, ranks: Sequence[int], bid: int, announced: dict | None = None) -> dict:
         """Each rank's block ``bid`` as a host array: ``{rank: ndarray}``.
 
-        A block whose making failed raises that failure: the original exception
+        ``announced``: futures of values the ranks already sent back (no message
+        for those). A block whose making failed raises that failure: the original exception
         (in :class:`~mesharray.ActorError`), or :class:`~mesharray.ActorDiedError`
         naming the dead ranks when a rank died (before or during a collective).
         """
         self.check_live()
-        futs = [(r, self.call_one(r, [I.Fetch(bid)])) for r in ranks]
+        announced = announced or {}
+        futs = [(r, announced.get(r) or self.call_one(r, self.with_frees([r], [I.Fetch(bid)]))) for r in ranks]
         out = {}
         for r, f in futs:
             try:

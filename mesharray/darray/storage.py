@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import weakref
 from typing import Any
 
@@ -61,6 +62,10 @@ def _prefers_nccl(engine: str) -> bool:
         return get_engine(engine).collective_backend == "nccl"
     except EngineUnavailableError:  # the controller has no such device: reduce through host memory
         return False
+
+
+#: results of a reduction at most this large come back with the program's reply (no fetch message)
+ANNOUNCE_BYTES = int(os.environ.get("MESHARRAY_ANNOUNCE_BYTES", "256"))
 
 
 def distributed(a: Any) -> DistributedStorage | None:
@@ -101,7 +106,8 @@ class DistributedStorage:
     """
 
     kind = "distributed"
-    __slots__ = ("ctx", "bid", "ranks", "holders", "_local", "_dtype", "engine", "collective", "__weakref__")
+    __slots__ = ("ctx", "bid", "ranks", "holders", "_local", "_dtype", "engine", "collective", "announced",
+                 "__weakref__")
 
     def __init__(self, ctx: DataContext, bid: int, ranks: np.ndarray, local_shape: tuple, dtype: Any,
                  engine: str, holders: np.ndarray | None = None, collective: str | None = None,
@@ -114,6 +120,9 @@ class DistributedStorage:
         self._dtype = np.dtype(dtype)
         self.engine = engine
         self.collective = collective
+        #: futures of this block's value per rank, when the program that made it sent it back
+        #: already (a tiny reduction: fetching it then costs no message)
+        self.announced: dict | None = None
         ctx.incref(bid)
         all_ranks = _all_ranks if _all_ranks is not None else tuple(sorted(
             set(self.ranks.ravel().tolist()) | (set(holders.ravel().tolist()) if holders is not None else set())))
@@ -148,7 +157,7 @@ class DistributedStorage:
     # -- whole values
     def to_numpy(self) -> np.ndarray:
         """Gather every position's block to the controller."""
-        by_rank = self.ctx.fetch(self._unique(), self.bid)
+        by_rank = self.ctx.fetch(self._unique(), self.bid, self.announced)
         if self.ranks.size == 1:
             # one block: hand it over as it arrived (no second copy at the controller)
             only = np.asarray(by_rank[int(self.ranks.reshape(-1)[0])], dtype=self._dtype)
@@ -252,10 +261,20 @@ class DistributedStorage:
                                     ctx.hosts(groups_l)))
         if cur != self.bid:
             program.append(I.Free([cur]))
-        # fire-and-forget (see _send_collective); members are sorted and unique
-        ctx.post(members, ctx.with_frees(members, program))
         res = DistributedStorage(ctx, out, ranks, new_local, rdt_work, self.engine, holders, self.collective,
                                  _all_ranks=all_ranks)
+        if rdt_work == rdt and math.prod(new_local) * rdt.itemsize <= ANNOUNCE_BYTES:
+            # a tiny result (a loss, a norm): the ranks holding it send it back with the
+            # program's reply, so fetching it costs no further message
+            roots = res._unique()
+            others = [r for r in members if r not in set(roots)]
+            prog = program + [I.Fetch(out)]
+            res.announced = {r: ctx.call_one(r, ctx.with_frees([r], prog)) for r in roots}
+            if others:
+                ctx.post(others, ctx.with_frees(others, program))
+            return res
+        # fire-and-forget (see _send_collective); members are sorted and unique
+        ctx.post(members, ctx.with_frees(members, program))
         if rdt_work != rdt:  # any/all computed as uint8 max/min
             res = res.astype(rdt, copy=True)
         return res

@@ -307,15 +307,31 @@ def _fail_on_rank_one(x):
     return x
 
 
-def test_reduction_is_fire_and_forget_and_fetch_asks_only_the_root():
+def test_a_tiny_reduction_sends_one_message_per_rank_and_fetch_sends_none():
     with ma.proc_mesh(procs=2) as procs:
         x = procs.full((), 2.0)
         assert np.asarray(x.sum(axis="procs").fetch()).ravel().tolist() == [4.0]
         s0 = procs.stats()
+        t = time.perf_counter()
+        y = x.sum(axis="procs")
+        assert time.perf_counter() - t < 0.5  # nothing waited for
+        s1 = procs.stats()
+        # the group's root gets the program as a call (its reply announces the value), the other
+        # rank a broadcast; fetching then costs no message
+        assert (s1["calls"] - s0["calls"], s1["broadcasts"] - s0["broadcasts"]) == (1, 1)
+        assert np.asarray(y.fetch()).ravel().tolist() == [4.0]
+        s2 = procs.stats()
+        assert (s2["calls"], s2["broadcasts"]) == (s1["calls"], s1["broadcasts"])
+
+
+def test_a_large_reduction_is_fire_and_forget_and_fetch_asks_only_the_root():
+    with ma.proc_mesh(procs=2) as procs:
+        x = procs.ones((1000,))
+        s0 = procs.stats()
         y = x.sum(axis="procs")
         s1 = procs.stats()
         assert s1["calls"] == s0["calls"]  # nothing waited for
-        assert np.asarray(y.fetch()).ravel().tolist() == [4.0]
+        assert np.asarray(y.fetch()).ravel().tolist() == [2.0] * 1000
         s2 = procs.stats()
         assert s2["calls"] - s1["calls"] == 1  # one call_one, to the group's root
 
