@@ -110,6 +110,15 @@ def test_group_collectives_across_hosts(cluster):
     np.testing.assert_array_equal(got[1], yref[:, 2:])
 
 
+def test_torch_cpu_engine_reduces_across_hosts(cluster):
+    pytest.importorskip("torch", reason="the torch engine needs torch (pip install 'mesharray[torch]')")
+    _, procs = cluster
+    x = procs.ones((3,), dtype="float32", engine="torch") * (procs.rank_array() + 1)
+    got = np.asarray(x.sum(axis="hosts").fetch())
+    np.testing.assert_array_equal(got, np.array([[4.0] * 3, [6.0] * 3]))  # (procs, local)
+    assert float(x.mean().fetch()) == pytest.approx(2.5)
+
+
 def test_large_reduction_across_hosts(cluster):
     _, procs = cluster
     x = procs.ones((1 << 21,), dtype="float32") * (procs.rank_array() + 1)  # 8 MiB per rank
