@@ -326,12 +326,28 @@ class Worker:
             return
         # telemetry: one row per call (see runtime.recorder); the span is (caller pid, msg id),
         # found by nested calls through the thread's entry in _current
+        # (the body of _run_sync, inlined: this is the per-message path of every call and broadcast)
         tid = get_ident()
         t0 = perf_counter_ns()
         caller = conn.peer.get("pid") or 0
         _current[tid] = (slot.name, method, t0, caller, msg_id)
+        status, out = "ok", 0
         try:
-            status, out = self._run_sync(slot, conn, msg_id, reply, method, payload, n, vshape)
+            with slot.lock:
+                if reply and slot.broadcast_error and self._tell_broadcast_error(conn, msg_id, slot):
+                    return
+                ctx = slot.ctx  # one per actor: sync endpoints of an actor never overlap
+                ctx._view = vshape
+                token = current.set(ctx)
+                try:
+                    result = self._invoke(slot, method, payload, n)
+                except BaseException as exc:
+                    self._fail(conn, msg_id, reply, slot, exc, method)
+                    status = type(exc).__name__
+                finally:
+                    current.reset(token)
+            if reply and status == "ok":
+                out = self._reply(conn, msg_id, slot, method, result, cork=True)
         finally:
             _current.pop(tid, None)
         _rows.append((t0 + REC.wall_offset, perf_counter_ns() - t0, slot.name, method, caller, msg_id, len(payload),
@@ -339,11 +355,11 @@ class Worker:
         if len(_rows) > _MAX_ROWS:
             REC.trim()
 
-    def _run_sync(self, slot, conn, msg_id, reply, method, payload, n, vshape) -> tuple[str, int]:
-        """Run a call of a synchronous actor inline; ``(status, reply bytes)``."""
+    def _run_sync(self, slot, conn, msg_id, reply, method, payload, n, vshape) -> None:
+        """Run a call of a synchronous actor inline (telemetry off; ``_call`` has it inlined with recording)."""
         with slot.lock:
             if reply and slot.broadcast_error and self._tell_broadcast_error(conn, msg_id, slot):
-                return "not_run", 0
+                return
             ctx = slot.ctx  # one per actor: sync endpoints of an actor never overlap
             ctx._view = vshape
             token = current.set(ctx)
@@ -351,12 +367,11 @@ class Worker:
                 result = self._invoke(slot, method, payload, n)
             except BaseException as exc:
                 self._fail(conn, msg_id, reply, slot, exc, method)
-                return type(exc).__name__, 0
+                return
             finally:
                 current.reset(token)
         if reply:
-            return "ok", self._reply(conn, msg_id, slot, method, result, cork=True)
-        return "ok", 0
+            self._reply(conn, msg_id, slot, method, result, cork=True)
 
     def _invoke(self, slot, method, payload, n):
         """Run endpoint ``method`` on a CALL payload (``n``: its method name's length): what sync and
