@@ -9,12 +9,18 @@ The process that makes ``Buffer(x)`` is the *owner*; the handle pickles small
   address spaces — one copy, no shared segment, no message to the owner. The
   owner allows it at registration (``PR_SET_PTRACER_ANY`` where Yama restricts
   ptrace).
+- another host, when the owner and the reader both run a UCX data plane (host
+  agents' workers with ``transport="ucx"``): one link of that plane
+  (:mod:`mesharray.transport.dataplane`), the same request header as below;
 - otherwise (another host, or the kernel denies cross-memory attach): a TCP
   stream served by a small thread in the owner, which reads/writes the block
-  with ``sendall``/``recv_into`` straight from/to the registered memory. The
+  with ``sendall``/``recv_into`` straight from/to the registered memory (8 MiB
+  and more over ``MESHARRAY_BUFFER_STREAMS`` connections at once). The
   request must present the buffer's 128-bit secret (a capability carried only
   by the handle); listeners bind to loopback unless ``MESHARRAY_BUFFER_HOST``
   says otherwise.
+
+``TRANSFERS`` counts the transfers of this process by path.
 
 Every handle checks, before each transfer, that the owner has not dropped the
 block: the owner keeps an 8-byte *token* per registered block in a table that
@@ -43,12 +49,16 @@ from ._proc_stat import start_time as _start_time
 from .errors import ActorDiedError, MeshArrayError
 from .runtime.future import Future, completed_future
 from .transport.auth import HANDSHAKE_TIMEOUT
+from .transport.dataplane import on_tag, process_plane
 from .transport.hostid import memory_domain
 from .transport.sockio import recv_exactly_into
 
 log = logging.getLogger("mesharray.buffer")
 
-__all__ = ["Buffer"]
+__all__ = ["Buffer", "TRANSFERS"]
+
+#: transfers this process made, by path ("local", "cma", "plane", "stream")
+TRANSFERS = {"local": 0, "cma": 0, "plane": 0, "stream": 0}
 
 # --- cross-memory attach ------------------------------------------------------------
 
@@ -264,6 +274,45 @@ class _Server:
                 return
 
 
+_PLANE_TAG = b"MABF/"
+_PLANE_SERVING = False
+
+
+def _serve_on_plane() -> None:
+    """Serve this process's registered blocks to links of its data plane tagged ``MABF/`` (once)."""
+    global _PLANE_SERVING
+    if not _PLANE_SERVING:
+        _PLANE_SERVING = True
+        on_tag(_PLANE_TAG, _serve_link)
+
+
+def _serve_link(link: Any, tag: bytes) -> None:
+    """One request on a data-plane link: the same header and replies as the TCP stream server."""
+    try:
+        head = tag[len(_PLANE_TAG):]
+        if len(head) != _REQ.size:
+            return
+        magic, op, slot, token, secret, offset, nbytes = _REQ.unpack(head)
+        reg = _registry()
+        mem = reg.lookup(slot, token, secret) if magic == _MAGIC else None
+        if mem is None or op not in (0, 1) or offset + nbytes > mem.nbytes:
+            link.send(_REP.pack(_MAGIC, 1, 0))
+            return
+        link.send(_REP.pack(_MAGIC, 0, nbytes))
+        part = mem[offset:offset + nbytes]
+        if op == 0:
+            if nbytes:
+                link.send(part)
+        else:
+            if nbytes:
+                link.recv_into(part)
+            link.send(_REP.pack(_MAGIC, 0, nbytes))
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        link.close()
+
+
 def _recv_header(conn: socket.socket, n: int, deadline: float) -> bytes:
     """``n`` bytes that must all arrive before ``deadline`` (one deadline, not one per recv)."""
     buf = bytearray(n)
@@ -393,6 +442,11 @@ class Buffer:
         if st["server"] is None and self._owned:
             # start the stream server lazily, once a handle leaves this process
             st["server"] = _registry().server_address()
+        if "plane" not in st and self._owned:
+            plane = process_plane()  # a UCX data plane serves reads and writes too (below)
+            st["plane"] = (plane.kind, plane.address) if plane is not None and plane.kind == "ucx" else None
+            if st["plane"] is not None:
+                _serve_on_plane()
         return (_rebuild, (dict(st),))
 
     @property
@@ -443,6 +497,12 @@ class Buffer:
     def _transfer(self, write: bool, local: int, nbytes: int) -> None:
         st = self._state
         path = self._path()
+        if path == "stream" and st.get("plane"):
+            mine = process_plane()
+            if mine is not None and mine.kind == st["plane"][0]:
+                self._plane_transfer(mine, write, local, nbytes)
+                TRANSFERS["plane"] += 1
+                return
         if path in ("local", "cma"):
             try:
                 if not self._token_ok(path):
@@ -453,13 +513,16 @@ class Buffer:
                             copy_bytes(st["addr"], local, nbytes)
                         else:
                             copy_bytes(local, st["addr"], nbytes)
+                    TRANSFERS["local"] += 1
                     return
                 if nbytes:
                     _vm_transfer(write, st["pid"], local, st["addr"], nbytes)
+                TRANSFERS["cma"] += 1
                 return
             except _CmaDenied:
                 pass  # fall through to the owner's stream server
         self._stream(write, local, nbytes)
+        TRANSFERS["stream"] += 1
 
     def _stream(self, write: bool, local: int, nbytes: int) -> None:
         # a large transfer goes over several connections at once: one TCP stream is bound by
@@ -485,6 +548,33 @@ class Buffer:
             t.join()
         if errors:
             raise errors[0]
+
+    def _plane_transfer(self, plane: Any, write: bool, local: int, nbytes: int) -> None:
+        """The transfer over the owner's UCX data plane (both ends have one): one link, tag transfers."""
+        st = self._state
+        head = _REQ.pack(_MAGIC, 1 if write else 0, st["slot"], st["token"], st["secret"], 0, nbytes)
+        view = memoryview((ctypes.c_char * nbytes).from_address(local)).cast("B") if nbytes else memoryview(b"")
+        try:
+            link = plane.connect(st["plane"][1], _PLANE_TAG + head, timeout=60)
+        except (ConnectionError, OSError) as exc:
+            view.release()
+            raise ActorDiedError(pid=st["pid"], reason=f"the process owning the buffer is unreachable: {exc}") from exc
+        try:
+            rep = bytearray(_REP.size)
+            link.recv_into(memoryview(rep))
+            if _REP.unpack(rep)[1] != 0:
+                raise MeshArrayError("buffer was dropped by its owner; it can no longer be read or written")
+            if write:
+                if nbytes:
+                    link.send(view)
+                link.recv_into(memoryview(rep))
+            elif nbytes:
+                link.recv_into(view)
+        except ConnectionError as exc:
+            raise ActorDiedError(pid=st["pid"], reason=f"the buffer's owner went away mid-transfer: {exc}") from exc
+        finally:
+            link.close()
+            view.release()
 
     def _stream_part(self, write: bool, local: int, offset: int, nbytes: int) -> None:
         st = self._state

@@ -45,5 +45,11 @@ class Where(ma.Actor):
         return float(dst.astype(np.float64).sum())
 
     @ma.endpoint
+    def buffer_paths(self) -> dict:
+        from mesharray.buffer import TRANSFERS
+
+        return dict(TRANSFERS)
+
+    @ma.endpoint
     def fail(self) -> None:
         raise ValueError("boom on purpose")

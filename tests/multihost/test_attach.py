@@ -267,6 +267,14 @@ def test_collectives_across_hosts_over_ucx(two_agents, cluster):
         np.testing.assert_allclose(np.asarray(x.sum().fetch()), ref.sum())
         b = ma.broadcast_from(x, "hosts", root=1)
         np.testing.assert_array_equal(np.asarray(b.fetch())[0], ref[1])
+        # Buffer between hosts goes over the UCX plane too, when both ends have one
+        w = procs.spawn("ucxbuf", Where)
+        n = 1 << 20
+        buf = w[0, 0].make_buffer.call_one(n).get(timeout=30)
+        before = w[1, 0].buffer_paths.call_one().get(timeout=30)
+        assert w[1, 0].read_buffer.call_one(buf).get(timeout=60) == float(np.arange(n, dtype=np.float64).sum())
+        after = w[1, 0].buffer_paths.call_one().get(timeout=30)
+        assert after["plane"] == before["plane"] + 1 and after["stream"] == before["stream"]
     finally:
         procs.stop()
         hosts.detach()
