@@ -787,14 +787,42 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         return self._reduce("mean", np.mean, axis, keepdims, _kw(kwargs, dtype=dtype))
 
     def std(self, axis: Any = None, dtype: Any = None, out: Any = None, ddof: float = 0, keepdims: bool = False, **kwargs: Any) -> Any:
-        """Standard deviation over ``axis`` (``ddof`` as NumPy; see :meth:`sum`)."""
+        """Standard deviation over ``axis`` (``ddof`` as NumPy; see :meth:`var`)."""
         _no_out(out, "std")
+        if self._storage.kind == "distributed" and not kwargs and dtype is None:
+            return np.sqrt(self._spread(axis, ddof, keepdims))
         return self._reduce("std", np.std, axis, keepdims, _kw(kwargs, dtype=dtype, ddof=ddof or None))
 
     def var(self, axis: Any = None, dtype: Any = None, out: Any = None, ddof: float = 0, keepdims: bool = False, **kwargs: Any) -> Any:
-        """Variance over ``axis`` (``ddof`` as NumPy; see :meth:`sum`)."""
+        """Variance over ``axis`` (``ddof`` as NumPy; see :meth:`sum`).
+
+        On a distributed array it is computed where the blocks live, in two
+        passes of collectives (the mean, then the sum of squared deviations
+        from it: numerically stable, unlike ``E[x²] − E[x]²``); nothing but
+        the result reaches the controller.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import mesharray as ma
+        >>> a = ma.MeshArray(np.array([[1.0, 3.0], [2.0, 6.0]]), ["hosts", "procs"])
+        >>> a.var(axis="procs").tolist(), float(a.std())
+        ([1.0, 4.0], 1.8708286933869707)
+        """
         _no_out(out, "var")
+        if self._storage.kind == "distributed" and not kwargs and dtype is None:
+            return self._spread(axis, ddof, keepdims)
         return self._reduce("var", np.var, axis, keepdims, _kw(kwargs, dtype=dtype, ddof=ddof or None))
+
+    def _spread(self, axis: Any, ddof: float, keepdims: bool) -> Any:
+        """The variance of a distributed array: two passes of collectives (see :meth:`var`)."""
+        x = self if self.dtype.kind in "fc" else self.astype("float64")
+        axes = _normalize_axes(axis, x)
+        full = tuple(range(x.ndim)) if axes is None else axes
+        n = math.prod(x.shape[i] for i in full)
+        dev = x - x.mean(axis=full, keepdims=True)
+        ss = (dev * dev).sum(axis=full if axes is not None else None, keepdims=keepdims)
+        return ss / max(n - ddof, 0) if n - ddof > 0 else ss * np.nan
 
     def min(self, axis: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> Any:
         """Minimum over ``axis`` (see :meth:`sum`)."""
@@ -826,12 +854,42 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         [1, 0]
         """
         _no_out(out, "argmin")
-        return self._reduce("argmin", np.argmin, _single_axis(axis, "argmin"), keepdims, {})
+        ax = _single_axis(axis, "argmin")
+        if self._storage.kind == "distributed" and ax is not None:
+            i = _normalize_axes(ax, self)[0]  # type: ignore[index]
+            if i < self._shape.ndim:
+                return self._arg_along_mesh(i, "min", keepdims)
+        return self._reduce("argmin", np.argmin, ax, keepdims, {})
 
     def argmax(self, axis: Any = None, out: Any = None, *, keepdims: bool = False) -> Any:
-        """Index of the maximum along one ``axis`` (int or name), or of the flattened array."""
+        """Index of the maximum along one ``axis`` (int or name), or of the flattened array.
+
+        Along a mesh axis of a distributed array it runs as collectives where the
+        blocks live (the extreme value, then the lowest position holding it:
+        NumPy's first-occurrence rule); nothing but the indices reaches the controller.
+        """
         _no_out(out, "argmax")
-        return self._reduce("argmax", np.argmax, _single_axis(axis, "argmax"), keepdims, {})
+        ax = _single_axis(axis, "argmax")
+        if self._storage.kind == "distributed" and ax is not None:
+            i = _normalize_axes(ax, self)[0]  # type: ignore[index]
+            if i < self._shape.ndim:
+                return self._arg_along_mesh(i, "max", keepdims)
+        return self._reduce("argmax", np.argmax, ax, keepdims, {})
+
+    def _arg_along_mesh(self, axis: int, kind: str, keepdims: bool) -> Any:
+        """argmin/argmax along mesh axis ``axis`` of a distributed array, as collectives."""
+        best = self.min(axis=axis, keepdims=True) if kind == "min" else self.max(axis=axis, keepdims=True)
+        n = self._shape.sizes[axis]
+        # each position's index along ``axis``, as a distributed array of this one's mesh
+        pos = self._storage.positions(self._shape, axis)  # type: ignore[attr-defined]  # (a distributed storage)
+        if self.dtype.kind == "f":
+            # NumPy's rule: the first NaN wins (NaN != NaN marks those positions)
+            hit = np.logical_or(np.equal(self, best), np.not_equal(self, self))
+        else:
+            hit = np.equal(self, best)
+        # the position where it hits, else n: the smallest is the first occurrence
+        cand = (pos - n) * hit.astype("int64") + n
+        return cand.min(axis=axis, keepdims=keepdims)
 
     # -- display ----------------------------------------------------------------------------
 

@@ -225,6 +225,21 @@ class DistributedStorage:
         self.ctx.send(self._unique(), [I.Copy(bid, self.bid)])
         return self._derive(bid)
 
+    def positions(self, shape: Shape, axis: int) -> Any:
+        """A distributed int64 array of ``shape``: each position's index along mesh ``axis`` (local axes of 1)."""
+        vals: dict[int, int] = {}
+        for pos in np.ndindex(*self.ranks.shape):
+            r, v = int(self.ranks[pos]), pos[axis]
+            if vals.setdefault(r, v) != v:
+                raise ValueError(f"rank {r} holds positions {vals[r]} and {v} along axis {axis} of this view; "
+                                 f"index it without repeating ranks first")
+        ones = (1,) * len(self._local)
+        bid = self.ctx.new_id()
+        self.ctx.send(sorted(vals), [I.Put(bid, I.PerRank({r: np.full(ones, v, dtype=np.int64)
+                                                          for r, v in vals.items()}), self.engine)])
+        return MeshArray._from_parts(shape, DistributedStorage(self.ctx, bid, self.ranks, ones, np.int64,
+                                                               self.engine, None, self.collective))
+
     # -- compute
     def reduce(self, op: str, func: Any, axes: tuple[int, ...] | None, keepdims: bool, kwargs: dict) -> Any:
         if kwargs:

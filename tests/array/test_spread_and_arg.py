@@ -1,0 +1,64 @@
+"""std/var and argmin/argmax over mesh axes of distributed arrays run as collectives and equal NumPy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mesharray as ma
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def procs():
+    mesh = ma.proc_mesh(hosts=2, procs=3)
+    yield mesh
+    mesh.stop()
+
+
+
+@pytest.mark.parametrize("axis", ["procs", "hosts", None, ("hosts", "procs"), 2, ("procs", 2)])
+@pytest.mark.parametrize("ddof", [0, 1])
+def test_var_and_std_equal_numpy_without_gathering(procs, axis, ddof):
+    x = (procs.arange(4, dtype="float64") * 7.5 + procs.rank_array() * 3.25) % 5 + 1e6  # a large offset
+    ref = np.asarray(x.fetch())
+    idx = {"hosts": 0, "procs": 1}
+    np_axis = None if axis is None else (tuple(idx.get(a, a) for a in axis) if isinstance(axis, tuple)
+                                          else idx.get(axis, axis))
+    v, s = x.var(axis=axis, ddof=ddof), x.std(axis=axis, ddof=ddof)
+    assert type(v._storage).__name__ == "DistributedStorage"  # computed where the blocks live
+    np.testing.assert_allclose(np.asarray(v.fetch()), ref.var(axis=np_axis, ddof=ddof), rtol=1e-9)
+    np.testing.assert_allclose(np.asarray(s.fetch()), ref.std(axis=np_axis, ddof=ddof), rtol=1e-9)
+
+
+def test_var_of_ints_is_float_and_keepdims(procs):
+    x = procs.rank_array() * 2
+    ref = np.asarray(x.fetch())
+    v = x.var(axis="procs", keepdims=True)
+    got = np.asarray(v.fetch())
+    assert got.dtype == np.float64 and got.shape == ref.var(axis=1, keepdims=True).shape
+    np.testing.assert_allclose(got, ref.var(axis=1, keepdims=True))
+
+
+@pytest.mark.parametrize("axis", ["procs", "hosts", 0, 1])
+def test_argmin_argmax_along_a_mesh_axis_equal_numpy(procs, axis):
+    x = (procs.arange(5, dtype="float64") * 3 + procs.rank_array() * 2) % 4  # many ties
+    ref = np.asarray(x.fetch())
+    i = {"hosts": 0, "procs": 1}.get(axis, axis)
+    am, aM = x.argmin(axis=axis), x.argmax(axis=axis)
+    assert type(am._storage).__name__ == "DistributedStorage"
+    np.testing.assert_array_equal(np.asarray(am.fetch()), ref.argmin(axis=i))  # ties: the first, as NumPy
+    np.testing.assert_array_equal(np.asarray(aM.fetch()), ref.argmax(axis=i))
+    np.testing.assert_array_equal(np.asarray(x.argmin(axis=axis, keepdims=True).fetch()),
+                                  ref.argmin(axis=i, keepdims=True))
+
+
+def test_argmin_with_nan_and_inf_follows_numpy(procs):
+    x = procs.arange(3, dtype="float64") + procs.rank_array()
+    bad = x / (procs.rank_array() - 4)  # rank 4: x / 0 = inf
+    ref = np.asarray(bad.fetch())
+    np.testing.assert_array_equal(np.asarray(bad.argmax(axis="procs").fetch()), ref.argmax(axis=1))
+    withnan = bad - bad  # inf - inf = nan on rank 4
+    ref = np.asarray(withnan.fetch())
+    np.testing.assert_array_equal(np.asarray(withnan.argmin(axis="procs").fetch()), ref.argmin(axis=1))
