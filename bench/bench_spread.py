@@ -29,10 +29,10 @@ def run(ranks: int = 4, sizes_mib=(1, 16), reps: int = 7) -> list[tuple]:
             x = procs.arange((mib << 20) // 8, dtype="float64") * (procs.rank_array() + 1)
             x.std(axis="procs").fetch()  # groups made, code warm
 
-            def dist():
+            def dist(x=x):
                 return np.asarray(x.std(axis="procs").fetch())
 
-            def gathered():
+            def gathered(x=x):
                 return np.asarray(x.fetch()).std(axis=1)[0]
 
             np.testing.assert_allclose(dist().ravel(), gathered().ravel(), rtol=1e-9)
