@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # what __getattr__ below returns, for type checkers and edito
     from .actor import endpoint as endpoint
     from .array import MeshArray as MeshArray
     from .buffer import Buffer as Buffer
+    from .darray import all_to_all as all_to_all
     from .darray import allgather as allgather
     from .darray import broadcast_from as broadcast_from
     from .darray import reduce_scatter as reduce_scatter
@@ -89,6 +90,7 @@ _LAZY = {
     "allgather": "mesharray.darray",
     "broadcast_from": "mesharray.darray",
     "reduce_scatter": "mesharray.darray",
+    "all_to_all": "mesharray.darray",
 }
 
 # submodules reached as attributes (``ma.k8s.attach(...)``), imported on first use

@@ -23,13 +23,14 @@ from __future__ import annotations
 from .. import proc as _proc
 from . import factory
 from .context import DataContext, data_context
-from .factory import allgather, broadcast_from, reduce_scatter
+from .factory import all_to_all, allgather, broadcast_from, reduce_scatter
 from .storage import DistributedStorage
 from .worker import local_block
 
 __all__ = [
     "DataContext",
     "DistributedStorage",
+    "all_to_all",
     "allgather",
     "broadcast_from",
     "data_context",

@@ -237,7 +237,7 @@ class DistributedStorage:
         bid = self.ctx.new_id()
         self.ctx.send(sorted(vals), [I.Put(bid, I.PerRank({r: np.full(ones, v, dtype=np.int64)
                                                           for r, v in vals.items()}), self.engine)])
-        return MeshArray._from_parts(shape, DistributedStorage(self.ctx, bid, self.ranks, ones, np.int64,
+        return MeshArray.from_storage(shape, DistributedStorage(self.ctx, bid, self.ranks, ones, np.int64,
                                                                self.engine, None, self.collective))
 
     # -- compute

@@ -62,3 +62,26 @@ def test_argmin_with_nan_and_inf_follows_numpy(procs):
     withnan = bad - bad  # inf - inf = nan on rank 4
     ref = np.asarray(withnan.fetch())
     np.testing.assert_array_equal(np.asarray(withnan.argmin(axis="procs").fetch()), ref.argmin(axis=1))
+
+
+@pytest.mark.parametrize("dim", ["procs", "hosts"])
+def test_all_to_all_is_mpi_alltoall(procs, dim):
+    x = procs.arange(6) + 10 * procs.rank_array()
+    ref = np.asarray(x.fetch())
+    got = np.asarray(ma.all_to_all(x, dim).fetch())
+    n = 3 if dim == "procs" else 2
+    k = 6 // n
+    want = np.empty_like(ref)
+    for a in range(ref.shape[0]):
+        for b in range(ref.shape[1]):
+            j = b if dim == "procs" else a
+            members = [ref[a, i] for i in range(3)] if dim == "procs" else [ref[i, b] for i in range(2)]
+            want[a, b] = np.concatenate([m[j * k:(j + 1) * k] for m in members])
+    np.testing.assert_array_equal(got, want)
+
+
+def test_all_to_all_refuses_blocks_it_cannot_cut(procs):
+    with pytest.raises(ValueError, match="multiple of 3"):
+        ma.all_to_all(procs.arange(4), "procs")
+    with pytest.raises(TypeError, match="one mesh dim"):
+        ma.all_to_all(procs.arange(6), ("hosts", "procs"))
