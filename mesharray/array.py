@@ -876,6 +876,33 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
                 return self._arg_along_mesh(i, "max", keepdims)
         return self._reduce("argmax", np.argmax, ax, keepdims, {})
 
+    def roll(self, shift: int, axis: Any = None) -> MeshArray:
+        """Elements shifted by ``shift`` along ``axis`` (NumPy's ``np.roll``); ``axis`` may be a mesh dim.
+
+        Along a mesh dim of a distributed array the blocks move between the
+        workers (position ``j`` gets the block of position ``j - shift``, wrapping
+        around) and the controller sends only the plan; along a local axis each
+        block is rolled where it lives. ``axis=None`` rolls the flattened values
+        (gathered first, as NumPy defines it on the whole array).
+
+        Examples
+        --------
+        >>> import mesharray as ma
+        >>> ma.MeshArray([[0, 1, 2]], ["hosts", "procs"]).roll(1, axis="procs").tolist()
+        [[2, 0, 1]]
+        """
+        if not isinstance(shift, (numbers.Integral, np.integer)) or isinstance(shift, bool):
+            raise TypeError(f"roll takes one integer shift, got {shift!r}")
+        st = self._storage
+        if axis is not None and st.kind == "distributed":
+            i = _normalize_axes(_single_axis(axis, "roll"), self)[0]
+            return MeshArray.from_storage(self._shape, st.roll(i, int(shift), self._shape.ndim))
+        values = self.to_numpy()
+        if axis is None:
+            return MeshArray.from_storage(self._shape, GatheredStorage(np.roll(values, int(shift))))
+        i = _normalize_axes(_single_axis(axis, "roll"), self)[0]
+        return MeshArray.from_storage(self._shape, GatheredStorage(np.roll(values, int(shift), axis=i)))
+
     def _arg_along_mesh(self, axis: int, kind: str, keepdims: bool) -> Any:
         """argmin/argmax along mesh axis ``axis`` of a distributed array, as collectives."""
         best = self.min(axis=axis, keepdims=True) if kind == "min" else self.max(axis=axis, keepdims=True)

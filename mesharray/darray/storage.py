@@ -415,6 +415,33 @@ class DistributedStorage:
         out = self._send_collective([], self.bid, op, groups, self._dtype)
         return self._derive(out, local=new_local, holders=None)
 
+    def roll(self, axis: int, shift: int, mesh_ndim: int) -> "DistributedStorage":
+        """``np.roll`` along ``axis`` of the full shape: a mesh axis moves blocks, a local one rolls each block."""
+        if axis >= mesh_ndim:
+            bid = self.ctx.new_id()
+            self.ctx.send(self._unique(), [I.Apply(bid, _roll_local, [I.BlockRef(self.bid), I.Value(shift),
+                                                                       I.Value(axis - mesh_ndim)])])
+            return self._derive(bid, holders=None)
+        return self.roll_mesh(axis, shift)
+
+    def roll_mesh(self, axis: int, shift: int) -> "DistributedStorage":
+        """Position ``j`` along mesh ``axis`` gets the block of position ``j - shift`` (mod the axis' size).
+
+        The blocks move between the workers of each group (an allgather, then each
+        member keeps the one it needs); the controller sends only the plan.
+        """
+        n = self.ranks.shape[axis]
+        if n <= 1 or shift % n == 0:
+            return self.copy()
+        gathered = self.group_op("allgather", (axis,), None)
+        pos = self.positions(Shape({f"d{i}": s for i, s in enumerate(self.ranks.shape)}), axis)._storage
+        bid = self.ctx.new_id()
+        self.ctx.send(self._unique(), [I.Apply(bid, _roll_pick, [I.BlockRef(gathered.bid), I.BlockRef(pos.bid),
+                                                                  I.Value(shift), I.Value(n)])])
+        out = self._derive(bid, holders=None)
+        del gathered, pos  # (their blocks are freed once the program above ran: frees ride behind it)
+        return out
+
     def _gathered_reduce(self, op: str, func: Any, axes: Any, keepdims: bool, kwargs: dict) -> Any:
         return GatheredStorage(self.to_numpy()).reduce(op, func, axes, keepdims, kwargs)
 
@@ -556,6 +583,16 @@ def _per_rank(values: np.ndarray, pos_of: dict, m: int) -> dict:
     """Each rank's slice of host ``values`` (mesh axes first, size-1 axes broadcast)."""
     return {rank: np.array(values[tuple(pi if s > 1 else 0 for pi, s in zip(p, values.shape[:m]))])
             for rank, p in pos_of.items()}
+
+
+def _roll_local(block: Any, shift: int, axis: int) -> Any:
+    return np.roll(np.asarray(block), shift, axis=axis)
+
+
+def _roll_pick(blocks: Any, pos: Any, shift: int, n: int) -> Any:
+    """On the member at position ``p`` of its group: the block of member ``p - shift``."""
+    p = int(np.asarray(pos).reshape(-1)[0])
+    return blocks[(p - shift) % n].copy()
 
 
 def _decref(ctx_ref: weakref.ref, bid: int, ranks: tuple, nbytes: int) -> None:

@@ -85,3 +85,22 @@ def test_all_to_all_refuses_blocks_it_cannot_cut(procs):
         ma.all_to_all(procs.arange(4), "procs")
     with pytest.raises(TypeError, match="one mesh dim"):
         ma.all_to_all(procs.arange(6), ("hosts", "procs"))
+
+
+@pytest.mark.parametrize("axis, np_axis", [("procs", 1), ("hosts", 0), (2, 2), (-1, 2)])
+@pytest.mark.parametrize("shift", [1, -1, 2, 7])
+def test_roll_equals_numpy_and_moves_blocks_between_workers(procs, axis, np_axis, shift):
+    x = procs.arange(4) + 10 * procs.rank_array()
+    ref = np.asarray(x.fetch())
+    y = x.roll(shift, axis=axis)
+    assert type(y._storage).__name__ == "DistributedStorage"  # the blocks stayed in the workers
+    np.testing.assert_array_equal(np.asarray(y.fetch()), np.roll(ref, shift, axis=np_axis))
+
+
+def test_roll_of_gathered_values_and_of_everything(procs):
+    a = ma.MeshArray(np.arange(6).reshape(2, 3), ["hosts", "procs"])
+    np.testing.assert_array_equal(a.roll(1, axis="procs").to_numpy(), np.roll(np.arange(6).reshape(2, 3), 1, 1))
+    x = procs.arange(2) + 10 * procs.rank_array()
+    np.testing.assert_array_equal(np.asarray(x.roll(3).fetch()), np.roll(np.asarray(x.fetch()), 3))
+    with pytest.raises(TypeError, match="one integer shift"):
+        x.roll(1.5, axis="procs")
