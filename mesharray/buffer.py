@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _platform
 from ._core import buffer_address, copy_bytes
 from ._proc_stat import start_time as _start_time
 from .errors import ActorDiedError, MeshArrayError
@@ -98,6 +99,8 @@ def _vm_transfer(write: bool, pid: int, local: int, remote: int, nbytes: int) ->
 
 def _host_key() -> str:
     # processes can use cross-memory attach only on one kernel and in one PID namespace
+    if not _platform.LINUX_NATIVE:  # none elsewhere (and none with MESHARRAY_PORTABLE=1): the stream path
+        return f"{socket.gethostname()}:{os.getpid()}"
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
