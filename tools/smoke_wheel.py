@@ -16,9 +16,11 @@ import sysconfig
 import numpy as np
 
 
-def main() -> None:
-    for cc in ("cc", "gcc", "clang", "zig"):
-        assert shutil.which(cc) is None, f"a compiler is on PATH ({shutil.which(cc)}): the test would prove nothing"
+def main(argv: list[str]) -> None:
+    # cibuildwheel tests in its build environment, compilers included: --allow-compiler there
+    if "--allow-compiler" not in argv:
+        for cc in ("cc", "gcc", "clang", "zig"):
+            assert shutil.which(cc) is None, f"a compiler is on PATH ({shutil.which(cc)}): the test would prove nothing"
     import mesharray as ma
     from mesharray import _core
 
@@ -36,4 +38,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
