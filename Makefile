@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH  := torch==2.13.0
 SRC    := $(wildcard mesharray/*.pyx mesharray/*.pxi mesharray/*.pxd) setup.py pyproject.toml
 
-.PHONY: demo test test-core test-mpi test-portable test-wheel wheel lint bench install clean
+.PHONY: demo test test-core test-mpi test-portable test-wheel wheel docs lint bench install clean
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,7 @@ test: $(VENV)/.installed-test
 	$(MAKE) test-portable
 	$(MAKE) test-mpi
 	$(MAKE) test-wheel
+	$(MAKE) docs
 
 # The code paths of macOS and other non-Linux systems (selectors instead of epoll, socket
 # files instead of abstract sockets, shared memory passed over SCM_RIGHTS instead of opened
@@ -88,6 +89,15 @@ test-wheel: wheel
 	  bin/python $(CURDIR)/examples/quickstart.py
 	cd $(WHEEL_VENV) && env -i HOME="$$HOME" PATH="$(CURDIR)/$(WHEEL_VENV)/bin" \
 	  bin/python $(CURDIR)/tools/smoke_wheel.py
+
+# The user guide and the API reference (Sphinx: autodoc + napoleon over the docstrings),
+# warnings as errors, into build/docs.
+$(VENV)/.installed-docs: $(VENV)/.installed
+	$(PIP) install sphinx==9.0.4
+	touch $@
+
+docs: $(VENV)/.installed-docs
+	$(PY) -m sphinx -W --keep-going -q -b html docs build/docs
 
 # tests/mpi run the same pytest command on every rank: rank 0 is the controller
 # and runs the tests, ranks 1..N-1 become workers inside tests/mpi/conftest.py.
