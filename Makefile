@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH  := torch==2.13.0
 SRC    := $(wildcard mesharray/*.pyx mesharray/*.pxi mesharray/*.pxd) setup.py pyproject.toml
 
-.PHONY: demo test test-core test-mpi test-portable test-wheel wheel docs lint bench install clean
+.PHONY: demo test test-core test-mpi test-portable test-wheel wheel docs lint bench install clean tools
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -28,13 +28,25 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -e ".[test,torch,mpi]"
 	touch $@
 
+# The programs tests/telemetry drives: a headless browser for the web view, tmux for `top`.
+# Installed from Debian's packages when missing and this runs as root with apt (CI); the
+# tests that need them skip, naming what is missing, anywhere they cannot be installed.
+tools:
+	@missing=""; command -v chromium >/dev/null || missing="$$missing chromium"; \
+	command -v tmux >/dev/null || missing="$$missing tmux"; \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing$$missing (Debian packages) for tests/telemetry"; \
+	  (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+	     --no-install-recommends $$missing >/dev/null) || echo "could not install$$missing: those tests skip"; \
+	fi
+
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(PY) examples/quickstart.py
 	$(PY) examples/linreg.py
 
-test: $(VENV)/.installed-test
+test: $(VENV)/.installed-test tools
 	$(MAKE) lint
 	$(PY) -m pytest tests --ignore=tests/mpi -q -p no:cacheprovider
 	$(MAKE) test-portable

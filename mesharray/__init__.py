@@ -58,6 +58,7 @@ if TYPE_CHECKING:  # what __getattr__ below returns, for type checkers and edito
     from .mesh import MeshTrait as MeshTrait
     from .proc import HostMesh as HostMesh
     from .proc import ProcMesh as ProcMesh
+    from .proc import attach as attach
     from .proc import proc_mesh as proc_mesh
     from .proc import this_host as this_host
 
@@ -81,6 +82,7 @@ _LAZY = {
     "proc_mesh": "mesharray.proc",
     "this_host": "mesharray.proc",
     "HostMesh": "mesharray.proc",
+    "attach": "mesharray.proc",
     "Endpoint": "mesharray.actor",
     "Buffer": "mesharray.buffer",
     "allgather": "mesharray.darray",

@@ -7,6 +7,8 @@ Usage::
     python -m mesharray -c "code" [args...]     # run a string, like python -c
     python -m mesharray run script.py [args...] # the same, for a script named "info"
     python -m mesharray info [--probe] [--json] # version, engines, transports, launcher
+    python -m mesharray host --listen tcp://0.0.0.0:26600 [--advertise URL] [--host-id NAME]
+                                                # a host agent (secret: MESHARRAY_SECRET)
 
 Running through ``python -m mesharray`` adds one guarantee to a launch such as
 ``mpirun -n 4 python -m mesharray train.py``: an unhandled exception (or a
@@ -34,13 +36,17 @@ usage: python -m mesharray script.py [args...]
        python -m mesharray -c command [args...]
        python -m mesharray run script.py [args...]
        python -m mesharray info [--probe] [--json]
+       python -m mesharray host --listen tcp://0.0.0.0:26600 [--advertise URL] [--host-id NAME]
+       python -m mesharray top URL                # live per-rank table of procs.telemetry.serve()'s URL
        python -m mesharray --version
 
 Runs a script so that an unhandled exception on any MPI rank aborts the
 whole job (non-zero exit) instead of hanging the others; `info` prints the
 version, the engines and transports available and the detected launcher;
 `info --probe` also loads every engine and reports its device, collective
-backend and the dtypes that worked on it (imports torch: seconds)."""
+backend and the dtypes that worked on it (imports torch: seconds); `host`
+runs a host agent that scripts attach to (ma.attach), with the secret taken
+from MESHARRAY_SECRET."""
 
 
 # --------------------------------------------------------------------------- running
@@ -202,10 +208,12 @@ def info(probe: bool = False) -> dict[str, Any]:
     -------
     dict
         ``version``, ``python``, ``engines`` and ``transports`` (name -> a short
-        description, or None when unavailable), ``platform`` (the code paths this
-        OS takes: see :mod:`mesharray._platform`), ``launcher`` (or None),
-        ``bootstrap`` (what ``proc_mesh()`` would use here) and, with ``probe``,
-        ``engine_probes`` (name -> capabilities).
+        description, or None when unavailable), ``data_plane`` (what carries
+        bulk data on one host and between hosts, and why UCX is or is not
+        available), ``platform`` (the code paths this OS takes: see
+        :mod:`mesharray._platform`), ``launcher`` (or None), ``bootstrap`` (what
+        ``proc_mesh()`` would use here) and, with ``probe``, ``engine_probes``
+        (name -> capabilities).
 
     Examples
     --------
@@ -235,6 +243,16 @@ def info(probe: bool = False) -> dict[str, Any]:
     else:
         transports["mpi"] = None
 
+    from mesharray.transport.dataplane import plane_kind, ucx_status
+
+    ucx_ok, ucx_why = ucx_status() if _has("ucxx") else (False, "ucxx is not installed; pip install 'mesharray[ucx]'")
+    setting = os.environ.get("MESHARRAY_DATA_PLANE") or "auto"
+    try:
+        between = plane_kind(setting)
+    except Exception as exc:  # a bad setting, or ucx asked for without ucxx: say so
+        between = f"invalid: {exc}"
+    data_plane = {"setting": setting, "same host": "shared memory", "between hosts": between,
+                  "tcp": "built in", "ucx": ucx_why if ucx_ok else f"unavailable: {ucx_why}"}
     launcher = detect_launcher()
     try:
         bootstrap = resolve_bootstrap("auto")
@@ -249,6 +267,7 @@ def info(probe: bool = False) -> dict[str, Any]:
         "executable": sys.executable,
         "engines": engines,
         "transports": transports,
+        "data_plane": data_plane,
         "launcher": None if launcher is None else {
             "name": launcher.name, "rank": launcher.rank, "size": launcher.size,
             "local_rank": launcher.local_rank, "local_size": launcher.local_size,
@@ -309,6 +328,9 @@ def _print_info(data: dict[str, Any]) -> None:
         for name, descr in data[section].items():
             text = descr if descr else f"unavailable ({_HINTS.get(name, 'not installed')})"
             print(f"  {name:<6} {text}")
+    dp = data["data_plane"]
+    print(f"data plane (MESHARRAY_DATA_PLANE={dp['setting']}): same host {dp['same host']}; between hosts "
+          f"{dp['between hosts']} (tcp: {dp['tcp']}; ucx: {dp['ucx']})")
     plat = data["platform"]
     print(f"platform: {plat['system']}{' (MESHARRAY_PORTABLE)' if plat['portable'] else ''}; poller {plat['poller']}; "
           f"{plat['listeners']}; shared memory: {plat['shared_memory'] or 'none (data inline)'}; "
@@ -355,6 +377,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(f"mesharray {mesharray.__version__}")
         return 0
+    if first == "top":
+        from .observe import top_main
+
+        return top_main(args[1:])
+    if first == "host":
+        from .bootstrap.agent import main as host_main
+
+        return host_main(args[1:])
     if first == "info":
         extra = args[1:]
         unknown = [a for a in extra if a not in ("--json", "--probe")]

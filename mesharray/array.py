@@ -446,6 +446,21 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
     def __bool__(self) -> bool:
         return bool(self._values())
 
+    def __float__(self) -> float:
+        """``float(a)`` of a one-element array (NumPy's rule; gathers a distributed one).
+
+        >>> import mesharray as ma
+        >>> float(ma.MeshArray([2.5], ["procs"]).sum())
+        2.5
+        """
+        return float(self._values())
+
+    def __int__(self) -> int:
+        return int(self._values())
+
+    def __complex__(self) -> complex:
+        return complex(self._values())
+
     # -- conversion ------------------------------------------------------------------
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:

@@ -44,6 +44,7 @@ from ._proc_stat import start_time as _start_time
 from .errors import ActorDiedError, MeshArrayError
 from .runtime.future import Future, completed_future
 from .transport.auth import HANDSHAKE_TIMEOUT
+from .transport.hostid import memory_domain
 from .transport.sockio import recv_exactly_into
 
 log = logging.getLogger("mesharray.buffer")
@@ -98,18 +99,12 @@ def _vm_transfer(write: bool, pid: int, local: int, remote: int, nbytes: int) ->
 
 
 def _host_key() -> str:
-    # processes can use cross-memory attach only on one kernel and in one PID namespace
-    if not _platform.LINUX_NATIVE:  # none elsewhere (and none with MESHARRAY_PORTABLE=1): the stream path
+    # cross-memory attach needs one kernel and one PID namespace; host ids (agents on one
+    # machine posing as several hosts) keep apart processes that must take the network path.
+    # None off Linux (nor with MESHARRAY_PORTABLE=1): only this process matches, others stream
+    if not _platform.LINUX_NATIVE:
         return f"{socket.gethostname()}:{os.getpid()}"
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        ns = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return f"{socket.gethostname()}:{os.getpid()}"  # unknown: only this process matches
-    return f"{boot}:{ns}"
-
-
+    return memory_domain()
 
 
 # --- the owner's registry -------------------------------------------------------------
@@ -199,9 +194,12 @@ def _registry() -> _Registry:
 
 # --- the stream path (other hosts, or cross-memory attach denied) -------------------
 
-_REQ = struct.Struct("!4sBIQ16sQ")  # magic, op (0 read, 1 write, 2 drop), slot, token, secret, nbytes
+_REQ = struct.Struct("!4sBIQ16sQQ")  # magic, op (0 read, 1 write, 2 drop), slot, token, secret, offset, nbytes
 _REP = struct.Struct("!4sBQ")  # magic, status (0 ok, 1 dropped), nbytes
-_MAGIC = b"MABF"
+_MAGIC = b"MAB2"
+#: a stream transfer at least this large is split over several connections (``MESHARRAY_BUFFER_STREAMS``)
+_SPLIT = 8 << 20
+_STREAMS = max(1, int(os.environ.get("MESHARRAY_BUFFER_STREAMS", "4")))
 
 
 class _Server:
@@ -250,20 +248,21 @@ class _Server:
             try:
                 head = _recv_header(conn, _REQ.size, time.monotonic() + HANDSHAKE_TIMEOUT)
                 conn.settimeout(None)  # authenticated: a large transfer takes what it takes
-                magic, op, slot, token, secret, nbytes = _REQ.unpack(head)
+                magic, op, slot, token, secret, offset, nbytes = _REQ.unpack(head)
                 mem = self.reg.lookup(slot, token, secret) if magic == _MAGIC else None
                 if mem is not None and op == 2:
                     self.reg.unregister(slot, token)
                     conn.sendall(_REP.pack(_MAGIC, 0, 0))
                     return
-                if mem is None or nbytes > mem.nbytes:
+                if mem is None or offset + nbytes > mem.nbytes:
                     conn.sendall(_REP.pack(_MAGIC, 1, 0))
                     return
                 conn.sendall(_REP.pack(_MAGIC, 0, nbytes))
+                part = mem[offset:offset + nbytes]
                 if op == 0:
-                    conn.sendall(mem[:nbytes])
+                    conn.sendall(part)
                 else:
-                    _recv_into(conn, mem[:nbytes])
+                    _recv_into(conn, part)
                     conn.sendall(_REP.pack(_MAGIC, 0, nbytes))
             except (OSError, ConnectionError):
                 return
@@ -467,13 +466,40 @@ class Buffer:
         self._stream(write, local, nbytes)
 
     def _stream(self, write: bool, local: int, nbytes: int) -> None:
+        # a large transfer goes over several connections at once: one TCP stream is bound by
+        # one core's copy and one congestion window, several fill the link (other hosts)
+        k = min(_STREAMS, max(1, nbytes // (_SPLIT // 2))) if nbytes >= _SPLIT else 1
+        if k == 1:
+            self._stream_part(write, local, 0, nbytes)
+            return
+        step = -(-nbytes // k)
+        errors: list[BaseException] = []
+
+        def run(off: int) -> None:
+            try:
+                self._stream_part(write, local + off, off, min(step, nbytes - off))
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(off,), daemon=True) for off in range(step, nbytes, step)]
+        for t in threads:
+            t.start()
+        run(0)
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
+    def _stream_part(self, write: bool, local: int, offset: int, nbytes: int) -> None:
         st = self._state
         if st["server"] is None:
             raise MeshArrayError("buffer owner has no stream server (the handle was not sent by pickling)")
         view = memoryview((ctypes.c_char * nbytes).from_address(local)).cast("B") if nbytes else memoryview(b"")
         try:
             with socket.create_connection(tuple(st["server"]), timeout=60) as conn:
-                conn.sendall(_REQ.pack(_MAGIC, 1 if write else 0, st["slot"], st["token"], st["secret"], nbytes))
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn.sendall(_REQ.pack(_MAGIC, 1 if write else 0, st["slot"], st["token"], st["secret"], offset,
+                                       nbytes))
                 magic, status, _ = _REP.unpack(_recv_exact(conn, _REP.size))
                 if status != 0:
                     raise MeshArrayError("buffer was dropped by its owner; it can no longer be read or written")
@@ -576,7 +602,7 @@ class Buffer:
                     pass
             if st["server"] is not None:
                 with socket.create_connection(tuple(st["server"]), timeout=10) as conn:
-                    conn.sendall(_REQ.pack(_MAGIC, 2, st["slot"], st["token"], st["secret"], 0))
+                    conn.sendall(_REQ.pack(_MAGIC, 2, st["slot"], st["token"], st["secret"], 0, 0))
                     _recv_exact(conn, _REP.size)
         except (ActorDiedError, OSError, MeshArrayError):
             pass  # the owner is gone: nothing left to release

@@ -37,14 +37,15 @@ from .bootstrap import local as _local
 from .bootstrap import mpi as _mpi
 from .bootstrap import resolve_bootstrap
 from .bootstrap.launch import Launch
-from .errors import MeshFailure, MeshStoppedError
+from .errors import BootstrapError, MeshFailure, MeshStoppedError
 from .mesh import MeshTrait
+from .observe import Telemetry
 from .runtime import protocol as P
 from .runtime.controller import Controller
 from .runtime.future import Future, new_future
 from .transport import framing, shm
 
-__all__ = ["ProcMesh", "proc_mesh", "this_host", "HostMesh", "install_array_factory"]
+__all__ = ["ProcMesh", "proc_mesh", "this_host", "attach", "HostMesh", "install_array_factory"]
 
 _actor_ids = itertools.count(1).__next__
 log = logging.getLogger("mesharray.proc")
@@ -167,6 +168,7 @@ class _Root:
         self.stopped = False
         self.stopping = False
         self.on_stop: list[Callable[[], None]] = []
+        self.telemetry: Telemetry | None = None
         self._lock = threading.Lock()
         for r in range(shape.size):
             coords = shape.coordinates(r)
@@ -328,6 +330,18 @@ class ProcMesh(MeshTrait):
         """Process ids of this view's workers, in row-major order."""
         w = self._root.controller.workers
         return [w[r].pid for r in self._shape]
+
+    @property
+    def host_ids(self) -> list[str]:
+        """The host id of each of this view's workers, in row-major order."""
+        w = self._root.controller.workers
+        return [w[r].hello.get("host_id") or w[r].host for r in self._shape]
+
+    @property
+    def host_info(self) -> list[tuple[str | None, str | None]]:
+        """``(memory domain, data-plane address)`` of each worker: equal domains share memory."""
+        w = self._root.controller.workers
+        return [(w[r].hello.get("domain"), w[r].hello.get("data")) for r in self._shape]
 
     @overload
     def spawn(self, name: str, actor_class: Callable[_P, _A], *args: _P.args, **kwargs: _P.kwargs) -> _A: ...
@@ -513,6 +527,33 @@ class ProcMesh(MeshTrait):
         """
         self._root.stop()
 
+    @property
+    def telemetry(self) -> Telemetry:
+        """What the whole mesh does: ``sql(...)``, ``metrics()``, ``trace(path)``, ``serve()``, ``stacks()``.
+
+        See :mod:`mesharray.observe`. One per root mesh, whichever view asks;
+        closed when the mesh stops.
+
+        >>> procs.telemetry.sql("SELECT endpoint, count(*) AS n FROM messages GROUP BY endpoint")  # doctest: +SKIP
+        """
+        root = self._root
+        with root._lock:
+            if root.telemetry is None:
+                if root.stopped:
+                    raise MeshStoppedError("the mesh was stopped: its telemetry is gone")
+                root.telemetry = Telemetry(root.controller, root.controller.labels, root.controller.name)
+                root.on_stop.append(root.telemetry.close)
+            return root.telemetry
+
+    def stacks(self, timeout: float = 5.0) -> dict[int, str]:
+        """The Python thread stacks of every rank of this view (what a hung call is doing).
+
+        Asked on a connection of its own, so a rank busy in a long call answers
+        too. ``{rank: text}``; a rank that cannot answer gets the reason.
+        """
+        every = self.telemetry.stacks(timeout)
+        return {r: every.get(r, "<not in the mesh>") for r in self._shape}
+
     def stats(self) -> dict:
         """Runtime counters.
 
@@ -614,22 +655,121 @@ def proc_mesh(hosts: int | None = None, procs: int | None = None, *, bootstrap: 
     return ProcMesh._from_launch(launch, owner)
 
 
-class HostMesh:
-    """The hosts a script can start processes on; ``this_host()`` is this machine."""
+class _Hosts:
+    """What all views of one attached host mesh share: the agents and the meshes started on them."""
 
-    def spawn_procs(self, per_host: dict | None = None, **kwargs: Any) -> ProcMesh:
-        """Monarch's spelling: ``this_host().spawn_procs(per_host={"procs": N})``.
+    def __init__(self, agents: list[Any], data_plane: str) -> None:
+        self.agents = agents
+        self.data_plane = data_plane
+        self.meshes: list[ProcMesh] = []
+        self.detached = False
+        self.lock = threading.Lock()
+
+
+class HostMesh(MeshTrait):
+    """Hosts a script can start processes on: a mesh with the dim ``hosts``.
+
+    ``ma.attach([...])`` gives the hosts of running host agents
+    (``python -m mesharray host``); ``ma.this_host()`` is this machine, a
+    one-host mesh that starts its processes locally. Index and slice it like
+    any mesh (``hosts[0:2]``, ``hosts.slice(hosts=-1)``); :meth:`spawn_procs`
+    starts a :class:`ProcMesh` on the hosts of the view.
+    """
+
+    def __init__(self, shape: Shape | None = None, hosts: _Hosts | None = None) -> None:
+        self._shape = Shape({"hosts": 1}) if shape is None else shape
+        self._hosts = hosts
+
+    @property
+    def _mesh_shape(self) -> Shape:
+        return self._shape
+
+    def _with_mesh_shape(self, shape: Shape) -> HostMesh:
+        return HostMesh(shape, self._hosts)
+
+    @property
+    def host_ids(self) -> list[str]:
+        """The host id of each host of this view (``this_host()``: this machine's name)."""
+        if self._hosts is None:
+            return [os.uname().nodename]
+        return [self._hosts.agents[r].host_id for r in self._shape]
+
+    @property
+    def addresses(self) -> list[str]:
+        """The agents' addresses (``tcp://HOST:PORT``) of this view's hosts."""
+        if self._hosts is None:
+            return []
+        return [self._hosts.agents[r].url for r in self._shape]
+
+    def spawn_procs(self, per_host: dict | None = None, *, name: str = "procs", timeout: float | None = None,
+                    **kwargs: Any) -> ProcMesh:
+        """Start processes on every host of this view: ``hosts.spawn_procs(per_host={"procs": 8})``.
+
+        The result has dims ``{"hosts": H, "procs": N}`` (``per_host`` names
+        one dim and its size; its name becomes the second dim's). Keywords
+        are those of :func:`proc_mesh` (``heartbeat_timeout``,
+        ``forward_logs``, ``owner``, ``kill_unresponsive``).
 
         >>> import mesharray as ma
         >>> procs = ma.this_host().spawn_procs(per_host={"procs": 2})   # doctest: +SKIP
         """
         per_host = dict(per_host or {"procs": 1})
-        if set(per_host) - {"procs"}:
-            raise ValueError(f"per_host supports the dimension 'procs' only, got {sorted(per_host)}")
-        return proc_mesh(hosts=1, procs=per_host.get("procs", 1), **kwargs)
+        if len(per_host) != 1:
+            raise ValueError(f"per_host names one dimension and its size, got {per_host!r}")
+        (dim, n), = per_host.items()
+        if not isinstance(dim, str) or dim == "hosts":
+            raise ValueError(f"per_host's dimension must be a name other than 'hosts', got {dim!r}")
+        if self._hosts is None:
+            mesh = proc_mesh(hosts=1, procs=n, name=name, timeout=timeout, **kwargs)
+            return mesh if dim == "procs" else mesh.rename(procs=dim)
+        from .bootstrap import remote as _remote
+
+        h = self._hosts
+        owner = kwargs.pop("owner", None)
+        with h.lock:
+            if h.detached:
+                raise MeshStoppedError("these hosts were detached; attach again to start processes on them")
+            launch = _remote.launch([h.agents[r] for r in self._shape], n, name=name,
+                                    timeout=60.0 if timeout is None else timeout, data_plane=h.data_plane,
+                                    dim=dim, **kwargs)
+            mesh = ProcMesh._from_launch(launch, owner)
+            h.meshes.append(mesh)
+        return mesh
+
+    def detach(self) -> None:
+        """Stop the process meshes started on these hosts and let the agents serve another controller.
+
+        Whichever view it is called on, it detaches every host of the mesh
+        ``attach`` returned. Detaching twice is harmless.
+        """
+        h = self._hosts
+        if h is None:
+            return
+        with h.lock:
+            if h.detached:
+                return
+            h.detached = True
+            meshes, h.meshes = h.meshes, []
+        for m in meshes:
+            m.stop()
+        for a in h.agents:
+            a.close()
+
+    @property
+    def detached(self) -> bool:
+        return self._hosts is not None and self._hosts.detached
+
+    def __enter__(self) -> HostMesh:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.detach()
 
     def __repr__(self) -> str:
-        return f"<HostMesh {os.uname().nodename}>"
+        if self._hosts is None:
+            return f"<HostMesh {os.uname().nodename}>"
+        state = " detached" if self._hosts.detached else ""
+        return f"<HostMesh {{hosts={self._shape.size}}} {', '.join(self.host_ids)}{state}>"
 
 
 def this_host() -> HostMesh:
@@ -640,3 +780,64 @@ def this_host() -> HostMesh:
     <HostMesh ...>
     """
     return HostMesh()
+
+
+def attach(addresses: Sequence[str], *, secret: str | bytes | None = None, timeout: float = 30.0,
+           transport: str | None = None) -> HostMesh:
+    """Attach to running host agents: a :class:`HostMesh` with dims ``{"hosts": len(addresses)}``.
+
+    Each machine runs ``MESHARRAY_SECRET=... python -m mesharray host --listen tcp://0.0.0.0:26600``;
+    the script attaches to all of them, then starts processes with
+    :meth:`HostMesh.spawn_procs`. Hosts are laid out in the order given.
+
+    Parameters
+    ----------
+    addresses : list of str
+        The agents' addresses, ``tcp://HOST:PORT`` (as each agent printed it).
+    secret : str or bytes, optional
+        The agents' secret (default ``MESHARRAY_SECRET``).
+    timeout : float
+        Seconds to wait for every agent to answer (agents still starting are retried).
+    transport : {"auto", "shm", "tcp", "ucx"}, optional
+        The data plane between hosts (default ``MESHARRAY_DATA_PLANE``, else
+        ``auto``: UCX when ``ucxx`` is installed, else TCP). Processes of one
+        host always share memory.
+
+    Raises
+    ------
+    AuthenticationError
+        An agent refused the secret.
+    BootstrapError
+        No secret, an agent already serving another controller, or agents not
+        reached within ``timeout`` (named in the message).
+
+    Examples
+    --------
+    >>> hosts = ma.attach(["tcp://node1:26600", "tcp://node2:26600"])   # doctest: +SKIP
+    >>> procs = hosts.spawn_procs(per_host={"procs": 8})                 # doctest: +SKIP
+    >>> procs.sizes                                                      # doctest: +SKIP
+    {'hosts': 2, 'procs': 8}
+    >>> procs.stop(); hosts.detach()                                     # doctest: +SKIP
+    """
+    from .bootstrap import agent as _agent
+    from .bootstrap import remote as _remote
+    from .runtime.router import get_router
+    from .transport.dataplane import plane_kind
+
+    if isinstance(addresses, str):
+        addresses = [addresses]
+    addresses = list(addresses)
+    if not addresses:
+        raise ValueError("attach needs at least one host agent address")
+    for a in addresses:
+        _agent.parse_url(a)  # a malformed address fails here, naming it
+    if len(set(addresses)) != len(addresses):
+        dup = sorted({a for a in addresses if addresses.count(a) > 1})
+        raise ValueError(f"host agent addresses repeat: {dup}; each agent serves one controller once")
+    key = _agent.secret_from_env(secret)
+    if key is None:
+        raise BootstrapError("attach needs the agents' secret: set MESHARRAY_SECRET (as on the agents) or "
+                             "pass secret=")
+    kind = plane_kind(transport)
+    agents = _remote.attach_agents(addresses, key, get_router().secret, timeout=timeout)
+    return HostMesh(Shape({"hosts": len(agents)}), _Hosts(agents, kind))

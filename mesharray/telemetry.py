@@ -19,12 +19,15 @@ it sent. ``ProcMesh.stats()`` returns both as a dict.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import sys
 import threading
+import time
 
-__all__ = ["Counters", "forward_process_output", "flush_forwarding", "LogSink", "set_worker_label"]
+__all__ = ["Counters", "forward_process_output", "flush_forwarding", "LogSink", "set_worker_label",
+           "compress_labels"]
 
 _threads: list[threading.Thread] = []
 _label: str | None = None
@@ -84,14 +87,40 @@ def flush_forwarding(timeout: float = 1.0) -> None:
         t.join(timeout)
 
 
-class LogSink:
-    """Controller side: reassemble lines per (rank, stream) and print them prefixed."""
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
-    def __init__(self) -> None:
+
+def _level(stream: int, text: str) -> str:
+    head = text.split(" ", 1)[0].rstrip(":")
+    if head in _LEVELS:  # logging's default format in workers: "LEVEL name: message"
+        return head
+    return "ERROR" if stream == 2 and text.startswith("Traceback") else ("INFO" if stream == 1 else "")
+
+
+class LogSink:
+    """Controller side: reassemble lines per (rank, stream), keep them for telemetry, print them prefixed.
+
+    Identical lines from several ranks within ``MESHARRAY_LOG_WINDOW`` seconds
+    (0.25) print once, with the ranks' labels compressed: 8 ranks printing
+    ``step done`` give one ``[procs=0:8] step done``. Each rank's own lines keep
+    their order. ``MESHARRAY_LOG_AGGREGATE=0`` (or ``aggregate = False``) prints
+    every line as it comes. Every line is kept, per rank, in :meth:`rows` (the
+    ``logs`` telemetry table), whatever is printed.
+    """
+
+    def __init__(self, aggregate: bool | None = None, window: float | None = None) -> None:
         self._partial: dict = {}
         self._lock = threading.Lock()
+        self.aggregate = (os.environ.get("MESHARRAY_LOG_AGGREGATE", "1") != "0") if aggregate is None else aggregate
+        self.window = float(os.environ.get("MESHARRAY_LOG_WINDOW", "0.25")) if window is None else window
+        self._rows: collections.deque = collections.deque(maxlen=int(os.environ.get("MESHARRAY_LOG_ROWS", "100000")))
+        # lines waiting to be printed: [stream, text, labels] in arrival order, and each
+        # rank's last entry index (a line may only join an entry after it: order per rank)
+        self._pending: list[list] = []
+        self._last: dict = {}
+        self._timer: threading.Timer | None = None
 
-    def write(self, label: str, stream: int, data: bytes) -> None:
+    def write(self, label: str, stream: int, data: bytes, rank: int | None = None) -> None:
         key = (label, stream)
         with self._lock:
             buf = self._partial.pop(key, b"") + data
@@ -100,23 +129,103 @@ class LogSink:
                 self._partial[key] = rest
             if not lines:
                 return
-            out = sys.stdout if stream == 1 else sys.stderr
-            text = "".join(f"[{label}] {ln.decode(errors='replace')}\n" for ln in lines)
-            try:
-                out.write(text)
-                out.flush()
-            except (ValueError, OSError):
-                pass
+            texts = [ln.decode(errors="replace") for ln in lines]
+            now = time.time()
+            for t in texts:
+                self._rows.append((now, rank, label, "stdout" if stream == 1 else "stderr", _level(stream, t), t))
+            if not self.aggregate:
+                self._print(stream, "".join(f"[{label}] {t}\n" for t in texts))
+                return
+            who = label if rank is None else rank
+            for t in texts:
+                start = self._last.get(who, -1) + 1
+                for i in range(start, len(self._pending)):
+                    e = self._pending[i]
+                    if e[0] == stream and e[1] == t and label not in e[2]:
+                        e[2].append(label)
+                        self._last[who] = i
+                        break
+                else:
+                    self._pending.append([stream, t, [label]])
+                    self._last[who] = len(self._pending) - 1
+            if self._timer is None:
+                self._timer = threading.Timer(self.window, self._emit)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def _emit(self) -> None:
+        with self._lock:
+            self._timer = None
+            pending, self._pending, self._last = self._pending, [], {}
+        out: dict[int, list[str]] = {1: [], 2: []}
+        for stream, text, labels in pending:
+            out[stream].append(f"[{compress_labels(labels)}] {text}\n")
+        for stream, lines in out.items():
+            if lines:
+                self._print(stream, "".join(lines))
+
+    @staticmethod
+    def _print(stream: int, text: str) -> None:
+        out = sys.stdout if stream == 1 else sys.stderr
+        try:
+            out.write(text)
+            out.flush()
+        except (ValueError, OSError):
+            pass
+
+    def rows(self) -> list[tuple]:
+        """Every line kept: ``(unix time, rank, label, stream, level, text)``."""
+        with self._lock:
+            return list(self._rows)
 
     def flush(self) -> None:
         with self._lock:
+            timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+        self._emit()
+        with self._lock:
             items, self._partial = self._partial, {}
         for (label, stream), rest in items.items():
-            out = sys.stdout if stream == 1 else sys.stderr
-            try:
-                out.write(f"[{label}] {rest.decode(errors='replace')}\n")
-            except (ValueError, OSError):
-                pass
+            self._print(stream, f"[{label}] {rest.decode(errors='replace')}\n")
+
+
+def _ranges(values: list[int]) -> str:
+    vs = sorted(set(values))
+    out, i = [], 0
+    while i < len(vs):
+        j = i
+        while j + 1 < len(vs) and vs[j + 1] == vs[j] + 1:
+            j += 1
+        out.append(f"{vs[i]}:{vs[j] + 1}" if j > i else str(vs[i]))
+        i = j + 1
+    return ",".join(out)
+
+
+def compress_labels(labels: list[str]) -> str:
+    """One label for several ranks' identical output: ``["procs=0", ..., "procs=7"]`` → ``"procs=0:8"``.
+
+    Examples
+    --------
+    >>> compress_labels(["procs=0", "procs=1", "procs=2", "procs=3"])
+    'procs=0:4'
+    >>> compress_labels(["hosts=0,procs=1", "hosts=1,procs=1"])
+    'hosts=0:2,procs=1'
+    >>> compress_labels(["procs=0", "procs=2", "procs=3"])
+    'procs=0,2:4'
+    """
+    if len(labels) == 1:
+        return labels[0]
+    parsed = []
+    for lab in labels:
+        try:
+            parsed.append({k: int(v) for k, v in (kv.split("=") for kv in lab.split(","))})
+        except ValueError:
+            return ",".join(labels)
+    keys = list(parsed[0])
+    if any(list(p) != keys for p in parsed):
+        return ",".join(labels)
+    return ",".join(f"{k}={_ranges([p[k] for p in parsed])}" for k in keys)
 
 
 class Counters:

@@ -51,33 +51,43 @@ def _read_msg(fd: int):
 class LocalBootstrap:
     """A zygote and the workers it forked, as seen from the controller."""
 
-    def __init__(self, controller, nprocs: int, forward_logs: bool = True, listen: str = "unix") -> None:
+    def __init__(self, controller, nprocs: int, forward_logs: bool = True, listen: str = "unix", *,
+                 address: str | None = None, secret: bytes | None = None, ranks: list[int] | None = None,
+                 listen_host: str = "127.0.0.1", data_plane: str | None = None, env: dict | None = None,
+                 sys_path: list[str] | None = None, on_report=None) -> None:
+        # ``controller`` None: a host agent runs this for a remote controller (``address``,
+        # ``secret``), and ``on_report(msg)`` relays each fork/exit report to it
         self.controller = controller
         self.nprocs = nprocs
+        self.on_report = on_report
         self.pids: dict[int, int] = {}
         self.status: dict[int, tuple] = {}
         self._cond = threading.Condition()
         r, w = os.pipe()
         cmd = [sys.executable, "-c", "from mesharray.bootstrap.local import _zygote_main; _zygote_main()",
                str(w)]
-        env = dict(os.environ)
-        env.pop("PYTHONSTARTUP", None)
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(w,), env=env, close_fds=True)
+        zenv = dict(os.environ)
+        zenv.pop("PYTHONSTARTUP", None)
+        zenv.update(env or {})
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(w,), env=zenv, close_fds=True)
         os.close(w)
         self._report_fd = r
         cfg = {
-            "sys_path": list(sys.path),
-            "secret": controller.secret,
-            "address": controller.address,
+            "sys_path": list(sys.path) if sys_path is None else sys_path,
+            "secret": controller.secret if secret is None else secret,
+            "address": controller.address if address is None else address,
             "forward_logs": forward_logs,
             "listen": listen,
+            "listen_host": listen_host,
+            "data_plane": data_plane,
         }
         self._send(cfg)
-        self._send(("fork", list(range(nprocs))))
+        self._send(("fork", list(range(nprocs)) if ranks is None else list(ranks)))
         self._reader = threading.Thread(target=self._read_reports, name="mesharray-zygote", daemon=True)
         self._reader.start()
-        controller.exit_status = self.exit_status
-        controller.kill = self.kill
+        if controller is not None:
+            controller.exit_status = self.exit_status
+            controller.kill = self.kill
 
     def _send(self, obj) -> None:
         data = pickle.dumps(obj)
@@ -97,6 +107,8 @@ class LocalBootstrap:
                         # (the exit of an earlier process of a restarted rank says nothing of the new one)
                         self.status[msg[1]] = (msg[2], msg[3])
                     self._cond.notify_all()
+                if self.on_report is not None:
+                    self.on_report(msg)
         except (EOFError, OSError):
             pass
         finally:
@@ -257,6 +269,8 @@ def _zygote_main() -> None:
                 os.dup2(devnull, stdin_fd)
                 os.close(devnull)
                 worker_mod.run_worker(cfg["address"], cfg["secret"], rank, listen=cfg["listen"],
+                                      listen_host=cfg.get("listen_host", "127.0.0.1"),
+                                      data_plane=cfg.get("data_plane"),
                                       forward_logs=cfg["forward_logs"], exit_process=True)
             except BaseException:
                 import traceback

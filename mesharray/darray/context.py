@@ -58,6 +58,9 @@ class DataContext:
         self._views: dict[tuple, ActorMesh] = {}
         self._torch_init: str | None = None
         self._pids = dict(zip(root.mesh_shape, root.pids))
+        # memory domain and data-plane address of each rank: groups that span hosts go hierarchical
+        self._hosts = dict(zip(root.mesh_shape, root.host_info))
+        self._multi_host = len({h[0] for h in self._hosts.values()}) > 1
         self.plans: dict = {}  # DistributedStorage.reduce's plans by layout and request
         self.layouts: dict = {}  # elementwise result layouts by operand layouts
 
@@ -71,6 +74,12 @@ class DataContext:
     def pids(self, groups: list) -> dict:
         """Process ids of the ranks in ``groups`` (lets a collective notice a peer that never joins)."""
         return {r: int(self._pids.get(r) or 0) for g in groups for r in g}
+
+    def hosts(self, groups: list) -> dict | None:
+        """``{rank: (memory domain, data-plane address)}`` for the ranks of ``groups``; ``None`` on one host."""
+        if not self._multi_host:
+            return None
+        return {r: self._hosts[r] for g in groups for r in g}
 
     def torch_init_method(self) -> str:
         """Rendezvous address of torch.distributed for ``collective="torch"`` (rank 0 hosts the store)."""

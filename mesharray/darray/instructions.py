@@ -161,7 +161,8 @@ class Collective(NamedTuple):
     takes part in the one holding it. ``backend`` is None (MPI under mpirun,
     else shared memory) or ``"torch"``; ``torch_init`` is ``(init_method,
     world_size)`` for torch; ``pids`` maps ranks to process ids (a member that
-    never joins is noticed). Failures are kept as ``out``'s, never raised out
+    never joins is noticed); ``hosts``, only when the members span hosts, maps
+    ranks to ``(memory domain, data-plane address)`` (a hierarchical group). Failures are kept as ``out``'s, never raised out
     of the program: the collective is sent fire-and-forget.
     """
 
@@ -173,6 +174,7 @@ class Collective(NamedTuple):
     dtype: str
     torch_init: tuple = ()
     pids: dict | None = None
+    hosts: dict | None = None
 
 
 # -- instructions that make no block ---------------------------------------------------

@@ -248,7 +248,8 @@ class DistributedStorage:
         coll_op, groups_l, members, ranks, holders, all_ranks, pids, rdt_name, backend = coll
         out = ctx.new_id()
         program.append(I.Collective(out, cur, coll_op, groups_l, backend, rdt_name,
-                                    (ctx.torch_init_method(), ctx.shape.size) if backend == "torch" else (), pids))
+                                    (ctx.torch_init_method(), ctx.shape.size) if backend == "torch" else (), pids,
+                                    ctx.hosts(groups_l)))
         if cur != self.bid:
             program.append(I.Free([cur]))
         # fire-and-forget (see _send_collective); members are sorted and unique
@@ -342,7 +343,7 @@ class DistributedStorage:
         backend = self._backend(groups)
         torch_init = (self.ctx.torch_init_method(), self.ctx.shape.size) if backend == "torch" else ()
         program.append(I.Collective(out, cur, op, [list(g) for g in groups], backend, dtype.name,
-                                    torch_init, self.ctx.pids(groups)))
+                                    torch_init, self.ctx.pids(groups), self.ctx.hosts(groups)))
         if cur != self.bid:
             program.append(I.Free([cur]))
         members = sorted({r for g in groups for r in g})

@@ -24,8 +24,11 @@ import mesharray.darray.instructions as I
 
 from ..actor import Actor, context, endpoint
 from ..collectives import new_group
+from ..collectives.hier import HierCollective
+from ..collectives.ring import RingCollective
 from ..engines import Engine, get_engine
-from ..errors import MeshArrayError
+from ..errors import ActorDiedError, MeshArrayError
+from ..transport.dataplane import process_plane, rendezvous
 
 __all__ = ["BlockStore", "DataActor", "InputFailed", "STORE", "local_block", "pack_small", "unpack_small"]
 
@@ -299,6 +302,57 @@ def _host_group(members: tuple[int, ...], me: int, token: str, pids: list[int]) 
                      global_ranks=members, peer_pids=pids)
 
 
+def _cached(key: tuple, make: Any) -> Any:
+    g = STORE.groups.get(key)
+    if g is None:
+        g = STORE.groups[key] = make()
+    return g
+
+
+def _hier_group(members: tuple[int, ...], me: int, token: str, pids: dict, hosts: dict) -> Any:
+    """A group spanning hosts: shared memory among this host's members, a ring of host leaders."""
+    domains = [hosts[r][0] for r in members]
+    mine = hosts[me][0]
+    local_members = tuple(r for r, d in zip(members, domains) if d == mine)
+    local = None
+    if len(local_members) > 1:
+        local = _cached((local_members, None),
+                        lambda: _host_group(local_members, me, token, [int(pids.get(r) or 0) for r in local_members]))
+    leaders: list[int] = []
+    seen: set = set()
+    for r, d in zip(members, domains):
+        if d not in seen:
+            seen.add(d)
+            leaders.append(r)
+    ring = None
+    if me in leaders:
+        ring = _cached((tuple(leaders), "ring"), lambda: _ring_group(tuple(leaders), me, token, hosts))
+    return HierCollective(members, me, domains, local, ring)
+
+
+def _ring_group(leaders: tuple[int, ...], me: int, token: str, hosts: dict) -> RingCollective:
+    plane = process_plane()
+    if plane is None:
+        raise MeshArrayError(f"rank {me} has no data plane: a group spanning hosts needs workers started by "
+                             f"host agents (ma.attach)")
+    n, i = len(leaders), leaders.index(me)
+    digest = hashlib.sha1(repr(leaders).encode()).hexdigest()[:12]
+    timeout = float(os.environ.get("MESHARRAY_COLLECTIVE_TIMEOUT", "60"))
+
+    def tag(k: int) -> bytes:
+        return f"ring/{token}/{digest}/{k}".encode()
+
+    right_rank, left_rank = leaders[(i + 1) % n], leaders[(i - 1) % n]
+    right = plane.connect(hosts[right_rank][1], tag(i), timeout=timeout)
+    try:
+        left = rendezvous().take(tag((i - 1) % n), timeout)
+    except TimeoutError as exc:
+        right.close()
+        raise ActorDiedError(ranks=(left_rank,), reason=f"rank {left_rank} did not open its ring link to rank "
+                                                        f"{me} within {timeout:g} s") from exc
+    return RingCollective(i, n, right, left, peers=(f"rank {right_rank}", f"rank {left_rank}"))
+
+
 class DataActor(Actor):
     """The system actor holding this worker's blocks of distributed arrays."""
 
@@ -365,6 +419,8 @@ class DataActor(Actor):
             init_method, world = ins.torch_init
             g = _torch_group(members, me, init_method, world, [list(x) for x in ins.groups],
                              eng.name if eng else "torch")
+        elif ins.hosts and len({ins.hosts[r][0] for r in members}) > 1:
+            g = _hier_group(members, me, self.token, ins.pids or {}, ins.hosts)
         else:
             g = _host_group(members, me, self.token, [int((ins.pids or {}).get(r) or 0) for r in members])
         STORE.groups[(members, ins.backend)] = g

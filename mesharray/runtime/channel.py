@@ -34,10 +34,12 @@ import time
 from ..errors import ActorDiedError, BackpressureError, BrokenTransportError, ClosedTransportError
 from ..transport.connection import Connection
 from . import protocol as P
+from .recorder import REC, SPAN
 
 __all__ = ["Channel", "flush_all", "dirty", "next_id", "sent"]
 
 next_id = itertools.count(1).__next__
+_pid = os.getpid
 
 #: a broadcast this soon after the previous one on its channel is corked (a burst)
 _BURST = 100e-6
@@ -198,6 +200,9 @@ class Channel:
         """
         sent.calls += 1
         mid = next_id()
+        span = SPAN.get()
+        if span is not None:  # a call made while handling one: the child span's parent (telemetry)
+            REC.links.append((time.time_ns(), span[0], span[1], _pid(), mid))
         conn = self.conn
         pending = self.pending
         if len(pending) >= MAX_PENDING:

@@ -33,7 +33,7 @@ import pickle
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import ActorDiedError, BootstrapError, MeshFailure, MeshStoppedError
 from ..telemetry import Counters, LogSink
@@ -50,17 +50,30 @@ log = logging.getLogger("mesharray.controller")
 class WorkerInfo:
     """What the controller knows about one worker."""
 
-    __slots__ = ("rank", "pid", "host", "address", "conn", "last_seen", "error", "unresponsive_since")
+    __slots__ = ("rank", "pid", "host", "address", "conn", "last_seen", "_error", "died_at", "unresponsive_since",
+                 "hello")
 
-    def __init__(self, rank, pid, host, address, conn) -> None:
+    def __init__(self, rank, pid, host, address, conn, hello: dict | None = None) -> None:
+        self.hello = hello or {}  # everything the worker said of itself (memory domain, data plane, ...)
         self.rank = rank
         self.pid = pid
         self.host = host
         self.address = address
         self.conn = conn
         self.last_seen = time.monotonic()
-        self.error: BaseException | None = None
+        self._error: BaseException | None = None
+        self.died_at: float | None = None  # unix time the death (or stop) was recorded
         self.unresponsive_since: float | None = None  # set while its heartbeats are late
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the worker is dead (or stopped); ``None`` while alive."""
+        return self._error
+
+    @error.setter
+    def error(self, err: BaseException | None) -> None:
+        self._error = err
+        self.died_at = time.time() if err is not None else None
 
     @property
     def alive(self) -> bool:
@@ -106,8 +119,8 @@ class Controller:
         self.kill_unresponsive = kill_unresponsive
         self.workers: dict[int, WorkerInfo] = {}
         self.labels: dict[int, str] = {}
-        self.exit_status = None
-        self.kill = None
+        self.exit_status: Callable[[int, float], Any] | None = None  # the bootstrap's hooks
+        self.kill: Callable[[int], None] | None = None
         self.on_failure: list = []
         self.sink = LogSink()
         self.counters = Counters()
@@ -142,14 +155,14 @@ class Controller:
         elif kind == P.LOG:
             self.counters.log_bytes += len(payload)
             rank: Any = conn.peer.get("rank")
-            self.sink.write(self.labels.get(rank, f"rank={rank}"), target, bytes(payload))
+            self.sink.write(self.labels.get(rank, f"rank={rank}"), target, bytes(payload), rank)
         elif kind == P.HELLO:
             hello = pickle.loads(payload)
             if hello.get("role") != "worker":
                 log.warning("controller: unexpected hello %r", hello)
                 return
             rank = int(hello["rank"])
-            info = WorkerInfo(rank, hello.get("pid"), hello.get("host"), hello.get("address"), conn)
+            info = WorkerInfo(rank, hello.get("pid"), hello.get("host"), hello.get("address"), conn, hello)
             conn.name = f"rank {rank}"
             conn.peer.update(rank=rank, ranks=(rank,), pid=info.pid, address=info.address, info=info)
             with self._cond:
@@ -292,7 +305,8 @@ class Controller:
     def _configure(self, info: WorkerInfo) -> None:
         info.last_seen = time.monotonic()
         self.router.register(info.address, info.conn)
-        cfg = {"heartbeat_interval": self.heartbeat_interval, "pid": os.getpid(), "label": self.labels.get(info.rank)}
+        cfg = {"heartbeat_interval": self.heartbeat_interval, "pid": os.getpid(), "label": self.labels.get(info.rank),
+               "mesh": self.name}
         info.conn.send(P.CONFIG, parts=[pickle.dumps(cfg)])
 
     def adopt_one(self, rank: int, old_pid: int | None, timeout: float = 30.0) -> WorkerInfo:

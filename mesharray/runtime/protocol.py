@@ -18,17 +18,19 @@ HEARTBEAT   worker -> ctl      empty
 LOG         worker -> ctl      target=stream (1 stdout, 2 stderr); utf-8 text
 STOP        ctl -> worker      msg_id=call id; the worker replies, then exits
 STOP_ACTOR  ctl -> worker      target=actor id; the worker drops the actor
+INTROSPECT  ctl -> worker      msg_id=call id; pickled {"what": "snapshot"|"stacks", ...};
+                               the worker replies with its telemetry (runtime.recorder)
 ==========  =================  ===================================================
 """
 
 from __future__ import annotations
 
 __all__ = [
-    "HELLO", "CONFIG", "CALL", "REPLY", "SPAWN", "VIEW", "HEARTBEAT", "LOG", "STOP", "STOP_ACTOR",
+    "HELLO", "CONFIG", "CALL", "REPLY", "SPAWN", "VIEW", "HEARTBEAT", "LOG", "STOP", "STOP_ACTOR", "INTROSPECT",
     "F_REPLY", "OK", "ERR", "DIED", "encode_method", "decode_method",
 ]
 
-HELLO, CONFIG, CALL, REPLY, SPAWN, VIEW, HEARTBEAT, LOG, STOP, STOP_ACTOR = range(1, 11)
+HELLO, CONFIG, CALL, REPLY, SPAWN, VIEW, HEARTBEAT, LOG, STOP, STOP_ACTOR, INTROSPECT = range(1, 12)
 
 F_REPLY = 1
 

@@ -38,14 +38,20 @@ import socket
 import sys
 import threading
 import traceback
+from threading import get_ident
+from time import perf_counter_ns, time_ns
 from typing import Any
 
 from ..errors import SerializationError
 from ..transport import framing
-from ..transport.connection import Listener, connect
+from ..transport.connection import Listener, connect, dual_address
+from ..transport.dataplane import start_process_plane
+from ..transport.hostid import host_id, memory_domain
 from . import protocol as P
 from .channel import Channel
 from .context import Context, current
+from .recorder import ENABLED as RECORD
+from .recorder import REC, SPAN, set_title, thread_stacks
 from .router import set_secret
 
 __all__ = ["run_worker", "Worker", "error_record"]
@@ -57,6 +63,8 @@ _EMPTY_OK = framing.encode(framing.dumps(None))
 _NO_ARGS_BYTES = b"".join(framing.encode(framing.dumps(((), {}))))
 _NO_ARGS_LEN = len(_NO_ARGS_BYTES)
 _names: dict[bytes, str] = {}  # u8 n + method name -> name
+_record = REC.call
+_current = REC.current
 
 
 def _set_pdeathsig() -> None:
@@ -164,12 +172,17 @@ class Worker:
         self.done = threading.Event()
         self.controller: Channel | None = None
         self.listener: Listener | None = None
+        self.local_listener: Listener | None = None
         self.inbound: set[Channel] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._loop_lock = threading.Lock()
         self.heartbeat_interval = 0.5
         self.exitcode = 0
+        self.host_id = host_id()
+        self.label: str | None = None
+        self.mesh_name = "procs"
+        self.actor_names: list[str] = []
 
     # -- connections ------------------------------------------------------
     def on_peer_socket(self, sock) -> None:
@@ -215,10 +228,17 @@ class Worker:
             from .. import telemetry
 
             telemetry.set_worker_label(cfg.get("label"))
+            self.label = cfg.get("label") or self.label
+            self.mesh_name = cfg.get("mesh") or self.mesh_name
+            self._retitle()
         elif kind == P.STOP_ACTOR:
             slot = self.actors.pop(target, None)
+            if slot is not None and RECORD:
+                REC.actor(slot.name, "stopped")
             if slot is not None and slot.queue is not None:
                 self.loop().call_soon_threadsafe(slot.queue.put_nowait, None)
+        elif kind == P.INTROSPECT:
+            self._introspect(conn, msg_id, payload)
         elif kind == P.STOP:
             if flags & P.F_REPLY:
                 conn.send(P.REPLY, 0, msg_id, P.OK, 0, _EMPTY_OK)
@@ -251,6 +271,12 @@ class Worker:
         finally:
             current.reset(token)
         self.actors[actor_id] = slot
+        if RECORD:
+            REC.actor(name, "spawned" if slot.failure is None else "spawn_failed",
+                      "" if slot.failure is None else repr(slot.failure["exc"])[:500])
+            if not name.startswith("__"):
+                self.actor_names.append(name)
+                self._retitle()
         if slot.is_async and slot.failure is None:
             loop = self.loop()
             ready = threading.Event()
@@ -293,21 +319,41 @@ class Worker:
             self.loop().call_soon_threadsafe(slot.queue.put_nowait,
                                              (conn, msg_id, reply, method, payload, n, vshape))
             return
+        if not RECORD:
+            self._run_sync(slot, conn, msg_id, reply, method, payload, n, vshape)
+            return
+        # telemetry: one row per call (see runtime.recorder); the span is (caller pid, msg id)
+        tid = get_ident()
+        w0 = time_ns()
+        t0 = perf_counter_ns()
+        _current[tid] = (slot.name, method, w0)
+        caller = conn.peer.get("pid") or 0
+        stok = SPAN.set((caller, msg_id))
+        try:
+            status, out = self._run_sync(slot, conn, msg_id, reply, method, payload, n, vshape)
+        finally:
+            SPAN.reset(stok)
+            _current.pop(tid, None)
+        _record((w0, perf_counter_ns() - t0, slot.name, method, caller, msg_id, len(payload), out, status))
+
+    def _run_sync(self, slot, conn, msg_id, reply, method, payload, n, vshape) -> tuple[str, int]:
+        """Run a call of a synchronous actor inline; ``(status, reply bytes)``."""
         with slot.lock:
             if reply and slot.broadcast_error and self._tell_broadcast_error(conn, msg_id, slot):
-                return
+                return "not_run", 0
             ctx = slot.ctx  # one per actor: sync endpoints of an actor never overlap
             ctx._view = vshape
             token = current.set(ctx)
             try:
                 result = self._invoke(slot, method, payload, n)
             except BaseException as exc:
-                self._fail(conn, msg_id, reply, slot, exc)
-                return
+                self._fail(conn, msg_id, reply, slot, exc, method)
+                return type(exc).__name__, 0
             finally:
                 current.reset(token)
         if reply:
-            self._reply(conn, msg_id, slot, method, result, cork=True)
+            return "ok", self._reply(conn, msg_id, slot, method, result, cork=True)
+        return "ok", 0
 
     def _invoke(self, slot, method, payload, n):
         """Run endpoint ``method`` on a CALL payload (``n``: its method name's length): what sync and
@@ -325,7 +371,7 @@ class Worker:
         fn = slot.bound[method] = getattr(slot.obj, method)
         return fn
 
-    def _reply(self, chan, msg_id, slot, method, result, cork=False) -> None:
+    def _reply(self, chan, msg_id, slot, method, result, cork=False) -> int:
         # cork=True in a reader thread: the reader flushes before it blocks again (so the
         # frame goes to the connection itself, not through the channel's flusher)
         conn = chan.conn
@@ -337,18 +383,22 @@ class Worker:
             except Exception as exc:
                 err = TypeError(f"endpoint {method!r} returned a value of type {type(result).__name__} "
                                 f"that cannot be sent: {exc}")
-                self._fail(chan, msg_id, True, slot, err)
-                return
+                self._fail(chan, msg_id, True, slot, err, method)
+                return 0
         try:
             conn.send(P.REPLY, 0, msg_id, P.OK, 0, parts, cork=cork)
         except SerializationError as exc:  # over the frame limit, nothing sent: the caller must hear of it
             self._fail(chan, msg_id, True, slot, TypeError(
                 f"endpoint {method!r} returned a value of type {type(result).__name__} that cannot be sent: "
-                f"{exc}"))
+                f"{exc}"), method)
+            return 0
         except ConnectionError:
-            pass  # the caller is gone
+            return 0  # the caller is gone
+        return 24 + sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)
 
-    def _fail(self, conn, msg_id, reply, slot, exc) -> None:
+    def _fail(self, conn, msg_id, reply, slot, exc, method: str = "?") -> None:
+        if RECORD:
+            REC.error(slot.name, method, exc)
         rec = error_record(exc, slot.name, _coords(slot.shape, self.rank), self.host, self.pid)
         if reply:
             try:
@@ -389,32 +439,70 @@ class Worker:
             return
         ctx = Context(slot.name, slot.obj, slot.shape, vshape, self.rank, self.host, self.pid)
         token = current.set(ctx)
+        w0, t0 = time_ns(), perf_counter_ns()
+        caller = conn.peer.get("pid") or 0
+        stok = SPAN.set((caller, msg_id))  # (a task's own context: concurrent calls keep theirs)
+        status, out = "ok", 0
         try:
             result = self._invoke(slot, method, payload, n)
             if inspect.isawaitable(result):
                 result = await result
         except BaseException as exc:
-            self._fail(conn, msg_id, reply, slot, exc)
+            self._fail(conn, msg_id, reply, slot, exc, method)
+            status = type(exc).__name__
             return
         finally:
             current.reset(token)
+            SPAN.reset(stok)
+            if RECORD and status != "ok":
+                _record((w0, perf_counter_ns() - t0, slot.name, method, caller, msg_id, len(payload), 0, status))
         if reply:
-            self._reply(conn, msg_id, slot, method, result)
+            out = self._reply(conn, msg_id, slot, method, result)
+        if RECORD:
+            _record((w0, perf_counter_ns() - t0, slot.name, method, caller, msg_id, len(payload), out, status))
+
+    # -- telemetry ----------------------------------------------------------
+    def _introspect(self, conn, msg_id, payload) -> None:
+        """Answer the controller's telemetry questions (on a connection of their own: never behind a call)."""
+        req = pickle.loads(payload)
+        what = req.get("what")
+        try:
+            if what == "snapshot":
+                ans: Any = REC.snapshot(req.get("since"))
+                ans.update(rank=self.rank, host=self.host_id, aggregates=REC.aggregates() if req.get("agg") else None)
+            elif what == "stacks":
+                ans = {"rank": self.rank, "pid": self.pid, "stacks": thread_stacks()}
+            else:
+                raise ValueError(f"unknown telemetry request {what!r}")
+            conn.send(P.REPLY, 0, msg_id, P.OK, 0, framing.encode(framing.dumps(ans)))
+        except Exception as exc:
+            rec = error_record(exc, "__telemetry__", None, self.host, self.pid)
+            conn.send(P.REPLY, 0, msg_id, P.ERR, 0, _error_parts(rec))
+
+    def _retitle(self) -> None:
+        actors = ",".join(self.actor_names[-3:])
+        set_title(f"mesharray {self.mesh_name} rank {self.rank} [{self.label or ''}]" + (f" {actors}" if actors else ""))
 
     # -- life ---------------------------------------------------------------
     def heartbeat_loop(self) -> None:
         conn = self.controller
         if conn is None:
             return
+        beats = 0
         while not self.done.wait(self.heartbeat_interval):
             try:
                 conn.send(P.HEARTBEAT)
             except ConnectionError:
                 return
+            beats += 1
+            if RECORD and beats * self.heartbeat_interval >= 2.0:
+                beats = 0
+                REC.sample()
 
     def shutdown(self) -> None:
-        if self.listener is not None:
-            self.listener.close()
+        for lst in (self.listener, self.local_listener):
+            if lst is not None:
+                lst.close()
         for c in list(self.inbound):
             c.close(join=False)
         if self.controller is not None:
@@ -438,7 +526,7 @@ def _coords(shape, rank):
 
 def run_worker(controller_address: str, secret: bytes, rank: int, *, listen: str = "unix",
                listen_host: str = "127.0.0.1", exit_process: bool = True, forward_logs: bool = True,
-               ready: threading.Event | None = None) -> int:
+               ready: threading.Event | None = None, data_plane: str | None = None) -> int:
     """Run a worker until its controller goes away (or stops it).
 
     Parameters
@@ -464,6 +552,9 @@ def run_worker(controller_address: str, secret: bytes, rank: int, *, listen: str
         are printed prefixed by the rank.
     ready : threading.Event, optional
         Set once the worker has said hello (useful when running in a thread).
+    data_plane : {"tcp", "ucx"}, optional
+        With ``listen="tcp"``: the kind of this process's data plane (bulk data
+        to other hosts; default TCP).
 
     Returns
     -------
@@ -482,6 +573,15 @@ def run_worker(controller_address: str, secret: bytes, rank: int, *, listen: str
     set_secret(secret)
     w = Worker(rank, secret, exit_process)
     w.listener = Listener(secret, w.on_peer_socket, kind=listen, host=listen_host)
+    address = w.listener.address
+    extra: dict = {"domain": memory_domain(), "host_id": host_id()}
+    if listen == "tcp":
+        # callers on other hosts come over TCP; those of this host over a unix socket (and
+        # their large payloads through shared memory); bulk data between hosts has its own plane
+        w.local_listener = Listener(secret, w.on_peer_socket, kind="unix")
+        address = dual_address(address, w.local_listener.address, extra["domain"])
+        plane = start_process_plane(secret, listen_host, data_plane or "tcp")
+        extra.update(data=plane.address, data_kind=plane.kind)
     from .router import get_router
 
     get_router().identity = {"role": "peer", "rank": rank, "pid": w.pid, "host": w.host}
@@ -494,7 +594,7 @@ def run_worker(controller_address: str, secret: bytes, rank: int, *, listen: str
 
         telemetry.forward_process_output(chan.conn)
     hello = {"role": "worker", "rank": rank, "pid": w.pid, "host": w.host,
-             "address": w.listener.address, "forward_logs": forward_logs}
+             "address": address, "forward_logs": forward_logs, **extra}
     chan.send(P.HELLO, parts=[pickle.dumps(hello)])
     chan.start()
     if ready is not None:

@@ -70,10 +70,11 @@ from ..errors import (
     TransportError,
 )
 from . import auth, framing
+from .hostid import memory_domain
 from .poller import READ, WRITE, fd_poller
 
 __all__ = ["Connection", "Listener", "Poller", "Writer", "connect", "default_poller", "default_writer",
-           "parse_address", "peer_uid", "BACKLOG_MAX", "MAX_HANDSHAKES"]
+           "parse_address", "dual_address", "peer_uid", "BACKLOG_MAX", "MAX_HANDSHAKES"]
 
 log = logging.getLogger("mesharray.transport")
 
@@ -109,10 +110,37 @@ def _grow(payload: bytearray, length: int) -> None:
     payload += bytes(min(length - n, max(n, _GROW_MIN), _GROW_MAX))
 
 
+def dual_address(tcp: str, unix: str, domain: str) -> str:
+    """One address for a process that listens on TCP (for other hosts) and on a unix socket (for its own).
+
+    ``connect`` takes the unix socket when the caller is in the same memory
+    domain (:func:`~mesharray.transport.hostid.memory_domain`: same host, same
+    host id), so large payloads between them keep the shared-memory path;
+    everyone else connects over TCP.
+
+    Examples
+    --------
+    >>> a = dual_address("tcp:10.0.0.7:4000", "unix:@w1", "abcd")
+    >>> a
+    'tcp:10.0.0.7:4000;unix:@w1;dom=abcd'
+    >>> parse_address(a)[1]
+    ('10.0.0.7', 4000)
+    """
+    return f"{tcp};{unix};dom={domain}"
+
+
+def _split_dual(address: str) -> tuple[str, str | None, str | None]:
+    tcp, _, rest = address.partition(";")
+    unix, _, dom = rest.partition(";")
+    return tcp, unix or None, dom[4:] if dom.startswith("dom=") else None
+
+
 def parse_address(address: str):
-    """Split an address string into ``(family, sockaddr)``."""
+    """Split an address string into ``(family, sockaddr)`` (the TCP part of a :func:`dual_address`)."""
     if not isinstance(address, str):
         raise TypeError(f"address must be a str, got {type(address).__name__}")
+    if ";" in address:
+        address = _split_dual(address)[0]
     if address.startswith("unix:@"):  # Linux abstract namespace: no file, nothing to leak
         return socket.AF_UNIX, "\0" + address[6:]
     if address.startswith("unix:"):
@@ -594,6 +622,8 @@ class Connection:
                     if not loop:
                         self._big = big
                         return True
+                    if big is None and self._out:
+                        self.flush()  # the reply to a large frame: out now, not at the flusher's next round
                     continue
                 n = sock.recv_into(view[end:], 0, flags)
                 if n == 0:
@@ -936,6 +966,14 @@ def _poller_thread():
 
 def connect(address: str, secret: bytes, timeout: float = 10.0) -> socket.socket:
     """Open and authenticate a socket to ``address`` (raises :class:`AuthenticationError`)."""
+    if ";" in address:
+        tcp, unix, dom = _split_dual(address)
+        if unix and dom == memory_domain():
+            try:
+                return connect(unix, secret, timeout)
+            except OSError:
+                pass  # (another network namespace with the same memory: TCP still reaches it)
+        address = tcp
     family, sockaddr = parse_address(address)
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:

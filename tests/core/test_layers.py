@@ -20,7 +20,7 @@ LAYERS = [
     ("mesharray.mesh", "mesharray.array", "mesharray.transport", "mesharray.engines", "mesharray.collectives"),
     ("mesharray.telemetry", "mesharray.runtime"),
     ("mesharray.actor", "mesharray.buffer"),
-    ("mesharray.bootstrap",),
+    ("mesharray.bootstrap", "mesharray.observe"),
     ("mesharray.proc",),
     ("mesharray.darray",),
     ("mesharray", "mesharray.__main__", "mesharray.testing"),

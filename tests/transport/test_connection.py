@@ -305,3 +305,34 @@ def test_backlog_is_bounded_and_a_closed_peer_fails_the_waiting_sender(monkeypat
         assert not t.is_alive() and failed
     finally:
         busy.close()
+
+
+def test_a_corked_reply_to_a_large_frame_goes_out_at_once():
+    """A reader that corks its reply to a frame larger than its receive buffer flushes it before reading on.
+
+    (It used to wait for the next uncorked frame, a worker's heartbeat: a 64 MiB argument to
+    another host with a small result took 0.3-0.5 s instead of 60 ms.)
+    """
+    a, b = socket.socketpair()
+
+    def on_server(conn, kind, flags, msg_id, target, view, payload):
+        conn.send(kind, flags, msg_id, target, view, [str(len(payload)).encode()], cork=True)
+
+    server = Connection(a, handler=on_server, name="server")
+    client, got, ev = None, [], threading.Event()
+
+    def on_client(conn, *frame):
+        got.append(frame)
+        ev.set()
+
+    client = Connection(b, handler=on_client, name="client")
+    server.start()
+    client.start()
+    try:
+        big = b"x" * (8 << 20)  # far over the receive buffer: the large-frame path
+        client.send(1, 0, 7, 0, 0, [big])
+        assert ev.wait(5), "the corked reply never left the server"
+        assert bytes(got[0][-1]) == str(len(big)).encode()
+    finally:
+        client.close()
+        server.close()

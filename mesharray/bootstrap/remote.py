@@ -1,0 +1,281 @@
+"""The controller's side of host agents: attach to them, start a process mesh across them.
+
+:func:`attach_agents` connects to every agent (``python -m mesharray host``,
+see :mod:`.agent`) in parallel, proves the shared secret, and hands each the
+controller's job secret wrapped in a one-time pad. :func:`launch` asks each
+agent for ``procs`` workers of a new mesh; the workers connect back to a TCP
+listener of the controller on the address the agents see it at, and the mesh
+is laid out ``{hosts, procs}`` in the order the agents were given.
+
+An agent that goes away while attached (killed, its machine gone) takes its
+processes with it: their connections reset and their calls fail with
+:class:`~mesharray.ActorDiedError`; the other hosts keep working.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import warnings
+from typing import Any, Callable
+
+from .._core import Shape
+from ..errors import AuthenticationError, BootstrapError
+from ..runtime.controller import Controller
+from ..transport import auth
+from .agent import parse_url, recv_msg, send_msg, wrap_secret
+from .launch import Launch
+
+__all__ = ["AgentClient", "attach_agents", "launch"]
+
+log = logging.getLogger("mesharray.remote")
+
+
+class AgentClient:
+    """An attached host agent, as the controller sees it."""
+
+    def __init__(self, url: str, sock: socket.socket, info: dict) -> None:
+        self.url = url
+        self.sock = sock
+        self.info = info
+        self.host_id: str = info["host_id"]
+        #: this process's address on the route to the agent (where its workers reach the controller)
+        self.local_ip: str = sock.getsockname()[0]
+        self.lock = threading.Lock()
+        self.lost: BaseException | None = None
+        self.handlers: dict[str, Callable[[tuple], None]] = {}
+        self.on_lost: list[Callable[[BaseException], None]] = []
+        self._reader = threading.Thread(target=self._read, name=f"mesharray-agent-{self.host_id}", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = recv_msg(self.sock)
+                if isinstance(msg, tuple) and msg and msg[0] == "report":
+                    h = self.handlers.get(msg[1])
+                    if h is not None:
+                        h(msg[2:])
+        except (EOFError, OSError) as exc:
+            err: BaseException = exc
+        except Exception as exc:  # pragma: no cover - a broken message: the link is lost
+            err = exc
+        self.lost = BootstrapError(f"host agent {self.host_id} at {self.url} is gone ({type(err).__name__}: {err})")
+        for cb in list(self.on_lost):
+            try:
+                cb(self.lost)
+            except Exception:  # pragma: no cover
+                log.exception("agent-lost callback failed")
+
+    def send(self, msg: dict) -> None:
+        if self.lost is not None:
+            raise self.lost
+        try:
+            send_msg(self.sock, msg, self.lock)
+        except OSError as exc:
+            raise BootstrapError(f"host agent {self.host_id} at {self.url} is unreachable: {exc}") from exc
+
+    def close(self) -> None:
+        """Detach: the agent kills what is left of this controller's processes and serves the next one."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self._reader.join(2.0)
+
+    def __repr__(self) -> str:
+        state = " lost" if self.lost else ""
+        return f"<AgentClient {self.host_id} {self.url}{state}>"
+
+
+def _attach_one(url: str, secret: bytes, job: bytes, deadline: float) -> AgentClient:
+    host, port = parse_url(url)
+    last: BaseException | None = None
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{url}: {last or 'no answer'}")
+        sock = None
+        try:
+            sock = socket.create_connection((host, port), timeout=min(left, 5.0))
+            auth.client_handshake(sock, secret, timeout=min(left, auth.HANDSHAKE_TIMEOUT))
+            nonce = os.urandom(16)
+            send_msg(sock, {"op": "attach", "nonce": nonce, "wrapped": wrap_secret(job, secret, nonce),
+                            "controller_pid": os.getpid(), "controller_host": socket.gethostname()})
+            sock.settimeout(min(max(left, 1.0), 30.0))
+            reply = recv_msg(sock)
+            sock.settimeout(None)
+        except AuthenticationError:
+            if sock is not None:
+                sock.close()
+            raise
+        except (OSError, EOFError) as exc:  # not up yet, or going away: try again until the deadline
+            if sock is not None:
+                sock.close()
+            last = exc
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+            continue
+        if not reply.get("ok"):
+            sock.close()
+            raise BootstrapError(f"host agent at {url} refused to attach: {reply.get('error')}")
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return AgentClient(url, sock, reply)
+
+
+def attach_agents(urls: list[str], secret: bytes, job: bytes, timeout: float = 30.0) -> list[AgentClient]:
+    """Attach to every agent in ``urls`` (in parallel); all or nothing.
+
+    Raises :class:`AuthenticationError` when an agent refuses the secret, and
+    :class:`BootstrapError` naming every agent not reached within ``timeout``.
+    """
+    deadline = time.monotonic() + timeout
+    results: list[Any] = [None] * len(urls)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = _attach_one(urls[i], secret, job, deadline)
+        except BaseException as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(urls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    errors = [(u, r) for u, r in zip(urls, results) if isinstance(r, BaseException)]
+    if errors:
+        for r in results:
+            if isinstance(r, AgentClient):
+                r.close()
+        for _, r in errors:
+            if isinstance(r, AuthenticationError):
+                raise AuthenticationError(f"a host agent refused the secret: {r} (is MESHARRAY_SECRET the "
+                                          f"same here and on the agents?)") from r
+        refused = [(u, r) for u, r in errors if isinstance(r, BootstrapError)]
+        if refused:
+            raise refused[0][1]
+        unreachable = [u for u, _ in errors]
+        why = "; ".join(str(r) for _, r in errors)
+        raise BootstrapError(f"could not attach to host agents {unreachable} within {timeout:g} s ({why})")
+    return results
+
+
+class _RemoteProcs:
+    """The workers of one mesh across agents: pids, exit statuses, kills."""
+
+    def __init__(self, agents: list[AgentClient], mesh: str, ranks: list[list[int]]) -> None:
+        self.agents = agents
+        self.mesh = mesh
+        self.host_of = {r: h for h, rs in enumerate(ranks) for r in rs}
+        self.pids: dict[int, int] = {}
+        self.status: dict[int, tuple] = {}
+        self.errors: list[str] = []
+        self._cond = threading.Condition()
+        for a in agents:
+            a.handlers[mesh] = self._on_report
+            a.on_lost.append(self._on_lost)
+
+    def _on_report(self, msg: tuple) -> None:
+        with self._cond:
+            if msg[0] == "forked":
+                self.pids[msg[1]] = msg[2]
+            elif msg[0] == "exit" and self.pids.get(msg[1]) == msg[2]:
+                self.status[msg[1]] = (msg[2], msg[3])
+            elif msg[0] == "error":
+                self.errors.append(str(msg[1]))
+            self._cond.notify_all()
+
+    def _on_lost(self, err: BaseException) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def exit_status(self, rank: int, timeout: float):
+        agent = self.agents[self.host_of[rank]]
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while rank not in self.status and agent.lost is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+            st = self.status.get(rank)
+        if st is None:
+            return None
+        code = os.waitstatus_to_exitcode(st[1])
+        return (None, -code) if code < 0 else (code, None)
+
+    def kill(self, rank: int) -> None:
+        try:
+            self.agents[self.host_of[rank]].send({"op": "kill", "mesh": self.mesh, "rank": rank})
+        except BootstrapError:
+            pass
+
+    def check(self, controller: Controller) -> None:
+        """Raise :class:`BootstrapError` if an agent or a worker failed while the mesh starts."""
+        with self._cond:
+            if self.errors:
+                raise BootstrapError(f"a host agent could not start processes: {self.errors[0]}")
+            for a in self.agents:
+                if a.lost is not None:
+                    raise a.lost
+            for rank, st in self.status.items():
+                if rank not in controller.workers:
+                    code = os.waitstatus_to_exitcode(st[1])
+                    raise BootstrapError(
+                        f"worker rank {rank} (pid {self.pids.get(rank)}) on host "
+                        f"{self.agents[self.host_of[rank]].host_id} exited with "
+                        f"{'signal ' + str(-code) if code < 0 else 'code ' + str(code)} before joining")
+
+    def release(self) -> None:
+        for a in self.agents:
+            a.handlers.pop(self.mesh, None)
+            try:
+                a.on_lost.remove(self._on_lost)
+            except ValueError:
+                pass
+            try:
+                a.send({"op": "release", "mesh": self.mesh})
+            except BootstrapError:
+                pass
+
+
+def launch(agents: list[AgentClient], procs: int, *, forward_logs: bool = True, timeout: float = 60.0,
+           heartbeat_timeout: float = 5.0, heartbeat_interval: float = 0.5, name: str = "procs",
+           kill_unresponsive: bool = False, data_plane: str = "tcp", progress: bool = True,
+           dim: str = "procs") -> Launch:
+    """Start ``procs`` workers on each agent; the mesh is ``{hosts: len(agents), dim: procs}``."""
+    if not isinstance(procs, int) or isinstance(procs, bool) or procs < 1:
+        raise ValueError(f"procs per host must be an int >= 1, got {procs!r}")
+    for a in agents:
+        if a.lost is not None:
+            raise a.lost
+    ips = {a.local_ip for a in agents}
+    # one interface reaches every agent: listen there; else every interface (authenticated)
+    bind = next(iter(ips)) if len(ips) == 1 else "0.0.0.0"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        ctl = Controller(listen="tcp", host=bind, heartbeat_timeout=heartbeat_timeout,
+                         heartbeat_interval=heartbeat_interval, name=name, kill_unresponsive=kill_unresponsive)
+    port = ctl.address.rpartition(":")[2]
+    shape = Shape({"hosts": len(agents), dim: procs})
+    ranks = [[h * procs + p for p in range(procs)] for h in range(len(agents))]
+    mesh_id = f"{name}-{os.getpid()}-{os.urandom(4).hex()}"
+    remote = _RemoteProcs(agents, mesh_id, ranks)
+    ctl.exit_status = remote.exit_status
+    ctl.kill = remote.kill
+    try:
+        for a, rs in zip(agents, ranks):
+            a.send({"op": "spawn", "mesh": mesh_id, "ranks": rs, "controller": f"tcp:{a.local_ip}:{port}",
+                    "forward_logs": forward_logs, "sys_path": [p for p in sys.path if p],
+                    "data_plane": data_plane})
+        ctl.adopt(shape.size, timeout=timeout, progress=progress, check=lambda: remote.check(ctl))
+    except BaseException:
+        ctl.stop(timeout=0.5)
+        remote.release()
+        raise
+    return Launch(ctl, shape, remote.release, None)

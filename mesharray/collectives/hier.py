@@ -1,0 +1,163 @@
+"""Hierarchical collectives for a group that spans hosts: shared memory inside a host, a ring between hosts.
+
+The members of a group are split by host (their *memory domain*). On each
+host the members form a shared-memory group (:class:`~.shm.ShmCollective`)
+whose first member — the lowest rank — is the host's *leader*; the leaders
+form a :class:`~.ring.RingCollective` over the network data plane. An
+allreduce is: reduce to the leader in shared memory, allreduce among the
+leaders over the ring (pipelined in chunks), broadcast from the leader in
+shared memory. Only one process per host touches the network, and each host
+sends and receives the message about once (two hosts) — the hierarchy MPI
+and NCCL use, with no MPI and no torch needed.
+
+Results equal NumPy's up to floating-point association: partial sums are
+formed per host first, then between hosts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._args import as_contiguous, check_out
+from .ring import RingCollective
+from .shm import ShmCollective
+
+__all__ = ["HierCollective"]
+
+
+class HierCollective:
+    """One member's view of a group spread over hosts.
+
+    Parameters
+    ----------
+    members : tuple of int
+        The group's global ranks, in group order (member ``j`` is ``members[j]``).
+    me : int
+        This process's global rank.
+    domains : list
+        ``domains[j]``: member ``j``'s memory domain (equal: same host).
+    local : ShmCollective or None
+        The shared-memory group of this host's members (``None`` when alone on its host).
+    ring : RingCollective or None
+        The ring of host leaders, ordered by host of first appearance (leaders only).
+    """
+
+    def __init__(self, members: tuple[int, ...], me: int, domains: list, local: ShmCollective | None,
+                 ring: RingCollective | None) -> None:
+        self.members = members
+        self.rank = members.index(me)
+        self.size = len(members)
+        self.domains = domains
+        order: list = []
+        for d in domains:
+            if d not in order:
+                order.append(d)
+        #: member indices of each host, hosts in order of first appearance
+        self.hosts = [[j for j, d in enumerate(domains) if d == h] for h in order]
+        self.host = order.index(domains[self.rank])
+        self.local_members = self.hosts[self.host]
+        self.is_leader = self.local_members[0] == self.rank
+        self.local = local
+        self.ring = ring
+        if self.is_leader and ring is None and len(self.hosts) > 1:
+            raise ValueError("a host leader needs the ring of leaders")
+
+    # -- building blocks -----------------------------------------------------------
+    def _local_bcast(self, buf: np.ndarray, root: int = 0) -> None:
+        if self.local is not None:
+            self.local.broadcast(buf, root=root)
+
+    # -- collectives ---------------------------------------------------------------
+    def allreduce(self, send: Any, out: Any = None, op: str = "sum") -> np.ndarray:
+        """Reduce ``send`` elementwise over every member (all hosts); every member gets the result."""
+        send = as_contiguous(send, "send")
+        out = check_out(out, send.shape, send.dtype)
+        mean = op == "mean"
+        if mean and send.dtype.kind != "f":
+            raise TypeError(f"op 'mean' needs a floating dtype, got {send.dtype}; cast first")
+        kop = "sum" if mean else op
+        if self.local is not None:
+            part = self.local.reduce(send, out=out if self.is_leader else None, op=kop, root=0)
+        else:
+            part = out
+            if out is not send:
+                np.copyto(out, send)
+        if self.is_leader:
+            assert part is not None and self.ring is not None
+            self.ring.allreduce(part, out=out, op=kop)
+        self._local_bcast(out)
+        if mean:
+            np.divide(out, self.size, out=out)
+        return out
+
+    def reduce(self, send: Any, out: Any = None, op: str = "sum", root: int = 0) -> np.ndarray | None:
+        """Reduce over every member; member ``root`` gets the result, the others ``None``."""
+        if not 0 <= root < self.size:
+            raise ValueError(f"root must be a member in [0, {self.size}), got {root!r}")
+        res = self.allreduce(send, out=out if self.rank == root else None, op=op)
+        return res if self.rank == root else None
+
+    def broadcast(self, buf: Any, root: int = 0) -> np.ndarray:
+        """Copy member ``root``'s ``buf`` into every member's ``buf`` (in place)."""
+        buf = as_contiguous(buf, "buf")
+        if not 0 <= root < self.size:
+            raise ValueError(f"root must be a member in [0, {self.size}), got {root!r}")
+        root_host = next(h for h, ms in enumerate(self.hosts) if root in ms)
+        if self.host == root_host and self.local is not None:
+            # the root's host first: its leader then holds the data
+            self.local.broadcast(buf, root=self.local_members.index(root))
+        if self.is_leader and self.ring is not None:
+            self.ring.broadcast(buf, root=root_host)
+        if self.host != root_host:
+            self._local_bcast(buf)
+        return buf
+
+    def allgather(self, send: Any, out: Any = None) -> np.ndarray:
+        """Every member's ``send`` in ``out`` of shape ``(size, *send.shape)``, in member order."""
+        send = as_contiguous(send, "send")
+        out = check_out(out, (self.size,) + send.shape, send.dtype)
+        rows = out.reshape(self.size, -1)
+        nl = len(self.local_members)
+        if self.local is not None:
+            mine = self.local.allgather(send)  # (nl, ...) in this host's member order
+        else:
+            mine = send.reshape((1,) + send.shape)
+        for k, j in enumerate(self.local_members):
+            rows[j] = mine[k].reshape(-1)
+        if self.is_leader and self.ring is not None:
+            # each leader contributes its host's rows, packed; then scatter them into member order
+            packed = [np.empty((len(ms), rows.shape[1]), dtype=rows.dtype) for ms in self.hosts]
+            packed[self.host][...] = mine.reshape(nl, -1)
+            self.ring.allgather_bytes([p.reshape(-1).view(np.uint8).data for p in packed])
+            for ms, p in zip(self.hosts, packed):
+                rows[ms] = p
+        self._local_bcast(out)
+        return out
+
+    def reduce_scatter(self, send: Any, out: Any = None, op: str = "sum") -> np.ndarray:
+        """Reduce ``send`` (shape ``(size, ...)``) over every member; member ``j`` gets part ``j``."""
+        send = as_contiguous(send, "send")
+        if send.ndim > 1 and send.shape[0] == self.size:
+            part_shape = send.shape[1:]
+        elif send.size % self.size == 0:
+            part_shape = (send.size // self.size,)
+        else:
+            raise ValueError(f"reduce_scatter needs send of shape ({self.size}, ...) or a size divisible by "
+                             f"{self.size}; got shape {send.shape}")
+        full = self.allreduce(send, op=op)
+        out = check_out(out, part_shape, send.dtype)
+        out.reshape(-1)[...] = full.reshape(self.size, -1)[self.rank]
+        return out
+
+    def barrier(self) -> None:
+        self.allreduce(np.zeros(1, dtype=np.int32))
+
+    def close(self) -> None:
+        # the shared-memory and ring groups are shared with other groups (cached by the caller)
+        pass
+
+    def __repr__(self) -> str:
+        return (f"HierCollective(member {self.rank} of {self.size}, host {self.host} of {len(self.hosts)}, "
+                f"leader={self.is_leader})")

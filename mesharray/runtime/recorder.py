@@ -1,0 +1,187 @@
+"""What every process records about itself, cheaply, for telemetry (``procs.telemetry``).
+
+On by default (``MESHARRAY_TELEMETRY=0`` turns recording off). Per call that
+a worker handles: a row ``(wall start ns, duration ns, actor, endpoint, caller
+pid, msg id, bytes in, bytes out, status)`` appended to a list — one tuple,
+two clock reads, no lock. Per actor: spawn, failed spawn, stop. Per error: its
+type, message and remote traceback. Per process: CPU, RSS, threads and fds,
+sampled every couple of seconds by the heartbeat thread.
+
+Spans need no bytes on the wire: a call's span id is ``(caller pid, msg id)``,
+which both ends know. When code inside an actor calls another actor, the
+caller records a *link* ``(parent span, child span)``; the controller, which
+collects everything (:mod:`mesharray.observe`), rebuilds each span's parent and
+trace from the links.
+
+Memory is bounded: at most ``MESHARRAY_TELEMETRY_ROWS`` (100 000) call rows
+are kept; the oldest half is folded into per-(actor, endpoint, status)
+counters and latency histograms (what Prometheus scrapes) and dropped.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import resource
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+__all__ = ["REC", "Recorder", "ENABLED", "SPAN", "BUCKETS", "process_sample", "thread_stacks"]
+
+ENABLED = os.environ.get("MESHARRAY_TELEMETRY", "1") != "0"
+MAX_ROWS = int(os.environ.get("MESHARRAY_TELEMETRY_ROWS", "100000"))
+#: latency histogram bucket upper bounds, in seconds (Prometheus ``le``)
+BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
+           2.5, 5.0, 10.0)
+#: the span of the call being handled: (caller pid, msg id)
+SPAN: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("mesharray_span", default=None)
+
+
+class _Series:
+    """An append-only series with absolute indices: readers ask for what came after index ``i``."""
+
+    __slots__ = ("items", "base", "maxlen")
+
+    def __init__(self, maxlen: int) -> None:
+        self.items: list = []
+        self.base = 0  # absolute index of items[0]
+        self.maxlen = maxlen
+
+    def append(self, x: Any) -> None:
+        self.items.append(x)
+        if len(self.items) > self.maxlen:
+            half = len(self.items) // 2
+            del self.items[:half]
+            self.base += half
+
+    def since(self, i: int) -> tuple[list, int]:
+        items, base = list(self.items), self.base
+        return items[max(0, i - base):], base + len(items)
+
+
+class Recorder:
+    """This process's telemetry rows (appended by the runtime, read by the controller's queries)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple] = []
+        self.rows_base = 0  # absolute index of rows[0]
+        self.links = _Series(MAX_ROWS)
+        self.actors = _Series(10000)
+        self.errors = _Series(1000)
+        self.samples = _Series(1200)
+        #: thread id -> (actor, endpoint, wall start ns) of the call it runs now
+        self.current: dict[int, tuple[str, str, int]] = {}
+        #: (actor, endpoint, status) -> [count, seconds, bytes in, bytes out, *bucket counts]
+        self.agg: dict[tuple, list] = {}
+        self._folded = 0  # rows[:_folded] are in agg
+        self._lock = threading.Lock()
+
+    def call(self, row: tuple) -> None:
+        rows = self.rows
+        rows.append(row)
+        if len(rows) > MAX_ROWS:
+            with self._lock:
+                if len(self.rows) > MAX_ROWS:
+                    self._fold()
+                    half = len(self.rows) // 2
+                    del self.rows[:half]
+                    self.rows_base += half
+                    self._folded -= half
+
+    def _fold(self) -> None:
+        rows, agg = self.rows, self.agg
+        end = len(rows)
+        for r in rows[self._folded:end]:
+            key = (r[2], r[3], r[8])
+            a = agg.get(key)
+            if a is None:
+                a = agg[key] = [0, 0.0, 0, 0] + [0] * len(BUCKETS)
+            dur = r[1] / 1e9
+            a[0] += 1
+            a[1] += dur
+            a[2] += r[6]
+            a[3] += r[7]
+            for i, le in enumerate(BUCKETS):
+                if dur <= le:
+                    a[4 + i] += 1
+                    break
+        self._folded = end
+
+    def aggregates(self) -> dict:
+        """Counters and histograms of every call so far (histogram buckets not cumulative)."""
+        with self._lock:
+            self._fold()
+            return {k: list(v) for k, v in self.agg.items()}
+
+    def error(self, actor: str, endpoint: str, exc: BaseException) -> None:
+        self.errors.append((time.time_ns(), actor, endpoint, type(exc).__name__, str(exc)[:2000],
+                            "".join(traceback.format_exception(exc))[-8000:]))
+
+    def actor(self, name: str, event: str, detail: str = "") -> None:
+        self.actors.append((time.time_ns(), name, event, detail))
+
+    def sample(self) -> None:
+        self.samples.append(process_sample())
+
+    def snapshot(self, since: dict | None = None) -> dict:
+        """What was recorded after the absolute indices in ``since``, the next indices, and the state now."""
+        since = since or {}
+        with self._lock:
+            rows, base = list(self.rows), self.rows_base
+        i = since.get("messages", 0)
+        out: dict[str, Any] = {"pid": os.getpid(), "now": time.time_ns(),
+                               "messages": rows[max(0, i - base):], "next": {"messages": base + len(rows)}}
+        for name in ("links", "actors", "errors", "samples"):
+            out[name], out["next"][name] = getattr(self, name).since(since.get(name, 0))
+        out["process"] = process_sample()
+        out["current"] = list(self.current.values())
+        return out
+
+
+def process_sample() -> tuple[int, float, int, int, int]:
+    """``(wall ns, CPU seconds, RSS bytes, threads, open fds)`` of this process."""
+    t = os.times()
+    rss = 0
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    try:
+        fds = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        fds = -1
+    return (time.time_ns(), t.user + t.system, rss, threading.active_count(), fds)
+
+
+def thread_stacks() -> str:
+    """Every Python thread's stack, innermost call last (what ``procs.stacks()`` shows)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = []
+    for ident, frame in sys._current_frames().items():
+        out.append(f"Thread {names.get(ident, '?')} ({ident}):\n" + "".join(traceback.format_stack(frame)))
+    return "\n".join(out)
+
+
+REC = Recorder()
+
+
+def set_title(text: str) -> None:
+    """Name this process in ``ps``/``top``: ``setproctitle`` if installed, else ``/proc/self/comm`` (15 bytes)."""
+    try:
+        import setproctitle  # type: ignore[import-not-found]
+
+        setproctitle.setproctitle(text)
+        return
+    except ImportError:
+        pass
+    except Exception:  # pragma: no cover - best effort
+        return
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(text[:15])
+    except OSError:
+        pass

@@ -1,0 +1,92 @@
+"""Host agents for the multi-host tests: real ``python -m mesharray host`` processes on 127.0.0.x."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+SECRET = "multihost-test-secret"
+
+
+class Agent:
+    """One running ``python -m mesharray host`` process."""
+
+    def __init__(self, ip: str, host_id: str, secret: str | None = SECRET, extra: list[str] | None = None,
+                 env: dict | None = None, netns: str | None = None) -> None:
+        e = dict(os.environ)
+        e.pop("MESHARRAY_SECRET", None)
+        if secret is not None:
+            e["MESHARRAY_SECRET"] = secret
+        e.update(env or {})
+        cmd = [sys.executable, "-m", "mesharray", "host", "--listen", f"tcp://{ip}:0", "--host-id", host_id,
+               *(extra or [])]
+        if netns is not None:
+            cmd = ["ip", "netns", "exec", netns, *cmd]
+        self.host_id = host_id
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e,
+                                     start_new_session=True)
+        line = _readline(self.proc, 30)
+        if not line.startswith("mesharray host listening on "):
+            err = self.stop()
+            raise RuntimeError(f"host agent {host_id} did not start: {line!r} {err}")
+        self.url = line.rsplit(" ", 1)[1]
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        try:
+            os.kill(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        try:  # whatever the agent's session left (it kills its own workers; this is the backstop)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        err = self.proc.stderr.read() if self.proc.stderr else ""
+        for f in (self.proc.stdout, self.proc.stderr):
+            if f:
+                f.close()
+        return err
+
+
+def _readline(proc: subprocess.Popen, timeout: float) -> str:
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    assert proc.stdout is not None
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    if not sel.select(timeout):
+        return ""
+    return proc.stdout.readline().strip()
+
+
+@contextmanager
+def agents(n: int, first_ip: int = 2, prefix: str = "h", **kw):
+    started: list[Agent] = []
+    try:
+        for i in range(n):
+            started.append(Agent(f"127.0.0.{first_ip + i}", f"{prefix}{i}", **kw))
+        yield started
+    finally:
+        for a in started:
+            a.stop()
+
+
+def wait_until(cond, timeout: float = 5.0, step: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(step)
+    return cond()

@@ -1,0 +1,237 @@
+"""``ma.attach`` and ``HostMesh.spawn_procs`` across host agents: what works on a local mesh works here."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from mh_actors import Where
+from mh_agents import SECRET
+
+import mesharray as ma
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_attach_gives_a_host_mesh(cluster, two_agents):
+    hosts, procs = cluster
+    assert isinstance(hosts, ma.HostMesh)
+    assert hosts.sizes == {"hosts": 2}
+    assert hosts.host_ids == ["h0", "h1"]
+    assert hosts.addresses == [a.url for a in two_agents]
+    assert procs.sizes == {"hosts": 2, "procs": 2}
+    assert procs.host_ids == ["h0", "h0", "h1", "h1"]
+    assert hosts[1].host_ids == ["h1"]
+    assert "h0, h1" in repr(hosts)
+
+
+def test_actors_run_on_their_hosts(cluster):
+    _, procs = cluster
+    w = procs.spawn("where", Where)
+    got = w.where.call().get(timeout=30)
+    assert got.shape == (2, 2)
+    assert [[got[h, p][0] for p in range(2)] for h in range(2)] == [["h0", "h0"], ["h1", "h1"]]
+    assert [got[h, p][1] for h in range(2) for p in range(2)] == [0, 1, 2, 3]
+    # slicing, named and positional, and call_one on one actor of the second host
+    assert w.slice(hosts=1, procs=0).where.call_one().get(timeout=30)[:2] == ("h1", 2)
+    assert w[1, 1].where.call_one().get(timeout=30)[1] == 3
+    # remote exceptions keep their type
+    with pytest.raises(ma.ActorError) as ei:
+        w[0, 0].fail.call_one().get(timeout=30)
+    assert isinstance(ei.value.exception, ValueError)
+    # and the mesh keeps working
+    assert w.where.call().get(timeout=30).shape == (2, 2)
+    w.stop()
+
+
+def test_actor_to_actor_calls_cross_hosts(cluster):
+    _, procs = cluster
+    w = procs.spawn("peers", Where)
+    # the actor at (hosts=0, procs=0) calls the one on rank 3 (host h1), and back
+    assert w[0, 0].call_peer.call_one(w, 3).get(timeout=30)[:2] == ("h1", 3)
+    assert w[1, 1].call_peer.call_one(w, 0).get(timeout=30)[:2] == ("h0", 0)
+    w.stop()
+
+
+def test_large_arguments_and_replies_cross_hosts(cluster):
+    _, procs = cluster
+    w = procs.spawn("big", Where)
+    x = np.random.default_rng(0).random(2 << 20)  # 16 MiB
+    assert w[1, 0].checksum.call_one(x).get(timeout=60) == pytest.approx(x.sum())
+    back = w[1, 1].echo.call_one(x).get(timeout=60)
+    np.testing.assert_array_equal(back, x)
+    w.stop()
+
+
+def test_buffer_reads_across_hosts(cluster):
+    _, procs = cluster
+    w = procs.spawn("buffers", Where)
+    n = 4 << 20  # 16 MiB: read over several TCP streams at once
+    buf = w[0, 0].make_buffer.call_one(n).get(timeout=30)
+    want = float(np.arange(n, dtype=np.float32).astype(np.float64).sum())
+    # an actor on the other host reads it (the stream path: different host ids never share memory)
+    assert w[1, 0].read_buffer.call_one(buf).get(timeout=60) == want
+    # the same host reads it too, and so does the controller
+    assert w[0, 1].read_buffer.call_one(buf).get(timeout=60) == want
+    dst = np.empty(n, dtype=np.float32)
+    buf.read_into(dst).get(timeout=60)
+    np.testing.assert_array_equal(dst, np.arange(n, dtype=np.float32))
+    w.stop()
+
+
+@pytest.mark.parametrize("axis", ["hosts", "procs", None])
+def test_reductions_across_hosts_equal_numpy(cluster, axis):
+    _, procs = cluster
+    x = procs.arange(6, dtype="float64") * (procs.rank_array() + 1)
+    ref = np.asarray(x.fetch())
+    assert ref.shape == (2, 2, 6)
+    got = np.asarray((x.sum() if axis is None else x.sum(axis=axis)).fetch())
+    want = ref.sum() if axis is None else ref.sum(axis=("hosts", "procs").index(axis))
+    np.testing.assert_allclose(got, want)
+    np.testing.assert_allclose(np.asarray(x.mean(axis="procs").fetch()), ref.mean(axis=1))
+    np.testing.assert_allclose(np.asarray(x.max(axis="hosts").fetch()), ref.max(axis=0))
+    np.testing.assert_allclose(np.asarray(x.min().fetch()), ref.min())
+
+
+def test_group_collectives_across_hosts(cluster):
+    _, procs = cluster
+    x = procs.ones((4,), dtype="float32") * procs.rank_array()
+    ref = np.asarray(x.fetch())
+    g = ma.allgather(x, "hosts")
+    np.testing.assert_array_equal(np.asarray(g.fetch())[0, 1], ref[:, 1])
+    b = ma.broadcast_from(x, "hosts", root=1)
+    np.testing.assert_array_equal(np.asarray(b.fetch())[0], ref[1])
+    y = procs.ones((4,), dtype="float32") * (procs.rank_array() + 1)
+    rs = ma.reduce_scatter(y, "hosts")
+    yref = np.asarray(y.fetch()).sum(axis=0)  # (procs, 4) summed over hosts
+    got = np.asarray(rs.fetch())
+    np.testing.assert_array_equal(got[0], yref[:, :2])
+    np.testing.assert_array_equal(got[1], yref[:, 2:])
+
+
+def test_large_reduction_across_hosts(cluster):
+    _, procs = cluster
+    x = procs.ones((1 << 21,), dtype="float32") * (procs.rank_array() + 1)  # 8 MiB per rank
+    got = np.asarray(x.sum(axis="hosts").fetch())
+    assert got.shape == (2, 1 << 21)
+    assert (got[0] == 4).all() and (got[1] == 6).all()
+    total = np.asarray(x.sum().fetch())
+    assert float(total) == pytest.approx(10 * (1 << 21))
+
+
+def test_host_mesh_slices_start_processes_on_their_hosts(two_agents, cluster):
+    hosts, _ = cluster
+    # the cluster's agents serve that controller: a second mesh on a slice of them
+    procs = hosts[1:].spawn_procs(per_host={"gpus": 3})
+    try:
+        assert procs.sizes == {"hosts": 1, "gpus": 3}
+        assert procs.host_ids == ["h1"] * 3
+        w = procs.spawn("w", Where)
+        assert [v[0] for v in np.asarray(w.where.call().get(timeout=30)).ravel()] == ["h1"] * 3
+    finally:
+        procs.stop()
+
+
+def test_this_host_is_a_one_host_mesh():
+    h = ma.this_host()
+    assert isinstance(h, ma.HostMesh) and h.sizes == {"hosts": 1}
+    procs = h.spawn_procs(per_host={"procs": 2})
+    try:
+        assert procs.sizes == {"hosts": 1, "procs": 2}
+    finally:
+        procs.stop()
+    h.detach()  # nothing to detach: harmless
+
+
+def test_spawn_procs_rejects_bad_per_host(cluster):
+    hosts, _ = cluster
+    with pytest.raises(ValueError, match="one dimension"):
+        hosts.spawn_procs(per_host={"procs": 2, "gpus": 2})
+    with pytest.raises(ValueError, match="other than 'hosts'"):
+        hosts.spawn_procs(per_host={"hosts": 2})
+    with pytest.raises(ValueError, match="procs per host"):
+        hosts.spawn_procs(per_host={"procs": 0})
+
+
+def test_same_script_runs_on_a_local_mesh_and_on_attached_hosts(cluster):
+    """One function, two meshes of the same shape: the same answers."""
+    _, remote = cluster
+
+    def workload(procs):
+        w = procs.spawn("same", Where)
+        ranks = [v[1] for v in np.asarray(w.where.call().get(timeout=30)).ravel()]
+        x = procs.ones((3,), dtype="float64") * (procs.rank_array() + 1)
+        out = (ranks, np.asarray(x.sum(axis="hosts").fetch()).tolist(), float(np.asarray(x.sum().fetch())))
+        w.stop()
+        return out
+
+    local = ma.proc_mesh(hosts=2, procs=2)
+    try:
+        assert workload(local) == workload(remote)
+    finally:
+        local.stop()
+
+
+def test_detach_stops_meshes_and_frees_the_agents(two_agents):
+    # (runs after the module's cluster fixture was set up: use fresh agents)
+    from mh_agents import agents
+
+    with agents(2, first_ip=4, prefix="d") as ags:
+        hosts = ma.attach([a.url for a in ags], secret=SECRET)
+        procs = hosts.spawn_procs(per_host={"procs": 1})
+        hosts.detach()
+        assert procs.stopped and hosts.detached
+        with pytest.raises(ma.MeshStoppedError):
+            hosts.spawn_procs(per_host={"procs": 1})
+        # the agents serve the next controller at once
+        t = time.monotonic()
+        again = ma.attach([a.url for a in ags], secret=SECRET, timeout=10)
+        assert time.monotonic() - t < 5
+        again.detach()
+
+
+def test_telemetry_across_hosts(cluster):
+    _, procs = cluster
+    w = procs.spawn("seen", Where)
+    w.where.call().get(timeout=30)
+    rows = procs.telemetry.sql("SELECT host, count(*) AS n FROM messages WHERE actor = 'seen' GROUP BY host "
+                               "ORDER BY host")
+    assert rows == [{"host": "h0", "n": 2}, {"host": "h1", "n": 2}] and rows.missing == []
+    stacks = procs.stacks()
+    assert sorted(stacks) == [0, 1, 2, 3] and all("Thread" in s for s in stacks.values())
+    w.stop()
+
+
+def test_the_multihost_example_runs():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, os.path.join(root, "examples", "multihost.py")], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "sum of everything: 10485760.0 (numpy: 10485760.0 )" in r.stdout
+    assert "sum over hosts, first element per proc: [4.0, 6.0]" in r.stdout
+
+
+def test_the_readme_many_machines_block_runs(two_agents, cluster):
+    """The README's script, with this machine's agents for node1 and node2 (after the cluster detached)."""
+    import os
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "ma.attach" in b)
+    hosts, procs = cluster
+    procs.stop()
+    hosts.detach()  # the agents serve one controller at a time: let the README's script have them
+    code = block.replace('"tcp://node1:26600"', repr(two_agents[0].url)).replace(
+        '"tcp://node2:26600"', repr(two_agents[1].url))
+    assert code != block
+    env = dict(os.environ, MESHARRAY_SECRET=SECRET)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
