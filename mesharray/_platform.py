@@ -28,7 +28,7 @@ import sys
 import tempfile
 
 __all__ = ["PORTABLE", "LINUX_NATIVE", "abstract_sockets", "memfd_via_proc", "shm_open", "shm_unlink",
-           "anonymous_shm", "runtime_dir"]
+           "anonymous_shm", "runtime_dir", "socket_file", "sweep_socket_files"]
 
 #: ``MESHARRAY_PORTABLE`` set (to anything but ``0`` or nothing): the non-Linux paths everywhere
 PORTABLE = os.environ.get("MESHARRAY_PORTABLE", "").strip() not in ("", "0")
@@ -117,3 +117,49 @@ def runtime_dir() -> str:
                               f"mode 0700 (it has uid {st.st_uid}, mode {oct(st.st_mode & 0o777)}); remove it or "
                               f"set MESHARRAY_RUNTIME_DIR")
     return path
+
+
+_swept: int | None = None  # the pid that swept the runtime directory (once per process)
+
+
+def sweep_socket_files(directory: str) -> int:
+    """Remove the socket files (``<kind>-<pid>[-...]``) of processes that no longer exist; how many.
+
+    A killed process cannot remove its socket files (abstract sockets, which
+    need no removal, exist on Linux only): the next process to make one
+    cleans up after it.
+    """
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        parts = name.split("-")
+        if len(parts) < 2 or not parts[1].isdigit():
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed += 1
+            except OSError:
+                pass
+        except (PermissionError, OverflowError):
+            pass
+    return removed
+
+
+def socket_file(kind: str) -> str:
+    """A fresh path for a unix socket of this process in :func:`runtime_dir`: ``<kind>-<pid>-<random>``.
+
+    The first call in a process sweeps the files of dead processes
+    (:func:`sweep_socket_files`).
+    """
+    global _swept
+    directory = runtime_dir()
+    if _swept != os.getpid():
+        _swept = os.getpid()
+        sweep_socket_files(directory)
+    return os.path.join(directory, f"{kind}-{os.getpid()}-{os.urandom(4).hex()}")

@@ -1032,11 +1032,11 @@ class Listener:
                 self.sock.bind("\0" + name)
                 self.address = "unix:@" + name
             else:
-                if path is None:  # a socket file in a 0700 directory: only this user reaches it
-                    import tempfile
-
-                    path = os.path.join(tempfile.mkdtemp(prefix="mesharray-"), "sock")
-                self._dir = os.path.dirname(path)
+                # default: a socket file in this user's 0700 runtime directory (only this user
+                # reaches it; a killed process's file is swept by the next one)
+                self._dir = os.path.dirname(path) if path is not None else None
+                if path is None:
+                    path = _platform.socket_file("l")
                 self.sock.bind(path)
                 self.address = "unix:" + path
                 self._path = path
@@ -1228,7 +1228,8 @@ class Listener:
         if self._path is not None:
             try:
                 os.unlink(self._path)
-                os.rmdir(self._dir)
+                if self._dir is not None:
+                    os.rmdir(self._dir)
             except OSError:
                 pass
 

@@ -12,8 +12,9 @@ Request: ``<q fd><Q serial>`` (the segment's number in the owner and its
 serial, as the frame's descriptor names them). Answer: one byte, ``1`` with
 the descriptor attached or ``0`` (no such segment).
 
-A killed owner leaves its socket file behind; the next server started in the
-directory removes the files of processes that no longer exist.
+A killed owner leaves its socket file behind; the next server (or portable
+listener) started in the directory removes the files of processes that no
+longer exist (:func:`mesharray._platform.sweep_socket_files`).
 """
 
 from __future__ import annotations
@@ -44,26 +45,6 @@ def socket_path(pid: int) -> str:
     return os.path.join(_platform.runtime_dir(), f"fd-{pid}")
 
 
-def _sweep(directory: str) -> None:
-    """Remove the socket files of processes that no longer exist."""
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return
-    for name in names:
-        if not name.startswith("fd-") or not name[3:].isdigit():
-            continue
-        try:
-            os.kill(int(name[3:]), 0)
-        except ProcessLookupError:
-            try:
-                os.unlink(os.path.join(directory, name))
-            except OSError:
-                pass
-        except PermissionError:
-            pass
-
-
 class FdServer:
     """Serves this process's descriptors: ``lookup(fd, serial) -> fd or None``, in a thread."""
 
@@ -71,7 +52,7 @@ class FdServer:
         self.lookup = lookup
         self.pid = os.getpid()
         self.path = socket_path(self.pid)
-        _sweep(os.path.dirname(self.path))
+        _platform.sweep_socket_files(os.path.dirname(self.path))
         try:
             os.unlink(self.path)  # a dead process with our pid left it
         except FileNotFoundError:
@@ -82,7 +63,7 @@ class FdServer:
         self._closed = False
         self.thread = threading.Thread(target=self._loop, name="mesharray-fdpass", daemon=True)
         self.thread.start()
-        atexit.register(self.close)  # a clean exit leaves no socket file (a killed process: _sweep)
+        atexit.register(self.close)  # a clean exit leaves no socket file (a killed process: swept later)
 
     def _loop(self) -> None:
         while not self._closed:

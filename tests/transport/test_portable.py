@@ -232,3 +232,27 @@ def test_whole_runtime_in_portable_mode(tmp_path):
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=90)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip().endswith("ok 2")
+
+
+def test_portable_listener_uses_a_private_socket_file(tmp_path, monkeypatch):
+    from mesharray.transport.connection import Listener, connect
+
+    monkeypatch.setenv("MESHARRAY_RUNTIME_DIR", str(tmp_path / "rt"))
+    monkeypatch.setattr(_platform, "LINUX_NATIVE", False)
+    got: list = []
+    lst = Listener(b"k" * 32, got.append, kind="unix")
+    try:
+        assert lst.address.startswith("unix:" + str(tmp_path / "rt") + f"/l-{os.getpid()}-")
+        path = lst.address[5:]
+        assert stat.S_ISSOCK(os.stat(path).st_mode)
+        s = connect(lst.address, b"k" * 32)
+        deadline = time.monotonic() + 5
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert got, "the listener did not hand over the authenticated socket"
+        s.close()
+        for g in got:
+            g.close()
+    finally:
+        lst.close()
+    assert not os.path.exists(path) and os.path.isdir(tmp_path / "rt")  # the shared directory stays
