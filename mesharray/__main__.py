@@ -6,7 +6,7 @@ Usage::
     python -m mesharray -m module [args...]     # run a module, like python -m
     python -m mesharray -c "code" [args...]     # run a string, like python -c
     python -m mesharray run script.py [args...] # the same, for a script named "info"
-    python -m mesharray info [--json]           # version, engines, transports, launcher
+    python -m mesharray info [--probe] [--json] # version, engines, transports, launcher
     python -m mesharray host --listen tcp://0.0.0.0:26600 [--advertise URL] [--host-id NAME]
                                                 # a host agent (secret: MESHARRAY_SECRET)
     python -m mesharray k8s manifest --name NAME --hosts N --image IMAGE [...]
@@ -37,7 +37,7 @@ usage: python -m mesharray script.py [args...]
        python -m mesharray -m module [args...]
        python -m mesharray -c command [args...]
        python -m mesharray run script.py [args...]
-       python -m mesharray info [--json]
+       python -m mesharray info [--probe] [--json]
        python -m mesharray host --listen tcp://0.0.0.0:26600 [--advertise URL] [--host-id NAME]
        python -m mesharray k8s manifest --name NAME --hosts N --image IMAGE [--procs-per-host 8]
                                   [--namespace NS] [--jobset] [--resources gpu=8] [--secret-name S]
@@ -47,9 +47,11 @@ usage: python -m mesharray script.py [args...]
 Runs a script so that an unhandled exception on any MPI rank aborts the
 whole job (non-zero exit) instead of hanging the others; `info` prints the
 version, the engines and transports available and the detected launcher;
-`host` runs a host agent that scripts attach to (ma.attach), with the secret
-taken from MESHARRAY_SECRET; `k8s manifest` prints the Kubernetes objects of a
-mesh of host agents (pipe it to `kubectl apply -f -`; the script then calls
+`info --probe` also loads every engine and reports its device, collective
+backend and the dtypes that worked on it (imports torch: seconds); `host`
+runs a host agent that scripts attach to (ma.attach), with the secret taken
+from MESHARRAY_SECRET; `k8s manifest` prints the Kubernetes objects of a mesh
+of host agents (pipe it to `kubectl apply -f -`; the script then calls
 ma.k8s.attach(NAME))."""
 
 
@@ -199,8 +201,14 @@ def _mpi_library() -> str | None:
         return None
 
 
-def info() -> dict[str, Any]:
+def info(probe: bool = False) -> dict[str, Any]:
     """What this installation can do, without importing torch or starting MPI.
+
+    Parameters
+    ----------
+    probe : bool
+        Also load every engine and try it (:func:`mesharray.engines.probe_engines`:
+        device, collective backend, dtypes); imports torch when installed.
 
     Returns
     -------
@@ -208,8 +216,10 @@ def info() -> dict[str, Any]:
         ``version``, ``python``, ``engines`` and ``transports`` (name -> a short
         description, or None when unavailable), ``data_plane`` (what carries
         bulk data on one host and between hosts, and why UCX is or is not
-        available), ``launcher`` (or None) and
-        ``bootstrap`` (what ``proc_mesh()`` would use here).
+        available), ``platform`` (the code paths this OS takes: see
+        :mod:`mesharray._platform`), ``launcher`` (or None), ``bootstrap`` (what
+        ``proc_mesh()`` would use here) and, with ``probe``, ``engine_probes``
+        (name -> capabilities).
 
     Examples
     --------
@@ -257,7 +267,7 @@ def info() -> dict[str, Any]:
     from mesharray.bootstrap.mpi import find_mpirun
 
     mpirun = find_mpirun()
-    return {
+    out = {
         "version": mesharray.__version__,
         "python": sys.version.split()[0],
         "executable": sys.executable,
@@ -271,6 +281,34 @@ def info() -> dict[str, Any]:
         },
         "bootstrap": bootstrap,
         "mpirun": mpirun,
+        "platform": _platform_paths(),
+    }
+    if probe:
+        from mesharray.engines import probe_engines
+
+        out["engine_probes"] = probe_engines()
+    return out
+
+
+def _platform_paths() -> dict[str, Any]:
+    """The OS-specific code paths this process takes (``MESHARRAY_PORTABLE=1`` forces the portable ones)."""
+    from mesharray._platform import LINUX_NATIVE, PORTABLE, abstract_sockets, memfd_via_proc
+    from mesharray.transport import shm
+    from mesharray.transport.poller import READ, fd_poller
+
+    poller = fd_poller(READ, oneshot=True)
+    if shm.available():
+        memory = "memfd, opened through /proc" if memfd_via_proc() else \
+            "shm_open, descriptors passed over unix sockets (SCM_RIGHTS)"
+    else:
+        memory = None
+    return {
+        "system": sys.platform,
+        "portable": PORTABLE,
+        "poller": poller.kind,
+        "listeners": "abstract unix sockets" if abstract_sockets() else "unix socket files (0700 directory)",
+        "shared_memory": memory,
+        "process_stats": "/proc" if LINUX_NATIVE else "psutil",
     }
 
 
@@ -280,7 +318,18 @@ _HINTS = {"torch": "pip install 'mesharray[torch]'", "xla": "pip install torch_x
 
 def _print_info(data: dict[str, Any]) -> None:
     print(f"mesharray {data['version']} (python {data['python']}, {data['executable']})")
-    for section in ("engines", "transports"):
+    probes = data.get("engine_probes")
+    sections = ("engines", "transports") if probes is None else ("transports",)
+    if probes is not None:
+        print("engines (probed):")
+        for name, p in probes.items():
+            if not p["available"]:
+                print(f"  {name:<6} unavailable: {p['reason']}")
+                continue
+            coll = p["collective"] if p["collective_available"] else f"unavailable ({p['collective']})"
+            print(f"  {name:<6} device {p['device']}; collectives: {p['collective_backend']}, {coll}")
+            print(f"  {'':<6} dtypes: {' '.join(p['dtypes'])}")
+    for section in sections:
         print(f"{section}:")
         for name, descr in data[section].items():
             text = descr if descr else f"unavailable ({_HINTS.get(name, 'not installed')})"
@@ -288,6 +337,10 @@ def _print_info(data: dict[str, Any]) -> None:
     dp = data["data_plane"]
     print(f"data plane (MESHARRAY_DATA_PLANE={dp['setting']}): same host {dp['same host']}; between hosts "
           f"{dp['between hosts']} (tcp: {dp['tcp']}; ucx: {dp['ucx']})")
+    plat = data["platform"]
+    print(f"platform: {plat['system']}{' (MESHARRAY_PORTABLE)' if plat['portable'] else ''}; poller {plat['poller']}; "
+          f"{plat['listeners']}; shared memory: {plat['shared_memory'] or 'none (data inline)'}; "
+          f"process stats: {plat['process_stats']}")
     launcher = data["launcher"]
     print(f"launcher: {launcher['description'] if launcher else 'none (plain process)'}")
     print(f"bootstrap: {data['bootstrap']}  (what proc_mesh() uses here)")
@@ -344,11 +397,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return k8s_main(args[1:])
     if first == "info":
         extra = args[1:]
-        unknown = [a for a in extra if a != "--json"]
+        unknown = [a for a in extra if a not in ("--json", "--probe")]
         if unknown:
-            print(f"mesharray info: unknown arguments {unknown}; expected [--json]", file=sys.stderr)
+            print(f"mesharray info: unknown arguments {unknown}; expected [--probe] [--json]", file=sys.stderr)
             return 2
-        data = info()
+        data = info(probe="--probe" in extra)
         if "--json" in extra:
             print(json.dumps(data, indent=2))
         else:

@@ -3,11 +3,36 @@
 Fields after the parenthesised command name (which may itself hold spaces and
 parentheses, hence the split at the *last* ``)``), numbered as in ``proc(5)``
 from field 3 (the state) on.
+
+Where there is no ``/proc`` (macOS; ``MESHARRAY_PORTABLE=1``), :func:`state`
+and :func:`start_time` ask :mod:`psutil` instead (a default dependency off
+Linux); without it they know only whether the process exists.
 """
 
 from __future__ import annotations
 
+import os
+
+from . import _platform
+
 __all__ = ["stat_fields", "start_time", "state"]
+
+# psutil's status names -> the letters of proc(5)
+_PSUTIL_STATES = {"running": b"R", "sleeping": b"S", "disk-sleep": b"D", "stopped": b"T", "tracing-stop": b"t",
+                  "zombie": b"Z", "dead": b"X", "idle": b"I", "waking": b"W", "parked": b"P", "locked": b"L",
+                  "waiting": b"W"}
+
+
+def _use_proc() -> bool:
+    return _platform.LINUX_NATIVE and os.path.isdir("/proc/self")
+
+
+def _psutil():
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return psutil
 
 
 def stat_fields(pid: int) -> list[bytes] | None:
@@ -21,7 +46,20 @@ def stat_fields(pid: int) -> list[bytes] | None:
 
 
 def start_time(pid: int) -> int:
-    """The process's start time (clock ticks since boot, field 22); 0 if unknown."""
+    """The process's start time (clock ticks since boot, field 22); 0 if unknown.
+
+    Without ``/proc``: psutil's creation time in hundredths of a second since
+    the epoch. Either way only equality matters (is this still the same
+    process?), and one job takes one way.
+    """
+    if not _use_proc():
+        ps = _psutil()
+        if ps is None:
+            return 0
+        try:
+            return int(ps.Process(pid).create_time() * 100)
+        except (ps.Error, OSError, ValueError):
+            return 0
     fields = stat_fields(pid)
     try:
         return int(fields[19]) if fields is not None else 0
@@ -30,6 +68,24 @@ def start_time(pid: int) -> int:
 
 
 def state(pid: int) -> bytes | None:
-    """The one-letter state (``b"R"``, ``b"S"``, ``b"Z"``, ...); ``None`` if unknown."""
+    """The one-letter state (``b"R"``, ``b"S"``, ``b"Z"``, ...); ``None`` if unknown or gone.
+
+    Without ``/proc`` and psutil: ``b"?"`` for a process that exists (its
+    state unknown), ``None`` for one that does not.
+    """
+    if not _use_proc():
+        ps = _psutil()
+        if ps is None:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return None
+            except OSError:
+                pass
+            return b"?"
+        try:
+            return _PSUTIL_STATES.get(ps.Process(pid).status(), b"?")
+        except (ps.Error, OSError, ValueError):
+            return None
     fields = stat_fields(pid)
     return fields[0][:1] if fields else None

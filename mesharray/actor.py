@@ -32,7 +32,7 @@ connects to its peers directly, the controller is not on the path).
 >>> with ma.proc_mesh(hosts=1, procs=2) as procs:          # doctest: +SKIP
 ...     c = procs.spawn("c", Counter, 0)
 ...     c.incr.broadcast()
-...     c.get.call().get().sum()
+...     int(c.get.call().get().sum())
 2
 
 Typing: endpoints keep their parameter and return types. For a type checker,
@@ -249,8 +249,14 @@ def context() -> Context:
 def current_rank() -> dict[str, int]:
     """Coordinates of the calling actor on the mesh it was spawned on (inside an actor).
 
+    Examples
+    --------
     >>> import mesharray as ma
-    >>> ma.current_rank()   # doctest: +SKIP  (only inside an actor)
+    >>> class Where(ma.Actor):
+    ...     @ma.endpoint
+    ...     def where(self):
+    ...         return ma.current_rank()
+    >>> procs.spawn("where", Where)[0, 1].where.call_one().get()   # doctest: +SKIP
     {'hosts': 0, 'procs': 1}
     """
     ctx = current.get()
@@ -262,8 +268,14 @@ def current_rank() -> dict[str, int]:
 def current_size() -> dict[str, int]:
     """Sizes of the slice the current message was sent to (inside an actor).
 
+    Examples
+    --------
     >>> import mesharray as ma
-    >>> ma.current_size()   # doctest: +SKIP  (only inside an actor)
+    >>> class Sizes(ma.Actor):
+    ...     @ma.endpoint
+    ...     def seen(self):
+    ...         return ma.current_size()
+    >>> procs.spawn("sizes", Sizes).seen.call().get()[0, 0]   # doctest: +SKIP
     {'hosts': 1, 'procs': 4}
     """
     ctx = current.get()
@@ -366,6 +378,8 @@ class ActorMesh(MeshTrait):
     --------
     >>> counters = procs.spawn("counters", Counter, 0)   # doctest: +SKIP
     >>> counters[0, 1:3].incr.call().get()               # doctest: +SKIP
+    MeshArray(procs=2, dtype=object)
+    [None None]
     """
 
     def __init__(self, name: str, actor_id: int, cls_name: str, endpoints: dict[str, dict[str, bool]],
@@ -460,7 +474,8 @@ class Endpoint(Generic[_P, _R]):
         Examples
         --------
         >>> counters.get.call().get()       # doctest: +SKIP
-        MeshArray([[0, 0, 0, 0]], dims=('hosts', 'procs'))
+        MeshArray(hosts=1, procs=4, dtype=int64)
+        [[0 0 0 0]]
         """
         shape = self._mesh._shape
         ranks = list(shape)

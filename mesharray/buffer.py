@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _platform
 from ._core import buffer_address, copy_bytes
 from ._proc_stat import start_time as _start_time
 from .errors import ActorDiedError, MeshArrayError
@@ -109,7 +110,10 @@ def _vm_transfer(write: bool, pid: int, local: int, remote: int, nbytes: int) ->
 
 def _host_key() -> str:
     # cross-memory attach needs one kernel and one PID namespace; host ids (agents on one
-    # machine posing as several hosts) keep apart processes that must take the network path
+    # machine posing as several hosts) keep apart processes that must take the network path.
+    # None off Linux (nor with MESHARRAY_PORTABLE=1): only this process matches, others stream
+    if not _platform.LINUX_NATIVE:
+        return f"{socket.gethostname()}:{os.getpid()}"
     return memory_domain()
 
 

@@ -443,6 +443,7 @@ class ProcMesh(MeshTrait):
         """A distributed array of ones.
 
         >>> procs.ones(2, dtype="int32").fetch().tolist()   # doctest: +SKIP
+        [[[1, 1], [1, 1], [1, 1], [1, 1]]]
         """
         return self._make("ones", shape, dtype, engine, None, collective)
 
@@ -451,6 +452,7 @@ class ProcMesh(MeshTrait):
         """A distributed array whose blocks are allocated but not initialised.
 
         >>> procs.empty((1 << 20,), "float32")   # doctest: +SKIP
+        MeshArray(hosts=1, procs=4, local=(1048576,), dtype=float32) [distributed]
         """
         return self._make("empty", shape, dtype, engine, None, collective)
 
@@ -458,7 +460,8 @@ class ProcMesh(MeshTrait):
              collective: str | None = None) -> MeshArray:
         """A distributed array filled with ``fill_value``.
 
-        >>> procs.full((2,), 7).fetch()   # doctest: +SKIP
+        >>> procs.full((2,), 7).fetch().tolist()   # doctest: +SKIP
+        [[[7, 7], [7, 7], [7, 7], [7, 7]]]
         """
         if dtype is None:
             dtype = np.asarray(fill_value).dtype
@@ -470,7 +473,8 @@ class ProcMesh(MeshTrait):
                collective: str | None = None) -> MeshArray:
         """Each rank's block is ``arange(prod(shape)).reshape(shape)``.
 
-        >>> procs.arange(3).fetch()   # doctest: +SKIP
+        >>> procs.arange(3).fetch().tolist()   # doctest: +SKIP
+        [[[0, 1, 2], [0, 1, 2], [0, 1, 2], [0, 1, 2]]]
         """
         return self._make("arange", shape, dtype, engine, None, collective)
 
@@ -479,6 +483,7 @@ class ProcMesh(MeshTrait):
         """Uniform [0, 1) blocks; with ``seed``, rank r draws from ``seed + r`` (reproducible).
 
         >>> procs.rand((2,), seed=0)   # doctest: +SKIP
+        MeshArray(hosts=1, procs=4, local=(2,), dtype=float64) [distributed]
         """
         dt = _dtype(dtype)
         if dt.kind != "f":
@@ -496,7 +501,8 @@ class ProcMesh(MeshTrait):
     def from_numpy(self, array: Any, *, engine: str = "numpy", collective: str | None = None) -> MeshArray:
         """Scatter ``array``: its leading axes are the mesh dims, the rest each rank's block.
 
-        >>> procs.from_numpy(np.arange(8).reshape(1, 4, 2))   # doctest: +SKIP
+        >>> procs.from_numpy(np.arange(8).reshape(1, 4, 2)).fetch().tolist()   # doctest: +SKIP
+        [[[0, 1], [2, 3], [4, 5], [6, 7]]]
         """
         self.check_live()
         return _factory().scatter(self, np.asarray(array), engine, collective)
@@ -506,7 +512,8 @@ class ProcMesh(MeshTrait):
 
         Non-distributed arguments are passed as they are.
 
-        >>> procs.apply(lambda x: x[::-1], procs.arange(3))   # doctest: +SKIP
+        >>> procs.apply(lambda x: x[::-1], procs.arange(3)).fetch().tolist()   # doctest: +SKIP
+        [[[2, 1, 0], [2, 1, 0], [2, 1, 0], [2, 1, 0]]]
         """
         if not callable(fn):
             raise TypeError(f"apply needs a callable, got {type(fn).__name__}")

@@ -289,7 +289,7 @@ def mpirun_command(n: int, argv: Sequence[str], *, oversubscribe: bool = True,
     Examples
     --------
     >>> from mesharray.bootstrap.mpi import mpirun_command
-    >>> mpirun_command(2, ["python", "-c", "pass"])[-4:]     # doctest: +SKIP
+    >>> mpirun_command(2, ["python", "-c", "pass"])[-5:]     # doctest: +SKIP
     ['-n', '2', 'python', '-c', 'pass']
     """
     if not isinstance(n, int) or isinstance(n, bool):
@@ -322,7 +322,7 @@ def find_mpirun() -> str | None:
     --------
     >>> from mesharray.bootstrap.mpi import find_mpirun
     >>> find_mpirun()          # doctest: +SKIP
-    '/opt/venv/bin/mpirun'
+    '/.../bin/mpirun'
     """
     forced = os.environ.get("MPIRUN", "").strip()
     if forced:

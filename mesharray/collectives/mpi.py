@@ -33,6 +33,7 @@ class MpiCollective:
     >>> import numpy as np
     >>> g = MpiCollective()            # doctest: +SKIP
     >>> g.allreduce(np.ones(2))        # doctest: +SKIP
+    array([1., 1.])
     """
 
     def __init__(self, comm: Any = None) -> None:

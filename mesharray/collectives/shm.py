@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .. import _proc_stat
+from .. import _platform, _proc_stat
 from .._core import atomic_load, atomic_store, buffer_address, copy_bytes, reduce_addresses, wait_flags
 from ..errors import ActorDiedError, MeshArrayError, SupervisionError
 from ._args import as_contiguous, check_out
@@ -153,7 +153,8 @@ class ShmCollective:
         self._ctrl = _round_up(_PAGE + self.size * _NFLAGS * _LINE, _PAGE)
         self._slot_bytes = _round_up(self.capacity, _PAGE)
         self._nbytes = self._ctrl + (self.size + 1) * self._slot_bytes
-        self._path = f"/dev/shm/{name}" if os.path.isdir("/dev/shm") else None
+        # where the name lives, for messages: a file in /dev/shm on Linux, a shm_open name elsewhere
+        self._path = f"/dev/shm/{name}" if _platform.LINUX_NATIVE else f"shm_open('/{name}')"
         self._mm: mmap.mmap | None = None
         self._arr: np.ndarray | None = None
         self._open()
@@ -163,11 +164,9 @@ class ShmCollective:
 
     def _open(self) -> None:
         deadline = time.monotonic() + self.timeout
-        if self._path is None:  # pragma: no cover - non-Linux
-            raise OSError("shared-memory collectives need /dev/shm (Linux)")
         if self.rank == 0:
             try:
-                fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                fd = _platform.shm_open(self.name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             except FileExistsError:
                 raise FileExistsError(
                     f"shared-memory segment {self.name!r} already exists; another group uses "
@@ -182,7 +181,7 @@ class ShmCollective:
         else:
             while True:
                 try:
-                    fd = os.open(self._path, os.O_RDWR)
+                    fd = _platform.shm_open(self.name, os.O_RDWR)
                 except FileNotFoundError:
                     fd = -1
                 if fd >= 0:
@@ -263,10 +262,10 @@ class ShmCollective:
             self._unlink()
 
     def _unlink(self) -> None:
-        if not self._created or self._path is None:
+        if not self._created:
             return
         try:
-            os.unlink(self._path)
+            _platform.shm_unlink(self.name)
         except FileNotFoundError:
             pass
 

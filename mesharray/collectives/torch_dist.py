@@ -47,7 +47,15 @@ class TorchCollective:
 
     Examples
     --------
-    >>> g = TorchCollective(backend="gloo", init_method="tcp://127.0.0.1:29511", rank=0, size=1)  # doctest: +SKIP
+    A group of one (a rendezvous file rather than a fixed TCP port, which
+    another job may hold):
+
+    >>> import os, tempfile
+    >>> rdv = "file://" + os.path.join(tempfile.mkdtemp(), "rendezvous")
+    >>> g = TorchCollective(backend="gloo", init_method=rdv, rank=0, size=1)  # doctest: +SKIP
+    >>> g.allreduce(np.arange(3.0)).tolist()   # doctest: +SKIP
+    [0.0, 1.0, 2.0]
+    >>> g.close()   # doctest: +SKIP
     """
 
     def __init__(self, group: Any = None, backend: str | None = None, init_method: str | None = None,

@@ -26,12 +26,15 @@ from ._registry import (
     register_engine,
     resolve_engine_name,
 )
+from .probe import probe_engine, probe_engines
 
 __all__ = [
     "ENGINE_NAMES",
     "Engine",
     "available_engines",
     "get_engine",
+    "probe_engine",
+    "probe_engines",
     "register_engine",
     "resolve_engine_name",
 ]

@@ -56,10 +56,10 @@ import select
 import selectors
 import socket
 import struct
-import sys
 import threading
 import time
 
+from .. import _platform
 from .._core import pack_header, unpack_header
 from ..errors import (
     AuthenticationError,
@@ -71,6 +71,7 @@ from ..errors import (
 )
 from . import auth, framing
 from .hostid import memory_domain
+from .poller import READ, WRITE, fd_poller
 
 __all__ = ["Connection", "Listener", "Poller", "Writer", "connect", "default_poller", "default_writer",
            "parse_address", "dual_address", "peer_uid", "BACKLOG_MAX", "MAX_HANDSHAKES"]
@@ -750,7 +751,7 @@ class Connection:
 
 
 class Poller:
-    """One thread that reads many connections (epoll); see :meth:`Connection.start_polled`.
+    """One thread that reads many connections (epoll, or a selector: :mod:`.poller`); see :meth:`Connection.start_polled`.
 
     Each connection is armed one-shot and has a read lock. Whoever holds the
     lock reads: normally the poller thread, but a caller blocked on the reply
@@ -760,17 +761,12 @@ class Poller:
     """
 
     def __init__(self) -> None:
-        import select
-
-        self._ep = select.epoll()
-        self._flags = select.EPOLLIN | select.EPOLLONESHOT
+        self._ep = fd_poller(READ, oneshot=True)
         self._conns: dict[int, Connection] = {}
         # connections disarmed by a caller about to wait for its reply (see park())
         self._parked: dict[Connection, float] = {}
         self._timeout = -1.0  # PARK_MAX while anything is parked
         self._sweep_lock = threading.Lock()
-        self._wake_r, self._wake_w = os.pipe()
-        self._ep.register(self._wake_r, select.EPOLLIN)
         self.thread = threading.Thread(target=self._loop, name="mesharray-poller", daemon=True)
         self.thread.start()
 
@@ -779,7 +775,7 @@ class Poller:
         conn.poller = self
         conn._fd = fd
         self._conns[fd] = conn
-        self._ep.register(fd, self._flags)
+        self._ep.register(fd)
 
     def park(self, conn: Connection) -> None:
         """Disarm ``conn`` *before* a call is sent on it whose caller will likely read the reply.
@@ -796,7 +792,7 @@ class Poller:
             return
         parked[conn] = time.monotonic()
         try:
-            self._ep.modify(conn._fd, 0)
+            self._ep.disarm(conn._fd)
         except (OSError, ValueError):
             pass
         self._start_sweeping()
@@ -820,7 +816,7 @@ class Poller:
         with self._sweep_lock:
             if self._timeout < 0:
                 self._timeout = PARK_MAX
-                os.write(self._wake_w, b"x")
+                self._ep.wake()
 
     def unpark(self, conn: Connection) -> None:
         """Re-arm a parked connection (no-op if it is not parked)."""
@@ -830,13 +826,13 @@ class Poller:
     def rearm(self, conn: Connection) -> None:
         self._parked.pop(conn, None)
         try:
-            self._ep.modify(conn._fd, self._flags)
+            self._ep.arm(conn._fd)
         except (OSError, ValueError):
             pass
 
     def disarm(self, conn: Connection) -> None:
         try:
-            self._ep.modify(conn._fd, 0)
+            self._ep.disarm(conn._fd)
         except (OSError, ValueError):
             pass
 
@@ -866,10 +862,7 @@ class Poller:
                 with self._sweep_lock:  # (a park checks the timeout under this lock too)
                     if not parked:  # idle again: sleep until an event or the next park
                         self._timeout = -1.0
-            for fd, _ in events:
-                if fd == self._wake_r:
-                    os.read(fd, 64)
-                    continue
+            for fd in events:
                 got = self._conns.get(fd)
                 if got is None:  # discarded by a caller that saw it end
                     continue
@@ -892,12 +885,12 @@ class Writer:
 
     A connection whose socket buffer is full keeps the rest of its frames in
     its backlog (see :meth:`Connection._write_locked`) and is watched here
-    (epoll, level-triggered ``EPOLLOUT``) until the backlog is empty, so a
+    (level-triggered write readiness, :mod:`.poller`) until the backlog is empty, so a
     sender never blocks on one slow peer while it has frames for the others.
     """
 
     def __init__(self) -> None:
-        self._ep = select.epoll()
+        self._ep = fd_poller(WRITE)
         self._conns: dict[int, Connection] = {}
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._loop, name="mesharray-writer", daemon=True)
@@ -911,7 +904,7 @@ class Writer:
                 raise OSError("socket is closed")
             with self._lock:
                 self._conns[fd] = conn
-                self._ep.register(fd, select.EPOLLOUT)
+                self._ep.register(fd)
         except (OSError, ValueError) as exc:
             conn._fail_writes_locked(ClosedTransportError(f"connection {conn.name} is closed: {exc}"))
 
@@ -928,8 +921,8 @@ class Writer:
 
     def _loop(self) -> None:
         while True:
-            events = self._ep.poll()
-            for fd, _ in events:
+            events = self._ep.poll(None)
+            for fd in events:
                 conn = self._conns.get(fd)
                 if conn is None:
                     continue
@@ -1032,18 +1025,18 @@ class Listener:
         self._path: str | None = None
         if kind == "unix":
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            if path is None and sys.platform.startswith("linux"):
+            if path is None and _platform.abstract_sockets():
                 # abstract socket: no file is left behind by a killed process; no file
                 # permissions either, hence the peer's uid check and the HMAC challenge
                 name = f"mesharray-{os.getpid()}-{os.urandom(6).hex()}"
                 self.sock.bind("\0" + name)
                 self.address = "unix:@" + name
             else:
+                # default: a socket file in this user's 0700 runtime directory (only this user
+                # reaches it; a killed process's file is swept by the next one)
+                self._dir = os.path.dirname(path) if path is not None else None
                 if path is None:
-                    import tempfile
-
-                    path = os.path.join(tempfile.mkdtemp(prefix="mesharray-"), "sock")
-                self._dir = os.path.dirname(path)
+                    path = _platform.socket_file("l")
                 self.sock.bind(path)
                 self.address = "unix:" + path
                 self._path = path
@@ -1235,7 +1228,8 @@ class Listener:
         if self._path is not None:
             try:
                 os.unlink(self._path)
-                os.rmdir(self._dir)
+                if self._dir is not None:
+                    os.rmdir(self._dir)
             except OSError:
                 pass
 

@@ -5,7 +5,9 @@ host. The sender copies the buffer once into a *segment* — an anonymous
 ``memfd`` mapped in its own address space — and the frame carries only a small
 descriptor ``(pid, fd, serial, slot, offset, length)``. The receiver opens the
 segment through ``/proc/<pid>/fd/<fd>`` (same user, no name in ``/dev/shm``, so
-nothing can leak when a process is killed), maps it once and keeps the mapping,
+nothing can leak when a process is killed) — or, where there is no ``/proc``
+(macOS; ``MESHARRAY_PORTABLE=1``), gets the descriptor from the sender over a
+unix socket (:mod:`.fdpass`, ``SCM_RIGHTS``) — maps it once and keeps the mapping,
 and hands pickle a *zero-copy* view: the NumPy array it unpickles lives in the
 segment.
 
@@ -44,6 +46,9 @@ import weakref
 
 import numpy as np
 
+from .. import _platform
+from . import fdpass
+
 __all__ = ["SegmentPool", "pool", "attach", "back_reference", "available", "forget_peer", "release_peer", "trim",
            "DATA_OFFSET", "MAX_SLOTS"]
 
@@ -58,16 +63,34 @@ def _align(n: int, a: int = 64) -> int:
     return (n + a - 1) & ~(a - 1)
 
 
+def _available() -> bool:
+    if _platform.memfd_via_proc():
+        return True
+    if not fdpass.available():
+        return False
+    try:
+        _platform.runtime_dir()
+    except OSError:
+        return False
+    return True
+
+
+_AVAILABLE: bool | None = None
+
+
 def available() -> bool:
-    """Whether this platform has memfd + /proc (Linux); else buffers go inline."""
-    return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
+    """Whether segments can be shared with peers here (memfd + /proc, or fd passing); else buffers go inline."""
+    global _AVAILABLE
+    if _AVAILABLE is None:
+        _AVAILABLE = _available()
+    return _AVAILABLE
 
 
 class _Segment:
     __slots__ = ("fd", "size", "mm", "serial", "flags", "nslots", "receivers")
 
     def __init__(self, size: int, serial: int) -> None:
-        self.fd = os.memfd_create(f"mesharray-{serial}", os.MFD_CLOEXEC)
+        self.fd = _platform.anonymous_shm(f"mesharray-{serial}")
         os.ftruncate(self.fd, size)
         self.size = size
         self.mm = mmap.mmap(self.fd, size)
@@ -90,6 +113,12 @@ class SegmentPool:
         self._segments: list[_Segment] = []
         self._serial = (os.getpid() << 20) & 0xFFFFFFFFFFFF
         self.pid = os.getpid()
+        self._server: fdpass.FdServer | None = None  # serves our descriptors where peers have no /proc
+
+    def _lookup(self, fd: int, serial: int) -> int | None:
+        with self._lock:
+            seg = self.find(fd, serial)
+            return None if seg is None else seg.fd
 
     def write(self, buffers, nslots: int, receivers: tuple = ()):
         """Copy ``buffers`` into a free segment reserved for ``nslots`` receivers.
@@ -110,6 +139,8 @@ class SegmentPool:
                     if seg is None or s.size < seg.size:
                         seg = s
             if seg is None:
+                if self._server is None and not _platform.memfd_via_proc():
+                    self._server = fdpass.FdServer(self._lookup)
                 size = max(MIN_SEGMENT, 1 << (need - 1).bit_length())
                 self._serial += 1
                 seg = _Segment(size, self._serial)
@@ -176,6 +207,9 @@ class SegmentPool:
 
     def close(self) -> None:
         with self._lock:
+            if self._server is not None:
+                self._server.close()
+                self._server = None
             for s in self._segments:
                 del s.flags  # our own view of the flags pins the mapping
                 try:
@@ -226,7 +260,10 @@ def _mapping(pid: int, fd: int, serial: int) -> mmap.mmap:
     with _maps_lock:
         mm = _maps.get(key)
         if mm is None:
-            f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+            if _platform.memfd_via_proc():
+                f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+            else:
+                f = fdpass.request(pid, fd, serial)
             try:
                 mm = mmap.mmap(f, 0)
             finally:

@@ -117,7 +117,8 @@ def test_dead_owner_raises_actor_died(owner):
     buf, conn, p = owner
     p.kill()
     p.join()
-    with pytest.raises(ActorDiedError, match="owning the buffer is gone"):
+    # cross-memory attach finds the process gone; the stream path (MESHARRAY_PORTABLE=1) cannot reach it
+    with pytest.raises(ActorDiedError, match=rf"pid {p.pid}.*owning the buffer is (gone|unreachable)"):
         buf.read_into(np.empty(1 << 20, dtype="float32")).get()
 
 

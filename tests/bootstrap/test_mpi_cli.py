@@ -56,7 +56,7 @@ def test_info_reports_the_detected_launcher_without_starting_mpi():
 def test_info_rejects_unknown_arguments():
     out = cli("info", "--yaml")
     assert out.returncode == 2
-    assert "mesharray info: unknown arguments ['--yaml']; expected [--json]" in out.stderr
+    assert "mesharray info: unknown arguments ['--yaml']; expected [--probe] [--json]" in out.stderr
 
 
 def test_no_arguments_prints_usage_and_fails():

@@ -16,7 +16,7 @@ import pytest
 PKG = pathlib.Path(__file__).resolve().parents[2] / "mesharray"
 
 LAYERS = [
-    ("mesharray._core", "mesharray.errors", "mesharray._proc_stat"),
+    ("mesharray._core", "mesharray.errors", "mesharray._proc_stat", "mesharray._platform"),
     ("mesharray.mesh", "mesharray.array", "mesharray.transport", "mesharray.engines", "mesharray.collectives"),
     ("mesharray.telemetry", "mesharray.runtime"),
     ("mesharray.actor", "mesharray.buffer"),
@@ -102,7 +102,7 @@ def test_named_seams(lower, upper):
 
 
 #: private modules meant for every layer above them
-SHARED_PRIVATE = {"mesharray._core", "mesharray._proc_stat"}
+SHARED_PRIVATE = {"mesharray._core", "mesharray._proc_stat", "mesharray._platform"}
 
 
 def test_no_private_module_of_another_part_is_imported():

@@ -1,0 +1,165 @@
+"""What differs between operating systems, in one place (below every layer).
+
+The runtime has two sets of code paths for what only Linux offers:
+
+============================  ==========================  ===============================
+                              Linux (native)              elsewhere (portable)
+============================  ==========================  ===============================
+readiness polling             ``epoll`` (one-shot)        :mod:`selectors` (kqueue, poll)
+same-host listener            abstract unix socket        socket file in a 0700 directory
+shared-memory segments        ``memfd``, opened by the    ``shm_open`` + unlink, the fd
+                              receiver through            passed over a unix socket
+                              ``/proc/<pid>/fd``          (``SCM_RIGHTS``)
+process state, start time     ``/proc/<pid>/stat``        :mod:`psutil`
+collective segments           files in ``/dev/shm``       ``shm_open`` names
+============================  ==========================  ===============================
+
+``MESHARRAY_PORTABLE=1`` (read once, at import) takes the portable paths on
+Linux too, so that the paths macOS needs run in every CI run here
+(``make test`` runs the runtime, array and collectives tests a second time
+with it). Worker processes inherit it with the environment, so a whole job
+uses one set of paths.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+__all__ = ["PORTABLE", "LINUX_NATIVE", "abstract_sockets", "memfd_via_proc", "shm_open", "shm_unlink",
+           "anonymous_shm", "runtime_dir", "socket_file", "sweep_socket_files"]
+
+#: ``MESHARRAY_PORTABLE`` set (to anything but ``0`` or nothing): the non-Linux paths everywhere
+PORTABLE = os.environ.get("MESHARRAY_PORTABLE", "").strip() not in ("", "0")
+#: Linux, and the native paths not switched off
+LINUX_NATIVE = sys.platform.startswith("linux") and not PORTABLE
+
+
+def abstract_sockets() -> bool:
+    """Whether listeners bind abstract unix sockets (Linux, not portable)."""
+    return LINUX_NATIVE
+
+
+def memfd_via_proc() -> bool:
+    """Whether shared memory is a ``memfd`` that peers open through ``/proc/<pid>/fd``."""
+    return LINUX_NATIVE and hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
+
+
+def _posix_name(name: str) -> str:
+    if not name or "/" in name:
+        raise ValueError(f"shared-memory name must be a non-empty str without '/', got {name!r}")
+    return "/" + name
+
+
+def shm_open(name: str, flags: int, mode: int = 0o600) -> int:
+    """``shm_open(3)``: a file descriptor of the POSIX shared-memory object ``name``.
+
+    ``flags`` are ``os.O_*`` flags. On Linux (native) this is the file
+    ``/dev/shm/<name>``, which is what glibc's ``shm_open`` opens too.
+    """
+    if LINUX_NATIVE and os.path.isdir("/dev/shm"):
+        return os.open(f"/dev/shm/{_posix_name(name)[1:]}", flags, mode)
+    import _posixshmem  # CPython's own binding (multiprocessing.shared_memory uses it)
+
+    return _posixshmem.shm_open(_posix_name(name), flags, mode)
+
+
+def shm_unlink(name: str) -> None:
+    """``shm_unlink(3)``: remove the name (mappings and open descriptors stay valid)."""
+    if LINUX_NATIVE and os.path.isdir("/dev/shm"):
+        os.unlink(f"/dev/shm/{_posix_name(name)[1:]}")
+        return
+    import _posixshmem
+
+    _posixshmem.shm_unlink(_posix_name(name))
+
+
+def anonymous_shm(tag: str) -> int:
+    """A descriptor of fresh shared memory with no name left behind (close-on-exec).
+
+    A ``memfd`` where one exists (even in portable mode: the fd is what is
+    passed around, however it was made), else a POSIX object whose name is
+    unlinked at once. ``tag`` only names it for debugging (``/proc/<pid>/fd``).
+    """
+    if hasattr(os, "memfd_create") and not PORTABLE:
+        return os.memfd_create(tag, os.MFD_CLOEXEC)
+    # macOS limits the name to 31 bytes: keep it short and unique
+    name = f"ma{os.getpid() % 100000}-{os.urandom(6).hex()}"
+    fd = shm_open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        shm_unlink(name)
+    except OSError:
+        os.close(fd)
+        raise
+    os.set_inheritable(fd, False)
+    return fd
+
+
+def runtime_dir() -> str:
+    """This user's private directory for socket files (created mode 0700; checked if it exists).
+
+    ``$MESHARRAY_RUNTIME_DIR`` if set, else ``<tempdir>/mesharray-<uid>``.
+    Raises ``PermissionError`` if the directory belongs to another user or
+    others may enter it: a socket file there must be reachable by this user
+    only.
+    """
+    path = os.environ.get("MESHARRAY_RUNTIME_DIR") or os.path.join(tempfile.gettempdir(), f"mesharray-{os.getuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    import stat
+
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"runtime directory {path!r} must be a directory owned by uid {os.getuid()} with "
+                              f"mode 0700 (it has uid {st.st_uid}, mode {oct(st.st_mode & 0o777)}); remove it or "
+                              f"set MESHARRAY_RUNTIME_DIR")
+    return path
+
+
+_swept: int | None = None  # the pid that swept the runtime directory (once per process)
+
+
+def sweep_socket_files(directory: str) -> int:
+    """Remove the socket files (``<kind>-<pid>[-...]``) of processes that no longer exist; how many.
+
+    A killed process cannot remove its socket files (abstract sockets, which
+    need no removal, exist on Linux only): the next process to make one
+    cleans up after it.
+    """
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        parts = name.split("-")
+        if len(parts) < 2 or not parts[1].isdigit():
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed += 1
+            except OSError:
+                pass
+        except (PermissionError, OverflowError):
+            pass
+    return removed
+
+
+def socket_file(kind: str) -> str:
+    """A fresh path for a unix socket of this process in :func:`runtime_dir`: ``<kind>-<pid>-<random>``.
+
+    The first call in a process sweeps the files of dead processes
+    (:func:`sweep_socket_files`).
+    """
+    global _swept
+    directory = runtime_dir()
+    if _swept != os.getpid():
+        _swept = os.getpid()
+        sweep_socket_files(directory)
+    return os.path.join(directory, f"{kind}-{os.getpid()}-{os.urandom(4).hex()}")
