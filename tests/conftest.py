@@ -12,6 +12,16 @@ import warnings
 
 import pytest
 
+# ucxx before anything imports mpi4py: Open MPI's pip wheel carries an older UCX, and
+# once that one is loaded into the test process ucxx cannot load its own (the other
+# order works). Loading it costs ~0.5 s, only where the `ucx` extra is installed.
+try:
+    from mesharray.transport.dataplane import ucx_status
+
+    ucx_status()
+except Exception:  # pragma: no cover - not installed, or broken: tests/transport/test_ucx.py says which
+    pass
+
 try:
     import psutil
 except ImportError:  # pragma: no cover - psutil is in the [test] extra

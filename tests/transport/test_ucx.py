@@ -28,6 +28,8 @@ try:
 except ImportError as exc:  # the extra is not installed: say which one
     pytest.skip(f"ucxx does not import ({exc}); pip install 'mesharray[ucx]' (or make test-ucx)",
                 allow_module_level=True)
+except OSError as exc:  # another UCX was loaded first (tests/conftest.py loads ucxx early to avoid it)
+    pytest.skip(f"ucxx cannot load its UCX in this process: {exc}", allow_module_level=True)
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.ucx]
 
