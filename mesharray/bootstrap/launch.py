@@ -8,12 +8,25 @@ result up as a :class:`Launch`, and :mod:`mesharray.proc` makes the
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 from .._core import Shape
 from ..runtime.controller import Controller
 
-__all__ = ["Launch"]
+__all__ = ["Launch", "exit_pair"]
+
+
+def exit_pair(wait_status: int) -> tuple[int | None, int | None]:
+    """``(exitcode, None)`` or ``(None, signal)`` of a ``waitpid`` status (what ``exit_status`` hooks return).
+
+    Examples
+    --------
+    >>> exit_pair(3 << 8), exit_pair(9)
+    ((3, None), (None, 9))
+    """
+    code = os.waitstatus_to_exitcode(wait_status)
+    return (None, -code) if code < 0 else (code, None)
 
 
 class Launch:

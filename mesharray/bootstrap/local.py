@@ -31,7 +31,7 @@ from .._core import Shape
 from ..errors import BootstrapError
 from ..runtime.controller import Controller
 from ..transport.sockio import read_exactly
-from .launch import Launch
+from .launch import Launch, exit_pair
 
 __all__ = ["LocalBootstrap", "start_local"]
 
@@ -131,8 +131,7 @@ class LocalBootstrap:
             st = self.status.get(rank)
         if st is None:
             return None
-        code = os.waitstatus_to_exitcode(st[1])
-        return (None, -code) if code < 0 else (code, None)
+        return exit_pair(st[1])
 
     def restart(self, rank: int) -> None:
         """Fork a new worker for ``rank`` (whose process died); it says hello as that rank."""

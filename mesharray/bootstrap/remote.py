@@ -28,7 +28,7 @@ from ..errors import AuthenticationError, BootstrapError
 from ..runtime.controller import Controller
 from ..transport import auth
 from .agent import parse_url, recv_msg, send_msg, wrap_secret
-from .launch import Launch
+from .launch import Launch, exit_pair
 
 __all__ = ["AgentClient", "attach_agents", "launch"]
 
@@ -206,8 +206,7 @@ class _RemoteProcs:
             st = self.status.get(rank)
         if st is None:
             return None
-        code = os.waitstatus_to_exitcode(st[1])
-        return (None, -code) if code < 0 else (code, None)
+        return exit_pair(st[1])
 
     def kill(self, rank: int) -> None:
         try:
