@@ -324,7 +324,10 @@ class HostAgent:
         with self._lock:
             # a controller that just went away is still being cleaned up after: wait for it
             deadline = time.monotonic() + 15.0
-            while self.session is not None and self.session.closing and time.monotonic() < deadline:
+            # (also one whose connection already ended, before its session thread read the EOF:
+            # a controller that detaches and attaches again at once must not find the agent busy)
+            while (self.session is not None and (self.session.closing or _ended(self.session.sock))
+                   and time.monotonic() < deadline):
                 self._lock.wait(0.1)
             busy = self.session
             if busy is None:
@@ -383,6 +386,16 @@ class HostAgent:
                 pass
             sess.close()
         self._stop.set()
+
+
+def _ended(sock: socket.socket) -> bool:
+    """Whether the peer closed ``sock`` (EOF or reset waiting to be read), without consuming any data."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
 
 
 def _keepalive(sock: socket.socket) -> None:
