@@ -903,6 +903,38 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         i = _normalize_axes(_single_axis(axis, "roll"), self)[0]
         return MeshArray.from_storage(self._shape, GatheredStorage(np.roll(values, int(shift), axis=i)))
 
+    def to_mesh(self, procs: Any) -> MeshArray:
+        """This array on the processes of ``procs`` (a ``ProcMesh``, or a slice of one).
+
+        Position ``p`` of ``procs`` gets the block at the same coordinates here:
+        mesh dims line up by name when every dim of this array is a dim of
+        ``procs``, else positionally from the right (NumPy's rule), and a dim
+        of size 1 (or a missing one) is broadcast — ``w[0:1].to_mesh(procs)``
+        sends one block to every rank. The result has ``procs``' mesh dims and
+        this array's local shape.
+
+        A distributed array's blocks travel worker to worker (on a host one copy
+        straight between the two processes, across hosts on the data plane);
+        the controller sends only the plan. A gathered array is scattered from
+        the controller. It works between disjoint process meshes (a trainer
+        mesh and a generator mesh) as well as within one (a pipeline stage:
+        ``acts[0].to_mesh(procs[1])``).
+
+        Examples
+        --------
+        >>> trainers = ma.proc_mesh(procs=2); generators = ma.proc_mesh(procs=2)   # doctest: +SKIP
+        >>> w = trainers.arange(3) + trainers.rank_array()                       # doctest: +SKIP
+        >>> w.to_mesh(generators).fetch().tolist()                               # doctest: +SKIP
+        [[0, 1, 2], [1, 2, 3]]
+        """
+        dst = procs.mesh_shape
+        idx = _mesh_alignment(self, tuple(dst.names), tuple(dst.sizes))
+        if self._storage.kind == "distributed":
+            return MeshArray.from_storage(dst, self._storage.to_mesh(idx, procs))  # type: ignore[attr-defined]
+        local = self.local_shape
+        values = self._values().reshape((-1,) + local)[idx.reshape(-1)]
+        return procs.from_numpy(values.reshape(idx.shape + local))
+
     def _arg_along_mesh(self, axis: int, kind: str, keepdims: bool) -> Any:
         """argmin/argmax along mesh axis ``axis`` of a distributed array, as collectives."""
         best = self.min(axis=axis, keepdims=True) if kind == "min" else self.max(axis=axis, keepdims=True)
@@ -944,6 +976,31 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
 
 _NUMBER_TYPES = (bool, int, float, complex)
 _SCALAR_TYPES = (bool, int, float, complex, np.generic)
+
+
+def _mesh_alignment(a: MeshArray, names: tuple[str, ...], sizes: tuple[int, ...]) -> np.ndarray:
+    """For each position of a mesh ``names``/``sizes``: the flat position of ``a`` whose block goes there.
+
+    By name when every mesh dim of ``a`` is one of ``names``, else positionally
+    from the right; size-1 and missing dims broadcast.
+    """
+    src, ssz = tuple(a._shape.names), tuple(a._shape.sizes)
+    pos = np.arange(math.prod(ssz), dtype=np.int64).reshape(ssz)
+    want = dict(zip(names, sizes))
+    if all(n in want for n in src):
+        present = [n for n in names if n in src]
+        pos = pos.transpose([src.index(n) for n in present])
+        pos = pos.reshape(tuple(ssz[src.index(n)] if n in src else 1 for n in names))
+    elif len(src) <= len(names):
+        pos = pos.reshape((1,) * (len(names) - len(src)) + ssz)
+    else:
+        raise MeshShapeError(f"cannot place an array with mesh dims {a.mesh_sizes} on a mesh with dims {want}: "
+                             f"it has more dims, and not all of its dim names are the mesh's")
+    for n, have, need in zip(names, pos.shape, sizes):
+        if have not in (1, need):
+            raise MeshShapeError(f"cannot place an array with mesh dims {a.mesh_sizes} on a mesh with dims {want}: "
+                                 f"dim {n!r} has size {have} here and {need} there (only size 1 broadcasts)")
+    return np.ascontiguousarray(np.broadcast_to(pos, sizes))
 
 
 def _rebuild(shape: Shape, values: np.ndarray) -> MeshArray:

@@ -30,8 +30,6 @@ readers check with the same one-sided call.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import errno
 import hmac
 import logging
 import os
@@ -49,6 +47,7 @@ from ._core import buffer_address, copy_bytes
 from ._proc_stat import start_time as _start_time
 from .errors import ActorDiedError, MeshArrayError
 from .runtime.future import Future, completed_future
+from .transport import cma
 from .transport.auth import HANDSHAKE_TIMEOUT
 from .transport.dataplane import on_tag, process_plane
 from .transport.hostid import memory_domain
@@ -61,51 +60,7 @@ __all__ = ["Buffer", "TRANSFERS"]
 #: transfers this process made, by path ("local", "cma", "plane", "stream")
 TRANSFERS = {"local": 0, "cma": 0, "plane": 0, "stream": 0}
 
-# --- cross-memory attach ------------------------------------------------------------
-
-
-class _IoVec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-_vm_readv = getattr(_libc, "process_vm_readv", None)
-_vm_writev = getattr(_libc, "process_vm_writev", None)
-for _fn in (_vm_readv, _vm_writev):
-    if _fn is not None:
-        _fn.restype = ctypes.c_ssize_t
-        _fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
-                        ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
-
-_PR_SET_PTRACER = 0x59616D61
-_PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
-
-
-class _CmaDenied(Exception):
-    """Cross-memory attach is not allowed between these processes: use the stream path."""
-
-
-def _vm_transfer(write: bool, pid: int, local: int, remote: int, nbytes: int) -> None:
-    fn = _vm_writev if write else _vm_readv
-    if fn is None:
-        raise _CmaDenied("process_vm_readv is not available on this platform")
-    done = 0
-    while done < nbytes:
-        liov = _IoVec(local + done, nbytes - done)
-        riov = _IoVec(remote + done, nbytes - done)
-        n = fn(pid, ctypes.byref(liov), 1, ctypes.byref(riov), 1, 0)
-        if n < 0:
-            err = ctypes.get_errno()
-            if err in (errno.EPERM, errno.ENOSYS, errno.EACCES):
-                raise _CmaDenied(os.strerror(err))
-            if err == errno.ESRCH:
-                raise ActorDiedError(pid=pid, reason="the process owning the buffer is gone")
-            if err == errno.EFAULT:
-                raise MeshArrayError(f"buffer memory in process {pid} is no longer mapped (was it dropped?)")
-            raise OSError(err, f"process_vm_{'writev' if write else 'readv'}: {os.strerror(err)}")
-        if n == 0:
-            raise MeshArrayError(f"buffer transfer with process {pid} made no progress")
-        done += n
+# --- cross-memory attach (transport.cma) ---------------------------------------------------
 
 
 def _host_key() -> str:
@@ -135,11 +90,7 @@ class _Registry:
         self.pid = os.getpid()
         self.start = _start_time(self.pid)
         self.server: _Server | None = None
-        try:
-            # allow any process of this user to attach (Yama ptrace_scope 1)
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0)
-        except (AttributeError, OSError):  # pragma: no cover - non-Linux
-            pass
+        cma.allow_attach()  # any process of this user may attach (Yama ptrace_scope 1)
 
     def register(self, obj: Any, mem: memoryview, secret: bytes) -> tuple[int, int]:
         with self.lock:
@@ -485,7 +436,7 @@ class Buffer:
         if path == "local":
             return int(_registry().tokens[st["slot"]]) == st["token"]
         tok = np.zeros(1, dtype=np.uint64)
-        _vm_transfer(False, st["pid"], buffer_address(tok, True)[0], st["token_addr"], 8)
+        cma.transfer(False, st["pid"], buffer_address(tok, True)[0], st["token_addr"], 8)
         return int(tok[0]) == st["token"]
 
     def _path(self) -> str:
@@ -520,10 +471,10 @@ class Buffer:
                     TRANSFERS["local"] += 1
                     return
                 if nbytes:
-                    _vm_transfer(write, st["pid"], local, st["addr"], nbytes)
+                    cma.transfer(write, st["pid"], local, st["addr"], nbytes)
                 TRANSFERS["cma"] += 1
                 return
-            except _CmaDenied:
+            except cma.CmaDenied:
                 pass  # fall through to the owner's stream server
         self._stream(write, local, nbytes)
         TRANSFERS["stream"] += 1
@@ -686,9 +637,9 @@ class Buffer:
                 try:
                     if self._token_ok("cma"):
                         zero = np.zeros(1, dtype=np.uint64)
-                        _vm_transfer(True, st["pid"], buffer_address(zero)[0], st["token_addr"], 8)
+                        cma.transfer(True, st["pid"], buffer_address(zero)[0], st["token_addr"], 8)
                     return
-                except _CmaDenied:
+                except cma.CmaDenied:
                     pass
             if st["server"] is not None:
                 with socket.create_connection(tuple(st["server"]), timeout=10) as conn:

@@ -75,6 +75,14 @@ class DataContext:
         """Process ids of the ranks in ``groups`` (lets a collective notice a peer that never joins)."""
         return {r: int(self._pids.get(r) or 0) for g in groups for r in g}
 
+    def pid(self, rank: int) -> int:
+        """Process id of ``rank`` (0 when unknown)."""
+        return int(self._pids.get(rank) or 0)
+
+    def host(self, rank: int) -> tuple:
+        """``(memory domain, data-plane address)`` of ``rank``."""
+        return tuple(self._hosts[rank])
+
     def hosts(self, groups: list) -> dict | None:
         """``{rank: (memory domain, data-plane address)}`` for the ranks of ``groups``; ``None`` on one host."""
         if not self._multi_host:
@@ -178,11 +186,15 @@ class DataContext:
         if isinstance(inner, ActorDiedError):
             raise inner from exc
         if isinstance(inner, InputFailed) and hops < 8:
-            # a collective's input failed on other ranks: their block holds the original error
-            try:
-                self.call_one(inner.ranks[0], [I.Fetch(inner.bid)]).get()
-            except BaseException as deeper:
-                self._raise_failure(deeper, inner.bid, hops + 1)
+            # a collective's (or move's) input failed on other ranks: their block holds the
+            # original error (a move's sender may be in another mesh: its context follows it)
+            owner = self if inner.token in (None, self.token) else next(
+                (c for c in list(_CONTEXTS.values()) if c.token == inner.token), None)
+            if owner is not None and not owner.stopped:
+                try:
+                    owner.call_one(inner.ranks[0], [I.Fetch(inner.bid)]).get()
+                except BaseException as deeper:
+                    owner._raise_failure(deeper, inner.bid, hops + 1)
         raise exc
 
     def incref(self, bid: int) -> None:

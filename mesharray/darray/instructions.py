@@ -39,6 +39,7 @@ __all__ = [
     "GetItem",
     "Instruction",
     "MAKES_BLOCK",
+    "Move",
     "New",
     "Operand",
     "PerRank",
@@ -177,6 +178,39 @@ class Collective(NamedTuple):
     hosts: dict | None = None
 
 
+class Move(NamedTuple):
+    """Blocks travelling worker to worker: each group's sender sends its block ``src`` to the others,
+    which make it their block ``out``.
+
+    A *participant* is a process, named by an id: its global rank when the move
+    stays in one process mesh, else a number that ``ids`` maps from
+    ``(mesh token, rank)`` (a move to another process mesh). ``groups`` are
+    lists of participant ids, the sender first, in the one order every
+    participant runs them (by sender: a process that both sends and receives
+    never waits on a peer that waits on it). ``copies``: participants that make
+    ``out`` from their own ``src`` (the block stays where it is). ``shape``,
+    ``dtype`` and ``engine`` describe the block. ``pids`` maps ids to process
+    ids (a member that dies is noticed); ``hosts``, only when the participants
+    span hosts, maps ids to ``(memory domain, data-plane address)``; ``mpi``:
+    the participants are ranks of one mesh launched under mpirun. ``token``
+    names the move's groups (the mesh's token, or both meshes'). Failures are
+    kept as ``out``'s.
+    """
+
+    out: int
+    src: int
+    groups: list
+    copies: list
+    ids: dict
+    shape: tuple
+    dtype: str
+    engine: str
+    pids: dict
+    hosts: dict | None
+    mpi: bool
+    token: str
+
+
 # -- instructions that make no block ---------------------------------------------------
 
 
@@ -201,7 +235,7 @@ class Free(NamedTuple):
 
 
 Instruction = Union[New, Put, Elementwise, Apply, Reduce, AsType, Reshape, GetItem, Copy, Collective,
-                    SetItem, Fetch, Free]
+                    Move, SetItem, Fetch, Free]
 
 #: the instruction types whose failure is kept as the failure of their ``out`` block
 MAKES_BLOCK = (New, Put, Elementwise, Apply, Reduce, AsType, Reshape, GetItem, Copy)
@@ -210,7 +244,7 @@ MAKES_BLOCK = (New, Put, Elementwise, Apply, Reduce, AsType, Reshape, GetItem, C
 CODES: dict[type, str] = {
     BlockRef: "b", PerRank: "r", Value: "v",
     New: "new", Put: "put", Elementwise: "ew", Apply: "apply", Reduce: "reduce", AsType: "astype",
-    Reshape: "reshape", GetItem: "getitem", Copy: "copy", Collective: "coll", SetItem: "setitem",
+    Reshape: "reshape", GetItem: "getitem", Copy: "copy", Collective: "coll", Move: "move", SetItem: "setitem",
     Fetch: "fetch", Free: "free",
 }
 _BY_CODE: dict[str, Any] = {code: cls for cls, code in CODES.items()}

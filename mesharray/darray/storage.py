@@ -46,7 +46,7 @@ from .._core import Shape, reduction_plan
 from ..array import GatheredStorage, MeshArray
 from ..engines import get_engine
 from ..errors import EngineUnavailableError, MeshShapeError
-from .context import DataContext
+from .context import DataContext, data_context
 from .worker import COLLECTIVE_OP, local_block
 
 __all__ = ["DistributedStorage", "distributed"]
@@ -442,6 +442,11 @@ class DistributedStorage:
         del gathered, pos  # (their blocks are freed once the program above ran: frees ride behind it)
         return out
 
+    def to_mesh(self, idx: np.ndarray, procs: Any) -> "DistributedStorage":
+        """The blocks of positions ``idx`` (flat, one per position of ``procs``) on ``procs``' ranks."""
+        dst = np.asarray(procs.mesh_shape.ranks(), dtype=np.int64).reshape(idx.shape)
+        return move_blocks(self, self.ranks.reshape(-1)[idx], data_context(procs), dst)
+
     def _gathered_reduce(self, op: str, func: Any, axes: Any, keepdims: bool, kwargs: dict) -> Any:
         return GatheredStorage(self.to_numpy()).reduce(op, func, axes, keepdims, kwargs)
 
@@ -453,8 +458,6 @@ class DistributedStorage:
             raise TypeError(f"{ufunc.__name__} has {ufunc.nout} outputs; distributed arrays support one")
         extra = {k: v for k, v in kwargs.items() if k not in ("out", "where")}
         dist = [x for x in inputs if distributed(x) is not None]
-        first = dist[0].storage
-        ctx = first.ctx
         per_element = ufunc.signature is not None
         sizes = tuple(plan.sizes)
         # Where each result position is computed depends only on the operands' layouts:
@@ -463,22 +466,29 @@ class DistributedStorage:
         for x in dist:
             st = x.storage
             parts.append((tuple(x.names), st.ranks.shape, st.ranks.tobytes(), x.local_shape,
-                          None if st.holders is None else (st.holders.shape, st.holders.tobytes())))
+                          None if st.holders is None else (st.holders.shape, st.holders.tobytes()),
+                          id(st.ctx)))
         key = tuple(parts)
-        for x in dist:
-            if x.storage.ctx is not ctx:
-                raise MeshShapeError("distributed operands belong to different process meshes")
-        layout = ctx.layouts.get(key)
+        layouts = dist[0].storage.ctx.layouts
+        layout = layouts.get(key)
         if layout is None:
-            if len(ctx.layouts) > 256:
-                ctx.layouts.clear()
-            layout = ctx.layouts[key] = _ew_layout(ufunc, plan, dist, per_element, sizes)
-        R, pos_of, ranks = layout
+            if len(layouts) > 256:
+                layouts.clear()
+            layout = layouts[key] = _ew_layout(ufunc, plan, dist, per_element, sizes)
+        lead, R, pos_of, ranks, moves = layout
+        first = dist[lead].storage
+        ctx = first.ctx
+        moved: dict = {}
+        for i, src_ranks in moves:
+            # this operand's blocks are elsewhere (other ranks, or another process mesh):
+            # they travel to the ranks computing the result first, worker to worker
+            moved[id(dist[i])] = move_blocks(dist[i].storage, src_ranks, ctx, R)
         operands: list[I.Operand] = []
         proxies = []
         for x in inputs:
             st = distributed(x)
             if st is not None:
+                st = moved.get(id(x), st)
                 operands.append(I.BlockRef(st.bid))
                 proxies.append(_proxy(st._dtype, x.local_shape) if per_element else _sample(st._dtype))
             elif isinstance(x, MeshArray):
@@ -506,12 +516,69 @@ class DistributedStorage:
                                    _all_ranks=tuple(ranks)),)
 
 
-def _ew_layout(ufunc: np.ufunc, plan: Any, dist: list, per_element: bool, sizes: tuple) -> tuple:
-    """Which rank computes each position of an elementwise result: ``(R, pos_of, ranks)``.
+def move_blocks(src: DistributedStorage, src_ranks: np.ndarray, ctx: DataContext,
+                dst_ranks: np.ndarray) -> DistributedStorage:
+    """A new array over ``ctx``'s ranks ``dst_ranks``: position ``p`` gets the block of ``src`` on ``src_ranks[p]``.
 
-    Raises :class:`MeshShapeError` when the distributed operands' blocks for a
-    position are not on one rank, or a rank would have to compute two positions.
-    ``R`` is shared by every result of this layout (read-only).
+    The blocks travel worker to worker (:class:`~.instructions.Move`): each
+    sending rank's block goes to every rank that needs it in one broadcast of
+    its own group (a block wanted by many ranks fans out once); a rank that
+    already holds its block copies it. The controller sends only the plan.
+    """
+    flat_s = np.asarray(src_ranks, dtype=np.int64).reshape(-1).tolist()
+    flat_d = np.asarray(dst_ranks, dtype=np.int64).reshape(-1).tolist()
+    if len(set(flat_d)) != len(flat_d):
+        raise MeshShapeError(f"a move needs one position per destination rank; ranks {flat_d} repeat")
+    sctx = src.ctx
+    same = ctx is sctx
+    sctx.check_live()
+    ctx.check_live()
+    off = 0 if same else sctx.shape.size
+    ids: dict = {}
+    if not same:
+        ids = {(sctx.token, r): r for r in set(flat_s)}
+        ids.update({(ctx.token, r): r + off for r in set(flat_d)})
+    by_src: dict[int, list[int]] = {}
+    copies: list[int] = []
+    for s, d in zip(flat_s, flat_d):
+        if same and s == d:
+            copies.append(s)
+        else:
+            by_src.setdefault(s, []).append(d + off)
+    groups = [[s] + sorted(ds) for s, ds in sorted(by_src.items())]
+    pids = {s: sctx.pid(s) for s in set(flat_s)}
+    hosts = {s: sctx.host(s) for s in set(flat_s)}
+    for d in flat_d:
+        pids[d + off] = ctx.pid(d)
+        hosts[d + off] = ctx.host(d)
+    spans = len({h[0] for h in hosts.values()}) > 1
+    out = ctx.new_id()
+    token = sctx.token + "m" if same else f"{sctx.token}{ctx.token}"
+    ins = I.Move(out, src.bid, groups, copies, ids, src._local, src._dtype.str, src.engine, pids,
+                 hosts if spans else None, same, token)
+    senders = sorted({g[0] for g in groups} | set(copies))
+    receivers = sorted({d - off for g in groups for d in g[1:]})
+    if same:
+        sctx.send(sorted(set(senders) | set(receivers)), [ins])
+    else:
+        if senders:
+            sctx.send(senders, [ins])
+        if receivers:
+            ctx.send(receivers, [ins])
+    return DistributedStorage(ctx, out, np.asarray(dst_ranks, dtype=np.int64).reshape(np.shape(dst_ranks)),
+                              src._local, src._dtype, src.engine, None, src.collective)
+
+
+def _ew_layout(ufunc: np.ufunc, plan: Any, dist: list, per_element: bool, sizes: tuple) -> tuple:
+    """Which rank computes each position of an elementwise result: ``(lead, R, pos_of, ranks, moves)``.
+
+    The result lives where the first operand with every result position (else
+    the first operand) lives: ``dist[lead]``'s process mesh, ranks ``R``
+    (shared by every result of this layout: read-only). ``moves`` lists the
+    operands whose block for some position is on another rank (or another
+    process mesh), with the rank holding each position's block: those blocks
+    move to ``R`` first. Raises :class:`MeshShapeError` when a rank would have
+    to compute two positions (an operand broadcast along a mesh dim).
     """
     laid = []
     for x in dist:
@@ -523,29 +590,28 @@ def _ew_layout(ufunc: np.ufunc, plan: Any, dist: list, per_element: bool, sizes:
         if st.holders is not None:
             h = st.holders.transpose(mperm + (st.holders.ndim - 1,)).reshape(target[: len(sizes)] + (st.holders.shape[-1],))
         laid.append((x, r, h))
-    lead = next((t for t in laid if t[1].shape == sizes), laid[0])
-    R = np.broadcast_to(lead[1], sizes)
-    for _x, r, h in laid:
-        rb = np.broadcast_to(r, sizes)
-        ok = rb == R
-        if h is not None:
-            hb = np.broadcast_to(h, sizes + (h.shape[-1],))
-            ok = ok | (hb == R[..., None]).any(-1)
-        if not ok.all():
-            raise MeshShapeError(
-                f"distributed operands of {ufunc.__name__} live on different ranks for some positions "
-                f"(mesh dims {dict(zip(plan.names, sizes))}); reduce or fetch one of them first"
-            )
+    lead = next((i for i, t in enumerate(laid) if t[1].shape == sizes), 0)
+    ctx = laid[lead][0].storage.ctx
+    R = np.broadcast_to(laid[lead][1], sizes)
     if R.size and len(np.unique(R)) != R.size:
         raise MeshShapeError(
             f"the result of {ufunc.__name__} would need several blocks on one rank "
             f"(a distributed operand broadcast along mesh dims {dict(zip(plan.names, sizes))}); "
             "fetch it or reduce with keepdims=True first"
         )
+    moves = []
+    for i, (x, r, h) in enumerate(laid):
+        rb = np.broadcast_to(r, sizes)
+        ok = rb == R
+        if h is not None:
+            hb = np.broadcast_to(h, sizes + (h.shape[-1],))
+            ok = ok | (hb == R[..., None]).any(-1)
+        if x.storage.ctx is not ctx or not ok.all():
+            moves.append((i, np.ascontiguousarray(rb)))
     R = np.asarray(R, dtype=np.int64).copy()
     R.setflags(write=False)
     pos_of = {int(R[p]): p for p in np.ndindex(*sizes)}
-    return R, pos_of, sorted(pos_of)
+    return lead, R, pos_of, sorted(pos_of), moves
 
 
 _SAMPLES: dict = {}

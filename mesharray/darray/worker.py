@@ -26,8 +26,10 @@ from ..actor import Actor, context, endpoint
 from ..collectives import new_group
 from ..collectives.hier import HierCollective
 from ..collectives.ring import RingCollective
+from ..collectives.shm import ShmCollective
 from ..engines import Engine, get_engine
 from ..errors import ActorDiedError, MeshArrayError
+from ..transport import cma
 from ..transport.dataplane import process_plane, rendezvous
 
 __all__ = ["BlockStore", "DataActor", "InputFailed", "STORE", "local_block", "pack_small", "unpack_small"]
@@ -48,13 +50,15 @@ class InputFailed(MeshArrayError):
     which raises the original failure (or the next link of a chain of them).
     """
 
-    def __init__(self, ranks: list[int], bid: int) -> None:
+    def __init__(self, ranks: list[int], bid: int, token: str | None = None) -> None:
         self.ranks = [int(r) for r in ranks]
         self.bid = int(bid)
-        super().__init__(f"the input of this collective failed on rank(s) {self.ranks}")
+        #: the mesh (data-context token) of ``ranks``, when not the failing block's own
+        self.token = token
+        super().__init__(f"the input of this collective or move failed on rank(s) {self.ranks}")
 
     def __reduce__(self) -> tuple:
-        return (InputFailed, (self.ranks, self.bid))
+        return (InputFailed, (self.ranks, self.bid, self.token))
 
 
 class BlockStore:
@@ -353,6 +357,94 @@ def _ring_group(leaders: tuple[int, ...], me: int, token: str, hosts: dict) -> R
     return RingCollective(i, n, right, left, peers=(f"rank {right_rank}", f"rank {left_rank}"))
 
 
+def _move_group(members: tuple[int, ...], me: int, ins: I.Move, token: str) -> tuple[Any, Engine] | None:
+    """Send (``me`` first in ``members``) or receive one block of a move; the received block.
+
+    The sender broadcasts a header: whether its block exists, and where it
+    lies in its memory. On one host each receiver then copies the block
+    straight out of the sender's memory (cross-memory attach, one copy), and
+    everyone agrees it is done (the sender keeps the block untouched till
+    then); where the kernel refuses that, or across hosts (a ring of host
+    leaders) or under MPI, the block is broadcast through the group itself.
+    """
+    root = members[0]
+    order = tuple(sorted(members))
+    ri = order.index(root)
+    pids = ins.pids or {}
+    hosts = ins.hosts
+    g = STORE.groups.get((order, "move", ins.token))
+    if g is None:
+        if hosts and len({hosts[r][0] for r in order}) > 1:
+            g = _hier_group(order, me, ins.token, pids, hosts)
+        elif ins.mpi:
+            g = _host_group(order, me, ins.token, [int(pids.get(r) or 0) for r in order])
+        else:
+            digest = hashlib.sha1(repr(order).encode()).hexdigest()[:12]
+            g = new_group("shm", name=f"ma-{ins.token}-{digest}", rank=order.index(me), size=len(order),
+                          timeout=float(os.environ.get("MESHARRAY_COLLECTIVE_TIMEOUT", "60")),
+                          global_ranks=order, peer_pids=[int(pids.get(r) or 0) for r in order])
+        STORE.groups[(order, "move", ins.token)] = g
+    eng = get_engine(ins.engine)
+    dtype = np.dtype(ins.dtype)
+    # the header: 1 (the block follows), 0 (the sender's block failed: its own error
+    # stays with it), -1 (sending failed: a message follows); then where the block lies
+    hdr = np.zeros(4, dtype=np.int64)
+    host = None
+    local_err = None
+    if me == root:
+        try:
+            block, eng = STORE.get(ins.src), STORE.engine(ins.src)
+        except BaseException as exc:
+            local_err = exc
+        else:
+            try:
+                host = np.asarray(eng.host_view(block), order="C")
+                if host.dtype != dtype:
+                    host = host.astype(dtype)
+                if host.shape != tuple(ins.shape):
+                    raise MeshArrayError(f"block {ins.src} has local shape {host.shape}; the move expected "
+                                         f"{tuple(ins.shape)}")
+                cma.allow_attach()
+                hdr[:] = (1, os.getpid(), host.ctypes.data, host.nbytes)
+            except BaseException as exc:
+                local_err = exc
+                hdr[0] = -1
+    g.broadcast(hdr, root=ri)
+    if hdr[0] != 1:
+        ids = ins.ids or {}
+        src_rank = next((r for (_t, r), i in ids.items() if i == root), root)
+        if hdr[0] == -1:
+            msg = np.zeros(1024, dtype=np.uint8)
+            if local_err is not None:
+                text = f"{type(local_err).__name__}: {local_err}".encode()[:1024]
+                msg[:len(text)] = np.frombuffer(text, dtype=np.uint8)
+            g.broadcast(msg, root=ri)
+            if local_err is not None:
+                raise local_err
+            raise MeshArrayError(f"rank {src_rank} could not send its block: "
+                                 f"{msg.tobytes().rstrip(bytes(1)).decode(errors='replace')}")
+        if local_err is not None:
+            raise local_err
+        src_tok = next((t for (t, _r), i in ids.items() if i == root), None)
+        raise InputFailed([src_rank], ins.src, src_tok if src_tok != token else None)
+    res = STORE.take(tuple(ins.shape), dtype) if host is None else host
+    if isinstance(g, ShmCollective):
+        need = np.zeros(len(order), dtype=np.int32)
+        if me != root and res.nbytes:
+            try:
+                cma.transfer(False, int(hdr[1]), res.ctypes.data, int(hdr[2]), int(hdr[3]))
+            except cma.CmaDenied:
+                need[order.index(me)] = 1
+        # also the barrier that keeps the sender's block in place until every reader is done
+        if np.asarray(g.allreduce(need, op="max")).any():
+            g.broadcast(res, root=ri)
+    else:
+        g.broadcast(res, root=ri)
+    if me == root:
+        return None
+    return (eng.from_numpy(res) if eng.name != "numpy" else res), eng
+
+
 class DataActor(Actor):
     """The system actor holding this worker's blocks of distributed arrays."""
 
@@ -394,6 +486,8 @@ class DataActor(Actor):
                 STORE.free(ins.blocks)
             elif t is I.Collective:
                 self._collective(me, ins)
+            elif t is I.Move:
+                self._move(me, ins)
             elif t is I.SetItem:
                 _setitem(ins, me)
             else:
@@ -410,6 +504,30 @@ class DataActor(Actor):
             STORE.fail(ins.out, exc)
         else:
             STORE.put(ins.out, block, eng)
+
+    def _move(self, me: int, ins: I.Move) -> None:
+        """This process's part of a move: its sends and its receive, in the move's order."""
+        me = ins.ids.get((self.token, me), me) if ins.ids else me
+        if me in ins.copies or any(me in g[1:] for g in ins.groups):
+            # (only a process making ``out`` may touch that id: a sender in another
+            # process mesh has ids of its own, maybe the same number)
+            STORE.blocks.pop(ins.out, None)
+        if me in ins.copies:
+            try:
+                STORE.put(ins.out, _clone(STORE.get(ins.src)), STORE.engine(ins.src))
+            except BaseException as exc:
+                STORE.fail(ins.out, exc)
+        for g in ins.groups:
+            if me not in g:
+                continue
+            try:
+                got = _move_group(tuple(g), me, ins, self.token)
+            except BaseException as exc:
+                if me != g[0]:  # a sender makes no block: its own failure stays with its src
+                    STORE.fail(ins.out, exc)
+                continue
+            if got is not None:
+                STORE.put(ins.out, *got)
 
     def _group(self, members: tuple[int, ...], me: int, ins: I.Collective, eng: Engine | None) -> Any:
         g = STORE.groups.get((members, ins.backend))

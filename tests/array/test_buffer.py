@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import mesharray as ma
-from mesharray import buffer as buffer_mod
 from mesharray.errors import ActorDiedError, MeshArrayError
+from mesharray.transport import cma
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -51,8 +51,8 @@ def owner():
 def path(request, monkeypatch):
     if request.param == "stream":
         # as if the kernel denied cross-memory attach: the owner's thread serves the bytes
-        monkeypatch.setattr(buffer_mod, "_vm_readv", None)
-        monkeypatch.setattr(buffer_mod, "_vm_writev", None)
+        monkeypatch.setattr(cma, "_vm_readv", None)
+        monkeypatch.setattr(cma, "_vm_writev", None)
     return request.param
 
 

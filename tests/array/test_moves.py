@@ -1,0 +1,218 @@
+"""Blocks move worker to worker: ``to_mesh`` between and within process meshes, and ops whose
+operands live on different ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import mesharray as ma
+import mesharray.darray.instructions as I
+from mesharray.darray.storage import distributed
+from mesharray.errors import ActorDiedError, MeshShapeError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def two():
+    a, b = ma.proc_mesh(procs=2), ma.proc_mesh(procs=2)
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+@pytest.fixture(scope="module")
+def grid():
+    mesh = ma.proc_mesh(hosts=2, procs=2)
+    yield mesh
+    mesh.stop()
+
+
+def _np(x):
+    return np.asarray(x.fetch())
+
+
+def _replies(mesh):
+    return mesh.stats()["replies"]
+
+
+def test_to_mesh_between_disjoint_meshes_moves_every_block(two):
+    a, b = two
+    w = a.arange((3, 2), dtype="float32") + a.rank_array(dtype="float32") * 100
+    ref = _np(w)
+    before = _replies(a), _replies(b)
+    moved = w.to_mesh(b)
+    assert _replies(a) == before[0]  # nothing came back to the controller to make it
+    assert type(moved._storage).__name__ == "DistributedStorage"
+    assert moved.mesh_shape == b.mesh_shape and moved.local_shape == (3, 2) and moved.dtype == np.float32
+    assert set(moved._storage.ranks.ravel().tolist()) == set(b.mesh_shape.ranks())
+    np.testing.assert_array_equal(_np(moved), ref)
+    # the copy is its own: computing on it leaves the original alone
+    np.testing.assert_array_equal(_np(moved * 2 - 1), ref * 2 - 1)
+    np.testing.assert_array_equal(_np(w), ref)
+
+
+def test_to_mesh_fans_one_block_out(two):
+    a, b = two
+    w = a.arange(4) + a.rank_array() * 10
+    one = w.slice(procs=slice(1, 2))  # a size-1 dim broadcasts
+    np.testing.assert_array_equal(_np(one.to_mesh(b)), [[np.arange(4) + 10] * 2])
+    scalar_mesh = w.slice(procs=1)  # a missing dim broadcasts too
+    np.testing.assert_array_equal(_np(scalar_mesh.to_mesh(b)), [[np.arange(4) + 10] * 2])
+
+
+def test_pipeline_stage_within_one_mesh(grid):
+    acts = grid.arange(3) * 10 + grid.rank_array()  # each rank its own activations
+    ref = _np(acts)
+    nxt = acts[0].to_mesh(grid[1])  # stage 0's blocks go to stage 1's ranks
+    assert set(nxt._storage.ranks.ravel().tolist()) == set(grid[1].mesh_shape.ranks())
+    np.testing.assert_array_equal(_np(nxt), ref[0])
+    back = nxt.to_mesh(grid[0])
+    np.testing.assert_array_equal(_np(back), ref[0])
+    # onto the same ranks: a copy, nothing moves
+    np.testing.assert_array_equal(_np(acts.to_mesh(grid)), ref)
+
+
+def test_alignment_by_name_positional_and_errors(grid, two):
+    a, _ = two
+    x = grid.rank_array()
+    # transposed names line up by name
+    t = x.transpose("procs", "hosts")
+    np.testing.assert_array_equal(_np(t.to_mesh(grid)), _np(x))
+    # other names: positionally from the right
+    y = a.rank_array() * 1.5  # (hosts=1, procs=2) -> broadcast over grid's hosts
+    np.testing.assert_array_equal(_np(y.to_mesh(grid)), np.broadcast_to(_np(y), (2, 2)))
+    with pytest.raises(MeshShapeError, match=r"dim 'hosts' has size 2 here and 1 there"):
+        x.to_mesh(a)
+
+
+def test_mismatched_meshes_are_refused_and_lose_nothing(two):
+    a, b = two
+    big = ma.proc_mesh(procs=3)
+    try:
+        w = big.rank_array()
+        with pytest.raises(MeshShapeError, match=r"dim 'procs' has size 3 here and 2 there"):
+            w.to_mesh(a)
+        np.testing.assert_array_equal(_np(w.slice(procs=slice(0, 2)).to_mesh(a)), [[0, 1]])
+    finally:
+        big.stop()
+
+
+def test_gathered_array_is_scattered(two):
+    _, b = two
+    g = ma.MeshArray(np.arange(6.0).reshape(1, 2, 3), ["hosts", "procs"])
+    d = g.to_mesh(b)
+    assert type(d._storage).__name__ == "DistributedStorage"
+    np.testing.assert_array_equal(_np(d), g.to_numpy())
+
+
+@pytest.mark.parametrize("shape,dtype", [((), "int64"), ((0,), "float32"), ((5, 3), "complex128"),
+                                         ((7,), "bool")])
+def test_uneven_shapes_and_dtypes(two, shape, dtype):
+    a, b = two
+    x = (a.arange(shape or (), dtype="int64") + a.rank_array()).astype(dtype) if shape != () else \
+        a.rank_array().astype(dtype)
+    np.testing.assert_array_equal(_np(x.to_mesh(b)), _np(x))
+
+
+def test_ops_with_operands_on_different_ranks_move_blocks(grid, two):
+    x = grid.arange(4, dtype="float64") + grid.rank_array() * 10
+    ref = _np(x)
+    # rows live on different ranks: the second row's blocks move to the first's
+    np.testing.assert_array_equal(_np(x[0] + x[1]), ref[0] + ref[1])
+    # a transposed operand: position (i, j) of x.T's values sits on another rank
+    # (names line up: the transposed array is x itself, no block moves)
+    np.testing.assert_array_equal(_np(x * 2 + x.transpose("procs", "hosts")), ref * 3)
+    # the same names over other positions: block (i, j) of `swapped` is x's (j, i), on another rank
+    swapped = x.transpose("procs", "hosts").rename(procs="hosts", hosts="procs")
+    np.testing.assert_array_equal(_np(x * 2 + swapped), ref * 2 + ref.transpose(1, 0, 2))
+    # another process mesh's array: moved to the first operand's ranks
+    a, b = two
+    u, v = a.arange(3) + a.rank_array(), b.arange(3) * 100 + b.rank_array()
+    s = u + v
+    assert s._storage.ctx is u._storage.ctx
+    np.testing.assert_array_equal(_np(s), _np(u) + _np(v))
+    np.testing.assert_array_equal(_np(v - u), _np(v) - _np(u))  # the other way round: lives on b
+
+
+def _boom(x):
+    raise ZeroDivisionError("the sender's block failed")
+
+
+def _later(fn, x):
+    """``fn`` of each block of ``x`` (same shape and dtype), sent fire-and-forget like any op."""
+    st = distributed(x)
+    bid = st.ctx.new_id()
+    st.ctx.send(st._unique(), [I.Apply(bid, fn, [I.BlockRef(st.bid)])])
+    return ma.MeshArray.from_storage(x.mesh_shape, st._derive(bid))
+
+
+def _failing(mesh):
+    """An array whose blocks failed to be made on the workers."""
+    return _later(_boom, mesh.ones(2))
+
+
+def test_failed_block_moves_its_failure(two):
+    a, b = two
+    with np.errstate(divide="ignore"):
+        broken = a.ones(2) / a.zeros(2)  # inf: numbers move as they are
+    np.testing.assert_array_equal(_np(broken.to_mesh(b)), np.full((1, 2, 2), np.inf))
+    # a block whose making failed (an op sent fire-and-forget): the receivers raise the original error
+    failed = _failing(a)
+    with pytest.raises(ma.ActorError, match="the sender's block failed") as info:
+        failed.to_mesh(b).fetch()
+    assert isinstance(info.value.exception, ZeroDivisionError)
+    with pytest.raises(ma.ActorError, match="the sender's block failed"):
+        (a.ones(2) + failed).to_mesh(b).fetch()
+    # both meshes keep working
+    np.testing.assert_array_equal(_np(a.ones(2).to_mesh(b)), np.ones((1, 2, 2)))
+
+
+def _sleep(x):
+    time.sleep(1.0)
+    return x
+
+
+@pytest.mark.timeout(60)
+def test_sender_dying_mid_move_raises_actor_died():
+    src, dst = ma.proc_mesh(procs=2), ma.proc_mesh(procs=2)
+    try:
+        x = src.ones(1 << 20, dtype="float32")
+        np.testing.assert_array_equal(_np(x.to_mesh(dst).sum(axis=-1)), [[1 << 20] * 2])  # groups made
+        slow = _later(_sleep, x)  # the senders are busy: the receivers wait inside the move
+        moved = slow.to_mesh(dst)
+        time.sleep(0.3)
+        os.kill(src.pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(ActorDiedError) as info:
+            moved.fetch()
+        assert 1 in info.value.ranks
+        assert time.monotonic() - t0 < 15
+        # the receivers are free again: the destination mesh still works
+        np.testing.assert_array_equal(_np(dst.ones(3).sum(axis="procs")), [[2.0] * 3])
+    finally:
+        src.stop()
+        dst.stop()
+
+
+def test_torch_blocks_move(two):
+    torch = pytest.importorskip("torch")
+    a, b = two
+    x = a.arange(4, dtype="float32", engine="torch") + a.rank_array(dtype="float32", engine="torch")
+    y = x.to_mesh(b)
+    assert y._storage.engine == "torch"
+    np.testing.assert_array_equal(_np(y), _np(x))
+    assert b.apply(lambda t: torch.is_tensor(t), y).fetch().tolist() == [[True, True]]
+
+
+@pytest.mark.timeout(60)
+def test_large_move_goes_straight_between_processes(two):
+    a, b = two
+    x = a.ones(8 << 20, dtype="float32") * (a.rank_array(dtype="float32") + 1)
+    y = x.to_mesh(b)
+    np.testing.assert_array_equal(_np(y.sum(axis=-1)), [[8 << 20, 16 << 20]])
