@@ -30,6 +30,7 @@ import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from ._core import Shape, broadcast_shapes, classify_index
+from .calls import fill, template
 from .errors import DimensionError, MeshIndexError, MeshShapeError
 from .mesh import MeshTrait, mesh_size
 
@@ -727,6 +728,10 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         method = _FUNCTIONS.get(func)
         if method is not None and args and isinstance(args[0], MeshArray):
             return getattr(args[0], method)(*args[1:], **kwargs)
+        if func in _BLOCKWISE:
+            done = _blockwise_function(func, args, kwargs)
+            if done is not NotImplemented:
+                return done
         if func is np.where and len(args) == 3 and not kwargs:
             # np.where(cond, x, y) is elementwise: operands broadcast as a ufunc's do
             plan = _plan(list(args), ())
@@ -740,6 +745,42 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
             return result
         # Anything else sees the plain values and returns plain NumPy results.
         return func(*_plain(args), **_plain(kwargs))
+
+    # -- torch -----------------------------------------------------------------------------
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        """torch functions, ``Tensor`` methods and ``torch.nn.functional`` on each rank's block.
+
+        ``torch.relu(x)``, ``torch.matmul(x, w)``, ``F.softmax(x, dim=-1)``,
+        ``x.detach()``, ``loss.backward()``: for a distributed array the
+        function runs on each rank's block where it lives (its ``dim``
+        arguments count the block's own axes), with mesh dims broadcast like
+        NumPy's; blocks may require grad, and ``x.grad`` is a MeshArray. For a
+        gathered array it runs on each position's element at the controller.
+        """
+        kwargs = kwargs or {}
+        leaves: list = []
+        targs = _template(args, leaves)
+        tkwargs = _template(kwargs, leaves)
+        plan = _plan(leaves, (), per_element=True)
+        storage_cls = _storage_class(leaves)
+        if storage_cls is GatheredStorage:
+            return _torch_gathered(func, plan, leaves, targs, tkwargs)
+        return storage_cls.torch_function(func, plan, leaves, targs, tkwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        # only what normal lookup did not find: a torch-engine array's Tensor methods and properties
+        if name.startswith("_"):
+            raise AttributeError(f"'MeshArray' object has no attribute {name!r}")
+        try:
+            st = object.__getattribute__(self, "_storage")
+        except AttributeError:
+            raise AttributeError(f"'MeshArray' object has no attribute {name!r}") from None
+        attr = getattr(st, "torch_attr", None)
+        if attr is None:
+            raise AttributeError(f"'MeshArray' object has no attribute {name!r}")
+        return attr(self, name, _plan([self], (), per_element=True))
 
     # -- reductions ------------------------------------------------------------------------
 
@@ -925,7 +966,8 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         >>> trainers = ma.proc_mesh(procs=2); generators = ma.proc_mesh(procs=2)   # doctest: +SKIP
         >>> w = trainers.arange(3) + trainers.rank_array()                       # doctest: +SKIP
         >>> w.to_mesh(generators).fetch().tolist()                               # doctest: +SKIP
-        [[0, 1, 2], [1, 2, 3]]
+        [[[0, 1, 2], [1, 2, 3]]]
+        >>> trainers.stop(); generators.stop()                                    # doctest: +SKIP
         """
         dst = procs.mesh_shape
         idx = _mesh_alignment(self, tuple(dst.names), tuple(dst.sizes))
@@ -1409,6 +1451,81 @@ _FUNCTIONS: dict[Any, str] = {
     np.argmin: "argmin",
     np.argmax: "argmax",
 }
+
+def _template(obj: Any, leaves: list) -> Any:
+    """``obj`` with each MeshArray (in lists, tuples, dicts) replaced by a :class:`~mesharray.calls.Slot`."""
+    return template(obj, _is_array, leaves)
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, MeshArray)
+
+
+def _torch_gathered(func: Any, plan: _Plan, leaves: list, args: Any, kwargs: dict) -> Any:
+    """A torch function over gathered MeshArrays: run on each position's elements, results stacked."""
+    import torch  # torch called us: it is imported
+
+    sizes = tuple(plan.sizes)
+    aligned = [np.broadcast_to(plan.align(x, pad_local=False), sizes + x.local_shape) for x in leaves]
+    results = []
+    for pos in np.ndindex(*sizes):
+        vals = [torch.as_tensor(np.array(a[pos])) for a in aligned]
+        results.append(func(*fill(args, vals), **fill(kwargs, vals)))
+    if results and all(isinstance(r, torch.Tensor) for r in results):
+        return _wrap(plan.shape, GatheredStorage(
+            np.stack([r.detach().cpu().numpy() for r in results]).reshape(sizes + tuple(results[0].shape))))
+    return MeshArray.from_results(plan.shape, results)
+
+
+#: NumPy functions that run on each rank's block of a distributed array (local axes only)
+_BLOCKWISE: set = {np.concatenate, np.stack, np.where, np.clip, np.dot, np.matmul, np.einsum, np.round,
+                   np.around, np.nan_to_num, np.copy, np.real, np.imag}
+
+
+def _blockwise_function(func: Any, args: Any, kwargs: Any) -> Any:
+    """A NumPy function of distributed arrays run where their blocks live, or NotImplemented.
+
+    Axis arguments count the whole shape, as everywhere on MeshArrays, and must
+    name local axes (``np.concatenate([a, b], axis=-1)``); einsum's subscripts
+    name each block's own axes. Anything else (an axis over mesh dims) is left
+    to the gathered path.
+    """
+    leaves: list = []
+    targs = _template(tuple(args), leaves)
+    tkwargs = _template(dict(kwargs), leaves)
+    if not leaves or _storage_class(leaves) is GatheredStorage:
+        return NotImplemented
+    per_element = func in (np.dot, np.matmul, np.einsum, np.concatenate, np.stack)
+    plan = _plan(leaves, (), per_element=per_element)
+    m = len(plan.sizes)
+    if func in (np.concatenate, np.stack):
+        axis = tkwargs.pop("axis", targs[1] if len(targs) > 1 else 0)
+        targs = targs[:1]
+        if axis is None or not isinstance(axis, (numbers.Integral, np.integer)):
+            return NotImplemented
+        if func is np.concatenate:
+            nd = m + leaves[0].local_ndim
+        else:
+            nd = m + leaves[0].local_ndim + 1
+        axis = int(axis) + nd if axis < 0 else int(axis)
+        if not m <= axis < nd:
+            return NotImplemented  # along a mesh dim: gathered
+        if any(x.local_ndim != leaves[0].local_ndim for x in leaves):
+            raise MeshShapeError(f"{func.__name__}: local shapes {[x.local_shape for x in leaves]} differ in "
+                                 f"their number of axes")
+        tkwargs["axis"] = axis - m
+    elif func is np.einsum:
+        subs = targs[0]
+        if not isinstance(subs, str):
+            return NotImplemented
+        inputs = subs.replace(" ", "").split("->")[0].split(",")
+        if len(inputs) != len(leaves) or any(len(t.replace("...", "")) != x.local_ndim
+                                             for t, x in zip(inputs, leaves) if "..." not in t):
+            return NotImplemented  # subscripts over the whole shape: gathered
+    elif "axis" in tkwargs or "out" in tkwargs:
+        return NotImplemented
+    return type(leaves[0]._storage).array_function(func, plan, leaves, targs, tkwargs, per_element)
+
 
 # NumPy functions whose same-shape result keeps the mesh (values computed elementwise)
 _SAME_SHAPE_FUNCTIONS = {np.round, np.around, np.clip, np.copy, np.nan_to_num, np.real, np.imag}

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import os
 import weakref
 from typing import Any
@@ -44,8 +45,10 @@ import mesharray.darray.instructions as I
 
 from .._core import Shape, reduction_plan
 from ..array import GatheredStorage, MeshArray
+from ..calls import Slot, fill
 from ..engines import get_engine
 from ..errors import EngineUnavailableError, MeshShapeError
+from .blockfn import BlockCall
 from .context import DataContext, data_context
 from .worker import COLLECTIVE_OP, local_block
 
@@ -323,6 +326,8 @@ class DistributedStorage:
         first = None
         if local_axes:
             first = _bind(I.Reduce, name, local_axes, keepdims, rdt_work.name)
+        elif name in ("any", "all"):
+            first = _truth  # (a cast to uint8 would make 0.5 false)
         elif rdt_work != self._dtype:
             first = _bind(I.AsType, rdt_work.name)
         if not mesh_axes:
@@ -447,6 +452,141 @@ class DistributedStorage:
         dst = np.asarray(procs.mesh_shape.ranks(), dtype=np.int64).reshape(idx.shape)
         return move_blocks(self, self.ranks.reshape(-1)[idx], data_context(procs), dst)
 
+    # -- functions on each rank's blocks ----------------------------------------------------
+
+    @staticmethod
+    def blockwise(what: str, call: Any, plan: Any, leaves: list, meta: tuple | None, per_element: bool = True,
+                  wait: bool = False) -> "DistributedStorage | None":
+        """``call(*blocks of leaves)`` on each rank of the result layout ``plan``: a new storage.
+
+        ``meta``: the result's ``(local shape, dtype)`` when the controller could
+        tell it (the program is then sent fire-and-forget); None asks one rank
+        after running (which raises the call's error). ``wait``: run it
+        everywhere, wait, raise any rank's error, and return None (``backward()``).
+        Operands on other ranks move there first; gathered MeshArrays travel
+        with the program, one value per rank.
+        """
+        dist = [x for x in leaves if distributed(x) is not None]
+        first, R, pos_of, ranks, moved = _placed(what, plan, dist, per_element)
+        ctx = first.ctx
+        m = len(plan.sizes)
+        operands: list[I.Operand] = []
+        for x in leaves:
+            st = distributed(x)
+            if st is not None:
+                operands.append(I.BlockRef(moved.get(id(x), st).bid))
+            else:
+                operands.append(I.PerRank(_per_rank(plan.align(x, pad_local=not per_element), pos_of, m)))
+        bid = ctx.new_id()
+        if wait:
+            ctx.call(ranks, [I.Apply(bid, call, operands), I.Fetch(bid), I.Free([bid])])
+            return None
+        ctx.send(ranks, [I.Apply(bid, call, operands)])
+        local, dt = meta if meta is not None else ctx.meta(ranks[0], bid)
+        return DistributedStorage(ctx, bid, R, tuple(local), dt, first.engine, None, first.collective,
+                                  _all_ranks=tuple(ranks))
+
+    def pick(self, i: int, meta: tuple) -> "DistributedStorage":
+        """Output ``i`` of blocks that hold several (a function returning a tuple)."""
+        bid = self.ctx.new_id()
+        self.ctx.send(self._unique(), [I.Apply(bid, operator.itemgetter(i), [I.BlockRef(self.bid)])])
+        return self._derive(bid, local=tuple(meta[0]), dtype=meta[1], holders=None)
+
+    @staticmethod
+    def torch_function(func: Any, plan: Any, leaves: list, args: Any, kwargs: dict) -> Any:
+        """``func`` (a torch function, a Tensor method, ``torch.nn.functional.*``) on each rank's blocks.
+
+        ``args``/``kwargs`` are templates (:func:`~.blockfn.template`) over
+        ``leaves``. The result's shape and dtype come from running ``func`` on
+        torch's *meta* device at the controller (nothing computed, nothing
+        waited for); where that cannot tell, one rank is asked. A function
+        returning several tensors gives a tuple of arrays; an in-place method
+        (``x.add_(y)``, ``x.requires_grad_()``) changes the blocks where they
+        live and returns ``x``; ``backward()`` runs on every rank and waits.
+        """
+        import torch
+
+        from ..engines.torch_engine import torch_dtype
+
+        name = getattr(func, "__name__", "")
+        call = BlockCall(func, args, kwargs, tensors=True)
+        if name == "backward":
+            DistributedStorage.blockwise(name, call, plan, leaves, None, wait=True)
+            return None
+        res: Any = _NO_META
+        try:
+            metas = [torch.empty(x.local_shape, dtype=torch_dtype(x.dtype), device="meta") for x in leaves]
+            res = func(*fill(args, metas), **fill(kwargs, metas))
+        except Exception:
+            pass
+        first = args[0] if isinstance(args, tuple) and args else None
+        if (name.endswith("_") and not name.startswith("_") and type(first) is Slot
+                and distributed(leaves[first.i]) is not None):
+            x = leaves[first.i]
+            DistributedStorage.blockwise(name, call, plan, leaves, (x.local_shape, x.dtype))
+            return x  # (the blocks changed in place; the temporary id is freed with its storage)
+        if isinstance(res, torch.Tensor) and res.dtype != torch.bfloat16:
+            return MeshArray.from_storage(plan.shape, DistributedStorage.blockwise(
+                name, call, plan, leaves, (tuple(res.shape), _np_dtype(res.dtype))))
+        if (isinstance(res, (tuple, list)) and res and all(isinstance(t, torch.Tensor) for t in res)
+                and not any(t.dtype == torch.bfloat16 for t in res)):
+            both = DistributedStorage.blockwise(name, call, plan, leaves, ((), np.dtype(object)))
+            assert both is not None
+            outs = [MeshArray.from_storage(plan.shape, both.pick(i, (tuple(t.shape), _np_dtype(t.dtype))))
+                    for i, t in enumerate(res)]
+            try:
+                return type(res)(outs)  # torch.return_types.max(values, indices) and friends
+            except TypeError:
+                return tuple(outs)
+        if isinstance(res, (int, torch.Size, torch.dtype)) and not isinstance(res, bool):
+            return res  # known from shapes alone: the same on every rank (x.dim(), x.size())
+        # not known without running: run it, and ask
+        st = DistributedStorage.blockwise(name, call, plan, leaves, None)
+        assert st is not None
+        return _host_or_array(plan.shape, st)
+
+    def torch_attr(self, array: Any, name: str, plan: Any) -> Any:
+        """``array.name`` for a torch-engine array: a Tensor method bound to it, or a property's value per rank."""
+        if self.engine not in _TORCH_ENGINES:
+            raise AttributeError(f"'MeshArray' object has no attribute {name!r}")
+        import torch
+
+        attr = getattr(torch.Tensor, name, None)
+        if attr is None:
+            raise AttributeError(f"'MeshArray' object has no attribute {name!r} (nor has torch.Tensor)")
+        if callable(attr):
+            return functools.partial(_tensor_method, attr, array)
+        meta = None
+        if name == "grad":
+            # known without asking: the gradient is shaped like its tensor (None raises where used)
+            meta = (array.local_shape, array.dtype)
+            get: Any = _grad_of
+        else:
+            get = operator.attrgetter(name)
+            try:
+                from ..engines.torch_engine import torch_dtype
+
+                value = getattr(torch.empty(array.local_shape, dtype=torch_dtype(array.dtype), device="meta"), name)
+                if isinstance(value, torch.Tensor) and value.dtype != torch.bfloat16:
+                    meta = (tuple(value.shape), _np_dtype(value.dtype))  # x.T, x.mT, x.data, x.real
+            except Exception:
+                pass
+        st = DistributedStorage.blockwise(name, get, plan, [array], meta)
+        assert st is not None
+        return _host_or_array(plan.shape, st)
+
+    @staticmethod
+    def array_function(func: Any, plan: Any, leaves: list, args: Any, kwargs: dict, per_element: bool) -> Any:
+        """NumPy function ``func`` on each rank's blocks (``args``/``kwargs``: templates over ``leaves``)."""
+        call = BlockCall(func, args, kwargs)
+        # the result's shape and dtype from NumPy on zero-stride stand-ins of the blocks
+        proxies = [_proxy(x.dtype, x.local_shape) for x in leaves]
+        with np.errstate(all="ignore"):
+            res = np.asarray(func(*fill(args, proxies), **fill(kwargs, proxies)))
+        st = DistributedStorage.blockwise(getattr(func, "__name__", "function"), call, plan, leaves,
+                                          (res.shape, res.dtype), per_element)
+        return MeshArray.from_storage(plan.shape, st)
+
     def _gathered_reduce(self, op: str, func: Any, axes: Any, keepdims: bool, kwargs: dict) -> Any:
         return GatheredStorage(self.to_numpy()).reduce(op, func, axes, keepdims, kwargs)
 
@@ -460,29 +600,8 @@ class DistributedStorage:
         dist = [x for x in inputs if distributed(x) is not None]
         per_element = ufunc.signature is not None
         sizes = tuple(plan.sizes)
-        # Where each result position is computed depends only on the operands' layouts:
-        # worked out once per layout (a loop of `a * 2 + b` then costs only its messages)
-        parts: list = [ufunc.__name__, sizes, tuple(plan.names), per_element]
-        for x in dist:
-            st = x.storage
-            parts.append((tuple(x.names), st.ranks.shape, st.ranks.tobytes(), x.local_shape,
-                          None if st.holders is None else (st.holders.shape, st.holders.tobytes()),
-                          id(st.ctx)))
-        key = tuple(parts)
-        layouts = dist[0].storage.ctx.layouts
-        layout = layouts.get(key)
-        if layout is None:
-            if len(layouts) > 256:
-                layouts.clear()
-            layout = layouts[key] = _ew_layout(ufunc, plan, dist, per_element, sizes)
-        lead, R, pos_of, ranks, moves = layout
-        first = dist[lead].storage
+        first, R, pos_of, ranks, moved = _placed(ufunc.__name__, plan, dist, per_element)
         ctx = first.ctx
-        moved: dict = {}
-        for i, src_ranks in moves:
-            # this operand's blocks are elsewhere (other ranks, or another process mesh):
-            # they travel to the ranks computing the result first, worker to worker
-            moved[id(dist[i])] = move_blocks(dist[i].storage, src_ranks, ctx, R)
         operands: list[I.Operand] = []
         proxies = []
         for x in inputs:
@@ -569,7 +688,34 @@ def move_blocks(src: DistributedStorage, src_ranks: np.ndarray, ctx: DataContext
                               src._local, src._dtype, src.engine, None, src.collective)
 
 
-def _ew_layout(ufunc: np.ufunc, plan: Any, dist: list, per_element: bool, sizes: tuple) -> tuple:
+def _placed(what: str, plan: Any, dist: list, per_element: bool) -> tuple:
+    """Where a blockwise result is computed, with the operands' blocks moved there:
+    ``(first, R, pos_of, ranks, moved)`` (``moved``: storages by ``id`` of the operand)."""
+    sizes = tuple(plan.sizes)
+    # Where each result position is computed depends only on the operands' layouts:
+    # worked out once per layout (a loop of `a * 2 + b` then costs only its messages)
+    parts: list = [what, sizes, tuple(plan.names), per_element]
+    for x in dist:
+        st = x.storage
+        parts.append((tuple(x.names), st.ranks.shape, st.ranks.tobytes(), x.local_shape,
+                      None if st.holders is None else (st.holders.shape, st.holders.tobytes()),
+                      id(st.ctx)))
+    key = tuple(parts)
+    layouts = dist[0].storage.ctx.layouts
+    layout = layouts.get(key)
+    if layout is None:
+        if len(layouts) > 256:
+            layouts.clear()
+        layout = layouts[key] = _ew_layout(what, plan, dist, per_element, sizes)
+    lead, R, pos_of, ranks, moves = layout
+    first = dist[lead].storage
+    # operands whose blocks are elsewhere (other ranks, or another process mesh) travel to
+    # the ranks computing the result first, worker to worker
+    moved = {id(dist[i]): move_blocks(dist[i].storage, src_ranks, first.ctx, R) for i, src_ranks in moves}
+    return first, R, pos_of, ranks, moved
+
+
+def _ew_layout(what: str, plan: Any, dist: list, per_element: bool, sizes: tuple) -> tuple:
     """Which rank computes each position of an elementwise result: ``(lead, R, pos_of, ranks, moves)``.
 
     The result lives where the first operand with every result position (else
@@ -595,7 +741,7 @@ def _ew_layout(ufunc: np.ufunc, plan: Any, dist: list, per_element: bool, sizes:
     R = np.broadcast_to(laid[lead][1], sizes)
     if R.size and len(np.unique(R)) != R.size:
         raise MeshShapeError(
-            f"the result of {ufunc.__name__} would need several blocks on one rank "
+            f"the result of {what} would need several blocks on one rank "
             f"(a distributed operand broadcast along mesh dims {dict(zip(plan.names, sizes))}); "
             "fetch it or reduce with keepdims=True first"
         )
@@ -661,10 +807,50 @@ def _roll_pick(blocks: Any, pos: Any, shift: int, n: int) -> Any:
     return blocks[(p - shift) % n].copy()
 
 
+_NO_META = object()
+#: engines whose blocks are torch tensors
+_TORCH_ENGINES = ("torch", "cuda", "rocm", "mps", "xla")
+
+
+def _np_dtype(tdtype: Any) -> np.dtype:
+    import torch
+
+    return torch.empty(0, dtype=tdtype).numpy().dtype
+
+
+def _tensor_method(method: Any, array: Any, *args: Any, **kwargs: Any) -> Any:
+    # x.detach(), x.backward(), x.relu(): the method through torch's dispatch, with x first
+    return type(array).__torch_function__(method, (type(array),), (array,) + args, kwargs)
+
+
+def _grad_of(t: Any) -> Any:
+    g = t.grad
+    if g is None:
+        raise RuntimeError("this block's .grad is None: no backward() reached it (does it require grad? "
+                           "x.requires_grad_() on a leaf before the forward pass)")
+    return g
+
+
+def _host_or_array(shape: Shape, st: DistributedStorage) -> Any:
+    """A result asked of the ranks: None when every rank's was None, host values when not numbers, else the array."""
+    a = MeshArray.from_storage(shape, st)
+    if st.dtype.kind not in "biufc":
+        values = a.fetch()
+        if all(v is None for v in np.asarray(values).reshape(-1)):
+            return None
+        return values
+    return a
+
+
 def _decref(ctx_ref: weakref.ref, bid: int, ranks: tuple, nbytes: int) -> None:
     ctx = ctx_ref()
     if ctx is not None:
         ctx.decref(bid, ranks, nbytes)
+
+
+def _truth(out: int, src: int) -> I.Elementwise:
+    """``src != 0``: the local step of any/all over mesh axes only."""
+    return I.Elementwise(out, "not_equal", [I.BlockRef(src), I.Value(0)], {})
 
 
 def _bind(cls: Any, *rest: Any) -> Any:

@@ -229,9 +229,16 @@ def _apply(ins: I.Apply, me: int) -> tuple[Any, Engine]:
     first = _first_block(ins.operands)
     eng = STORE.engine(first) if first is not None else get_engine("numpy")
     r = ins.fn(*[_operand(a, me) for a in ins.operands])
-    if not eng.is_block(r):
-        r = eng.from_numpy(np.asarray(r))
-    return r, eng
+    if eng.is_block(r):
+        return r, eng
+    if type(r) in (tuple, list) or type(r).__module__ == "torch.return_types":
+        if r and all(eng.is_block(x) for x in r):
+            # several outputs (``torch.max(x, dim)``): kept together, taken apart by the next instructions
+            return tuple(r), eng
+    a = np.asarray(r)
+    if a.dtype.kind in "biufc":
+        return eng.from_numpy(a), eng
+    return a, get_engine("numpy")  # None, or objects: host values
 
 
 def _reduce(ins: I.Reduce, me: int) -> tuple[Any, Engine]:

@@ -24,3 +24,15 @@ def test_linreg_example_matches_numpy():
         if line.startswith("step"):
             parts = line.split()
             assert parts[4] == parts[6], line  # loss numpy == loss mesh, as printed
+
+
+@pytest.mark.timeout(180)
+def test_rl_weight_sync_example_matches_one_process_torch():
+    pytest.importorskip("torch")
+    path = Path(__file__).resolve().parents[2] / "examples" / "rl_weight_sync.py"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        runpy.run_path(str(path), run_name="not_main")["main"](6)
+    text = out.getvalue()
+    assert "same numbers: yes" in text, text
+    assert "loss per trainer" in text

@@ -1,0 +1,52 @@
+"""Functions run on each rank's blocks: NumPy functions (``__array_function__``), torch
+functions and Tensor methods (``__torch_function__``), and attributes of torch blocks.
+
+A call like ``torch.matmul(x, w)`` or ``np.concatenate([a, b], axis=-1)`` has
+MeshArrays somewhere in its arguments (``leaves``, nested in lists, tuples and
+dicts). The controller replaces each with a slot (:func:`mesharray.calls.template`),
+and a :class:`BlockCall` — the function and the templated arguments, pickled
+once with the program — runs on each rank with that rank's block for each
+slot. Nothing here imports torch: the worker's blocks already
+are tensors when they need to be, and NumPy operands sent by the controller
+become tensors through the block's engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..calls import fill
+
+__all__ = ["BlockCall"]
+
+
+class BlockCall:
+    """``func(*args, **kwargs)`` with each slot filled by a block, on one rank.
+
+    ``tensors``: NumPy operands (values the controller sent for gathered
+    MeshArrays) become tensors first, as torch functions want.
+    """
+
+    __slots__ = ("func", "args", "kwargs", "tensors")
+
+    def __init__(self, func: Any, args: Any, kwargs: dict, tensors: bool = False) -> None:
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.tensors = tensors
+
+    def __call__(self, *values: Any) -> Any:
+        if self.tensors:
+            import torch  # the worker holds torch blocks: torch is imported already
+
+            values = tuple(torch.from_numpy(np.array(v)) if isinstance(v, (np.ndarray, np.generic)) else v
+                           for v in values)
+        return self.func(*fill(self.args, values), **fill(self.kwargs, values))
+
+    def __reduce__(self) -> tuple:
+        return (BlockCall, (self.func, self.args, self.kwargs, self.tensors))
+
+    def __repr__(self) -> str:
+        return f"BlockCall({getattr(self.func, '__name__', self.func)!r})"
