@@ -837,10 +837,11 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
     def var(self, axis: Any = None, dtype: Any = None, out: Any = None, ddof: float = 0, keepdims: bool = False, **kwargs: Any) -> Any:
         """Variance over ``axis`` (``ddof`` as NumPy; see :meth:`sum`).
 
-        On a distributed array it is computed where the blocks live, in two
-        passes of collectives (the mean, then the sum of squared deviations
-        from it: numerically stable, unlike ``E[x²] − E[x]²``); nothing but
-        the result reaches the controller.
+        On a distributed array it is computed where the blocks live: each rank
+        reduces its block to its mean and sum of squared deviations, and the
+        parts combine as Chan et al. do (two collectives over the mesh axes:
+        the mean, then the deviations from it; numerically stable, unlike
+        ``E[x²] − E[x]²``); nothing but the result reaches the controller.
 
         Examples
         --------
@@ -856,14 +857,32 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         return self._reduce("var", np.var, axis, keepdims, _kw(kwargs, dtype=dtype, ddof=ddof or None))
 
     def _spread(self, axis: Any, ddof: float, keepdims: bool) -> Any:
-        """The variance of a distributed array: two passes of collectives (see :meth:`var`)."""
+        """The variance of a distributed array, computed where its blocks live (see :meth:`var`).
+
+        Chan, Golub and LeVeque's combination of parts: each block's mean and
+        sum of squared deviations ``M2`` over its local axes (no message), then
+        ``M2 = Σ M2ₚ + Σ nₚ (meanₚ − mean)²`` over the mesh axes, where the
+        mean is itself a collective; every subtraction comes before a square.
+        """
         x = self if self.dtype.kind in "fc" else self.astype("float64")
         axes = _normalize_axes(axis, x)
         full = tuple(range(x.ndim)) if axes is None else axes
+        m = self._shape.ndim
+        mesh_axes = tuple(i for i in full if i < m)
+        local_axes = tuple(i for i in full if i >= m)
         n = math.prod(x.shape[i] for i in full)
-        dev = x - x.mean(axis=full, keepdims=True)
-        ss = (dev * dev).sum(axis=full if axes is not None else None, keepdims=keepdims)
-        return ss / max(n - ddof, 0) if n - ddof > 0 else ss * np.nan
+        n_part = math.prod(x.shape[i] for i in local_axes)
+        if local_axes:
+            mean_p = x.mean(axis=local_axes, keepdims=True)  # each block's own: no message
+            m2_p = _abs2(x - mean_p).sum(axis=local_axes, keepdims=True)
+        else:
+            mean_p, m2_p = x, None
+        if mesh_axes:
+            dev = _abs2(mean_p - mean_p.mean(axis=mesh_axes, keepdims=True)) * n_part
+            m2_p = dev if m2_p is None else m2_p + dev
+        assert m2_p is not None
+        ss = m2_p.sum(axis=full, keepdims=keepdims)  # (local axes are of size 1 by now)
+        return ss / (n - ddof) if n - ddof > 0 else ss * np.nan
 
     def min(self, axis: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> Any:
         """Minimum over ``axis`` (see :meth:`sum`)."""
@@ -1018,6 +1037,11 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
 
 _NUMBER_TYPES = (bool, int, float, complex)
 _SCALAR_TYPES = (bool, int, float, complex, np.generic)
+
+
+def _abs2(x: Any) -> Any:
+    """``|x|²`` (``x * x`` for reals)."""
+    return np.square(np.abs(x)) if x.dtype.kind == "c" else x * x
 
 
 def _mesh_alignment(a: MeshArray, names: tuple[str, ...], sizes: tuple[int, ...]) -> np.ndarray:

@@ -104,3 +104,27 @@ def test_roll_of_gathered_values_and_of_everything(procs):
     np.testing.assert_array_equal(np.asarray(x.roll(3).fetch()), np.roll(np.asarray(x.fetch()), 3))
     with pytest.raises(TypeError, match="one integer shift"):
         x.roll(1.5, axis="procs")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "complex128"])
+def test_var_of_float32_and_complex_follow_numpy(procs, dtype):
+    x = ((procs.arange(6, dtype="float64") - 2.5) * (procs.rank_array() + 1)).astype(dtype)
+    if dtype == "complex128":
+        x = x * (1 + 2j) + 3j
+    ref = np.asarray(x.fetch())
+    for axis in ("procs", None, ("hosts", 2)):
+        np_axis = {"procs": 1, None: None}.get(axis, (0, 2)) if not isinstance(axis, tuple) else (0, 2)
+        v = x.var(axis=axis)
+        assert np.asarray(v.fetch()).dtype == ref.var(axis=np_axis).dtype
+        np.testing.assert_allclose(np.asarray(v.fetch()), ref.var(axis=np_axis), rtol=1e-5)
+
+
+def test_var_is_stable_with_a_large_offset(procs):
+    # E[x^2] - E[x]^2 would lose every digit here; the pairwise combination keeps them
+    x = procs.arange(8, dtype="float64") * 1e-3 + procs.rank_array() * 1e-3 + 1e6
+    ref = np.asarray(x.fetch())
+    naive = (ref ** 2).mean(axis=(0, 1)) - ref.mean(axis=(0, 1)) ** 2
+    assert not np.allclose(naive, ref.var(axis=(0, 1)), rtol=1e-3)  # the textbook formula fails here
+    np.testing.assert_allclose(np.asarray(x.var(axis=("hosts", "procs")).fetch()),
+                               ref.var(axis=(0, 1)), rtol=1e-5)
+    np.testing.assert_allclose(float(np.asarray(x.std().fetch())), ref.std(), rtol=1e-5)
