@@ -129,6 +129,21 @@ def test_large_reduction_across_hosts(cluster):
     assert float(total) == pytest.approx(10 * (1 << 21))
 
 
+def test_blocks_move_across_hosts(cluster):
+    _, procs = cluster
+    x = procs.arange(1 << 18, dtype="float32") + procs.rank_array(dtype="float32") * 1000  # 1 MiB per rank
+    ref = np.asarray(x.fetch())
+    # host 0's blocks to host 1's ranks (a pipeline stage across hosts), and back
+    there = x[0].to_mesh(procs[1])
+    np.testing.assert_array_equal(np.asarray(there.fetch()), ref[0])
+    np.testing.assert_array_equal(np.asarray(there.to_mesh(procs[0]).fetch()), ref[0])
+    # operands on different hosts: the blocks move over the data plane first
+    np.testing.assert_array_equal(np.asarray((x[0] + x[1]).fetch()), ref[0] + ref[1])
+    # one block fanned out to every rank of both hosts
+    np.testing.assert_array_equal(np.asarray(x[1:2, 0:1].to_mesh(procs).fetch()), np.broadcast_to(ref[1, 0], ref.shape))
+    np.testing.assert_array_equal(np.asarray(x.roll(1, axis="hosts").fetch()), ref[::-1])
+
+
 def test_host_mesh_slices_start_processes_on_their_hosts(two_agents, cluster):
     hosts, _ = cluster
     # the cluster's agents serve that controller: a second mesh on a slice of them
