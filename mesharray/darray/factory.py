@@ -21,7 +21,7 @@ from ..engines import resolve_engine_name
 from ..errors import DimensionError, MeshShapeError
 from ..proc import ProcMesh
 from .context import data_context
-from .storage import DistributedStorage, distributed
+from .storage import DistributedStorage, distributed, move_blocks
 
 __all__ = ["allgather", "apply", "broadcast_from", "make", "reduce_scatter", "scatter"]
 
@@ -75,15 +75,19 @@ def apply(procs: ProcMesh, fn: Callable[..., Any], arrays: Sequence[Any]) -> Mes
     if not dist:
         raise TypeError("apply needs at least one distributed MeshArray")
     st0 = dist[0].storage
+    moved: dict = {}
     for a in dist[1:]:
         st = a.storage
-        if st.ranks.shape != st0.ranks.shape or not (st.ranks == st0.ranks).all():
+        if st.ranks.shape != st0.ranks.shape:
             raise MeshShapeError(
-                f"apply needs distributed arrays on the same ranks; got mesh dims {dist[0].mesh_sizes} and {a.mesh_sizes}"
+                f"apply needs distributed arrays of one mesh layout; got mesh dims {dist[0].mesh_sizes} and {a.mesh_sizes}"
             )
+        if st.ctx is not st0.ctx or not (st.ranks == st0.ranks).all():
+            # its blocks are on other ranks (or another process mesh): they move to the first's
+            moved[id(a)] = move_blocks(st, st.ranks, st0.ctx, st0.ranks)
     operands: list[I.Operand] = []
     for a in arrays:
-        st = distributed(a)
+        st = moved.get(id(a), distributed(a))
         operands.append(I.BlockRef(st.bid) if st is not None else I.Value(a))
     ctx = st0.ctx
     bid = ctx.new_id()
