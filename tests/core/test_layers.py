@@ -16,7 +16,7 @@ import pytest
 PKG = pathlib.Path(__file__).resolve().parents[2] / "mesharray"
 
 LAYERS = [
-    ("mesharray._core", "mesharray.errors", "mesharray._proc_stat", "mesharray._platform"),
+    ("mesharray._core", "mesharray.errors", "mesharray._proc_stat", "mesharray._platform", "mesharray.calls"),
     ("mesharray.mesh", "mesharray.array", "mesharray.transport", "mesharray.engines", "mesharray.collectives"),
     ("mesharray.telemetry", "mesharray.runtime"),
     ("mesharray.actor", "mesharray.buffer"),
