@@ -59,6 +59,7 @@ import random
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
+from .array import MeshArray
 from .errors import ActorError, SerializationError
 from .mesh import MeshTrait
 from .runtime import protocol as P
@@ -70,7 +71,6 @@ from .transport import framing
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._core import Shape
-    from .array import MeshArray
     from .runtime.context import Context
 
 __all__ = ["Actor", "ActorMesh", "Endpoint", "EndpointProperty", "Future", "endpoint", "context",
@@ -330,6 +330,20 @@ def future_callback(fut: Future[Any]) -> Callable[[int, Any], None]:
     return cb
 
 
+def _gather_one(fut: Future[MeshArray], shape: Shape) -> Callable[[int, Any], None]:
+    """The reply callback of ``call()`` on one actor: its outcome as a one-element MeshArray."""
+    def cb(status: int, payload: Any) -> None:
+        value, exc = _outcome(status, payload)
+        if exc is not None:
+            set_exception(fut, exc)
+            return
+        try:
+            set_result(fut, MeshArray.from_results(shape, (value,)))
+        except Exception as e:
+            set_exception(fut, e)
+    return cb
+
+
 class _Gather:
     """Collects the replies of a ``call()``; ``next()`` on a count is atomic under the GIL,
     so the reader threads of different ranks need no lock."""
@@ -355,8 +369,6 @@ class _Gather:
         return cb
 
     def _finish(self) -> None:
-        from .array import MeshArray
-
         if is_done(self.fut):
             return
         try:
@@ -480,13 +492,13 @@ class Endpoint(Generic[_P, _R]):
         shape = self._mesh._shape
         ranks = list(shape)
         fut: Future[MeshArray] = new_future()
+        if len(ranks) == 1:  # one actor: call_one's latency path, gathered into a MeshArray
+            reply_on(fut, self._send_one(ranks[0], shape, args, kwargs, _gather_one(fut, shape)))
+            return fut
         g = _Gather(fut, len(ranks), shape)
         cbs = [g.slot(i) for i in range(len(ranks))]
         if not ranks:
             g._finish()
-            return fut
-        if len(ranks) == 1:  # one actor: call_one's latency path, gathered into a MeshArray
-            reply_on(fut, self._send_one(ranks[0], shape, args, kwargs, cbs[0]))
             return fut
         chans = self._send(ranks, shape, args, kwargs, cbs, park=True)
         for c in chans:
