@@ -330,6 +330,19 @@ def future_callback(fut: Future[Any]) -> Callable[[int, Any], None]:
     return cb
 
 
+def _mesh_array() -> Any:
+    """``MeshArray``, imported on first use (``actor`` is imported without NumPy's array layer)."""
+    global _MeshArray
+    if _MeshArray is None:
+        from .array import MeshArray
+
+        _MeshArray = MeshArray
+    return _MeshArray
+
+
+_MeshArray: Any = None
+
+
 class _Gather:
     """Collects the replies of a ``call()``; ``next()`` on a count is atomic under the GIL,
     so the reader threads of different ranks need no lock."""
@@ -355,14 +368,28 @@ class _Gather:
         return cb
 
     def _finish(self) -> None:
-        from .array import MeshArray
-
         if is_done(self.fut):
             return
         try:
-            set_result(self.fut, MeshArray.from_results(self.shape, self.values))
+            set_result(self.fut, _mesh_array().from_results(self.shape, self.values))
         except Exception as exc:
             set_exception(self.fut, exc)
+
+
+def _gather_one(fut: Future[MeshArray], shape: Shape) -> Callable[[int, Any], None]:
+    """The reply callback of ``call()`` on one actor: ``_Gather`` of one, without its count."""
+    def cb(status: int, payload: Any) -> None:
+        value, exc = _outcome(status, payload)
+        if exc is None:
+            try:
+                value = _mesh_array().from_results(shape, [value])
+            except Exception as e:
+                exc = e
+        if exc is None:
+            set_result(fut, value)
+        else:
+            set_exception(fut, exc)
+    return cb
 
 
 # --------------------------------------------------------------------------- meshes
@@ -478,15 +505,15 @@ class Endpoint(Generic[_P, _R]):
         [[0 0 0 0]]
         """
         shape = self._mesh._shape
-        ranks = list(shape)
         fut: Future[MeshArray] = new_future()
+        if shape.size == 1:  # one actor: call_one's latency path, gathered into a MeshArray
+            reply_on(fut, self._send_one(shape.rank(0), shape, args, kwargs, _gather_one(fut, shape)))
+            return fut
+        ranks = list(shape)
         g = _Gather(fut, len(ranks), shape)
         cbs = [g.slot(i) for i in range(len(ranks))]
         if not ranks:
             g._finish()
-            return fut
-        if len(ranks) == 1:  # one actor: call_one's latency path, gathered into a MeshArray
-            reply_on(fut, self._send_one(ranks[0], shape, args, kwargs, cbs[0]))
             return fut
         chans = self._send(ranks, shape, args, kwargs, cbs, park=True)
         for c in chans:
