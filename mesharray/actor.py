@@ -57,6 +57,8 @@ import itertools
 import queue
 import random
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from functools import partial
+from itertools import repeat
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 from .errors import ActorError, SerializationError
@@ -357,15 +359,20 @@ class _Gather:
         self.shape = shape
 
     def slot(self, i: int) -> Callable[[int, Any], None]:
-        def cb(status: int, payload: Any) -> None:
+        """Rank ``i``'s reply callback."""
+        return partial(self.reply, i)
+
+    def reply(self, i: int, status: int, payload: Any) -> None:
+        if status == P.OK and payload == _NONE_REPLY:  # (what _outcome does first, inlined)
+            value, exc = None, None
+        else:
             value, exc = _outcome(status, payload)
-            if exc is not None:
-                set_exception(self.fut, exc)
-                return
-            self.values[i] = value
-            if self.count() == self.n:
-                self._finish()
-        return cb
+        if exc is not None:
+            set_exception(self.fut, exc)
+            return
+        self.values[i] = value
+        if self.count() == self.n:
+            self._finish()
 
     def _finish(self) -> None:
         if is_done(self.fut):
@@ -511,7 +518,7 @@ class Endpoint(Generic[_P, _R]):
             return fut
         ranks = list(shape)
         g = _Gather(fut, len(ranks), shape)
-        cbs = [g.slot(i) for i in range(len(ranks))]
+        cbs = list(map(partial, repeat(g.reply), range(len(ranks))))
         if not ranks:
             g._finish()
             return fut

@@ -284,9 +284,12 @@ class DistributedStorage:
             roots = res._unique()
             others = [r for r in members if r not in set(roots)]
             prog = program + [I.Fetch(out)]
-            res.announced = {r: ctx.call_one(r, ctx.with_frees([r], prog)) for r in roots}
             if others:
+                # the other members first: the caller then waits on the roots' replies with every
+                # member's message sent (sent after the roots', a root that preempted this thread
+                # on waking would wait in the collective for ranks not yet told to join it)
                 ctx.post(others, ctx.with_frees(others, program))
+            res.announced = {r: ctx.call_one(r, ctx.with_frees([r], prog)) for r in roots}
             return res
         # fire-and-forget (see _send_collective); members are sorted and unique
         ctx.post(members, ctx.with_frees(members, program))
