@@ -5,7 +5,9 @@ checkout, its compiled core built in place), in alternating order; the table
 gives each figure's median over the rounds and the ratio after/before, so a
 noisy machine moves both columns alike. Measures, with the public API only:
 
-- ``call_one_p50_us``: no-op ``call_one().get()`` to one actor (2 processes).
+- ``socket_p50_us``: the floor: a raw Python unix-socket ping-pong with a forked child.
+- ``call_one_p50_us``: no-op ``call_one().get()`` to one actor of an 8-process mesh.
+- ``call1_p50_us``: ``call().get()`` on the same one-actor slice.
 - ``call8_p50_us``: ``call().get()`` on 8 actors (8 processes).
 - ``broadcast_per_s``: 5,000 ``broadcast()`` to one actor, then one call to sync.
 - ``sum8b_p50_us``: ``x.sum(axis="procs").fetch()`` of a 0-d float64 block on 2 ranks.
@@ -27,7 +29,7 @@ import sys
 import time
 
 CHILD = r'''
-import json, statistics, time
+import json, os, socket, statistics, time
 import mesharray as ma
 
 class Noop(ma.Actor):
@@ -41,13 +43,31 @@ def p50(f, n):
         t = time.perf_counter(); f(); ts.append(time.perf_counter() - t)
     return statistics.median(ts) * 1e6
 
-out = {}
+def socket_floor(n=3000):
+    a, b = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:
+        a.close()
+        buf = bytearray(256)
+        while b.recv_into(buf):
+            b.send(buf[:64])
+        os._exit(0)
+    b.close()
+    buf, msg, ts = bytearray(256), b"x" * 64, []
+    for _ in range(n):
+        t = time.perf_counter(); a.send(msg); a.recv_into(buf); ts.append(time.perf_counter() - t)
+    a.close()
+    os.waitpid(pid, 0)
+    return statistics.median(ts[200:]) * 1e6
+
+out = {"socket_p50_us": socket_floor()}
 with ma.proc_mesh(procs=8) as procs:
     a = procs.spawn("noop", Noop)
     one = a.slice(procs=1)
     for _ in range(200):
-        one.ping.call_one().get(); a.ping.call().get()
+        one.ping.call_one().get(); one.ping.call().get(); a.ping.call().get()
     out["call_one_p50_us"] = p50(lambda: one.ping.call_one().get(), 3000)
+    out["call1_p50_us"] = p50(lambda: one.ping.call().get(), 3000)
     out["call8_p50_us"] = p50(lambda: a.ping.call().get(), 600)
     t = time.perf_counter()
     for _ in range(5000):

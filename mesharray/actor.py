@@ -57,6 +57,8 @@ import itertools
 import queue
 import random
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from functools import partial
+from itertools import repeat
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 from .array import MeshArray
@@ -330,18 +332,6 @@ def future_callback(fut: Future[Any]) -> Callable[[int, Any], None]:
     return cb
 
 
-def _gather_one(fut: Future[MeshArray], shape: Shape) -> Callable[[int, Any], None]:
-    """The reply callback of ``call()`` on one actor: its outcome as a one-element MeshArray."""
-    def cb(status: int, payload: Any) -> None:
-        value, exc = _outcome(status, payload)
-        if exc is not None:
-            set_exception(fut, exc)
-            return
-        try:
-            set_result(fut, MeshArray.from_results(shape, (value,)))
-        except Exception as e:
-            set_exception(fut, e)
-    return cb
 
 
 class _Gather:
@@ -358,15 +348,20 @@ class _Gather:
         self.shape = shape
 
     def slot(self, i: int) -> Callable[[int, Any], None]:
-        def cb(status: int, payload: Any) -> None:
+        """Rank ``i``'s reply callback."""
+        return partial(self.reply, i)
+
+    def reply(self, i: int, status: int, payload: Any) -> None:
+        if status == P.OK and payload == _NONE_REPLY:  # (what _outcome does first, inlined)
+            value, exc = None, None
+        else:
             value, exc = _outcome(status, payload)
-            if exc is not None:
-                set_exception(self.fut, exc)
-                return
-            self.values[i] = value
-            if self.count() == self.n:
-                self._finish()
-        return cb
+        if exc is not None:
+            set_exception(self.fut, exc)
+            return
+        self.values[i] = value
+        if self.count() == self.n:
+            self._finish()
 
     def _finish(self) -> None:
         if is_done(self.fut):
@@ -375,6 +370,22 @@ class _Gather:
             set_result(self.fut, MeshArray.from_results(self.shape, self.values))
         except Exception as exc:
             set_exception(self.fut, exc)
+
+
+def _gather_one(fut: Future[MeshArray], shape: Shape) -> Callable[[int, Any], None]:
+    """The reply callback of ``call()`` on one actor: ``_Gather`` of one, without its count."""
+    def cb(status: int, payload: Any) -> None:
+        value, exc = _outcome(status, payload)
+        if exc is None:
+            try:
+                value = MeshArray.from_results(shape, [value])
+            except Exception as e:
+                exc = e
+        if exc is None:
+            set_result(fut, value)
+        else:
+            set_exception(fut, exc)
+    return cb
 
 
 # --------------------------------------------------------------------------- meshes
@@ -490,13 +501,13 @@ class Endpoint(Generic[_P, _R]):
         [[0 0 0 0]]
         """
         shape = self._mesh._shape
-        ranks = list(shape)
         fut: Future[MeshArray] = new_future()
-        if len(ranks) == 1:  # one actor: call_one's latency path, gathered into a MeshArray
-            reply_on(fut, self._send_one(ranks[0], shape, args, kwargs, _gather_one(fut, shape)))
+        if shape.size == 1:  # one actor: call_one's latency path, gathered into a MeshArray
+            reply_on(fut, self._send_one(shape.rank(0), shape, args, kwargs, _gather_one(fut, shape)))
             return fut
+        ranks = list(shape)
         g = _Gather(fut, len(ranks), shape)
-        cbs = [g.slot(i) for i in range(len(ranks))]
+        cbs = list(map(partial, repeat(g.reply), range(len(ranks))))
         if not ranks:
             g._finish()
             return fut

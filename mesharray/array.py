@@ -21,8 +21,10 @@ MeshArray(hosts=2, procs=4, dtype=int64)
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+import operator
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -347,6 +349,8 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         if len(values) != n:
             raise ValueError(f"{len(values)} values for a mesh of {n} ranks {mesh_shape!r}")
         sizes = tuple(mesh_shape.sizes)
+        if all(map(_IS_NONE, values)):  # every endpoint returned None (the common no-result call)
+            return cls._from_parts(mesh_shape, GatheredStorage(np.empty(sizes, dtype=object)))
         array: np.ndarray | None = None
         if values and all(type(v) in _NUMBER_TYPES or isinstance(v, (np.number, np.bool_)) for v in values):
             array = np.array(values)
@@ -1042,6 +1046,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
 # -----------------------------------------------------------------------------------
 
 _NUMBER_TYPES = (bool, int, float, complex)
+_IS_NONE = functools.partial(operator.is_, None)  # identity only: ``==`` on an ndarray is elementwise
 _SCALAR_TYPES = (bool, int, float, complex, np.generic)
 
 

@@ -187,7 +187,7 @@ class Channel:
                     self.views_out[shape] = vid
         return vid
 
-    def call(self, kind: int, target: int, view: int, parts, cb, park: bool = False) -> None:
+    def call(self, kind: int, target: int, view: int, parts, cb, park: bool = False, now: float = 0.0) -> None:
         """Send one frame whose reply goes to ``cb(status, payload_or_error)``.
 
         Corked (written later, many per write) while earlier calls on this
@@ -198,7 +198,8 @@ class Channel:
         ``park=True``: the caller will likely read the reply itself (its
         future knows the channel): a lone call disarms the poller thread for
         this connection before it is written (``Poller.park``), so that the
-        poller cannot win the race for the reply. A dead peer fails ``cb``
+        poller cannot win the race for the reply (``now``: ``time.monotonic()``
+        if the caller has it, for a ``call()`` to many). A dead peer fails ``cb``
         (never raises).
         """
         sent.calls += 1
@@ -214,7 +215,7 @@ class Channel:
         if park and not cork:
             poller = conn.poller
             assert poller is not None  # parking is for polled connections
-            poller.park(conn)
+            poller.park(conn, now)
         pending[mid] = cb
         try:
             if conn.send(kind, _F_REPLY, mid, target, view, parts, cork):
@@ -288,14 +289,17 @@ class Channel:
         ended = Connection.read_all([ch.conn for ch in chans], done, deadline)
         if ended is None:
             return False
+        idle = []
         for ch in chans:
             c = ch.conn
-            if c in ended:
+            if ended and c in ended:
                 continue
             if ch.pending:
                 c.poller.rearm(c)
             else:
-                c.poller.keep_parked(c)
+                idle.append(c)
+        if idle:
+            idle[0].poller.keep_parked_all(idle)  # (the process's one poller)
         return True
 
     def unpark(self) -> None:

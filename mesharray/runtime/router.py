@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import pickle
 import threading
+import time
 
 from .._proc_stat import state as _proc_state
 from ..errors import ActorDiedError, MeshStoppedError
@@ -140,9 +141,10 @@ class Router:
         """
         chans: list[Channel | None] = []
         dead = None
+        table = self.channels if current.get() is None else self.peer_channels  # (as in channel())
         for i, r in enumerate(ranks):
             try:
-                chans.append(self.channel(addresses[r]))
+                chans.append(table.get(addresses[r]) or self.channel(addresses[r]))
             except Exception as exc:
                 chans.append(None)
                 if cbs is None:
@@ -157,11 +159,14 @@ class Router:
                 seg, placed = framing.write_shm(p, len(chans), tuple(addresses[r] for r in ranks))
         if plain is None and not p.big:
             plain = [head, *framing.encode(p)] if head else framing.encode(p)
+        now = 0.0
         if park:
             for c in chans:
                 if c is None or not c.polled:
                     park = False
                     break
+            else:
+                now = time.monotonic()
         for i, chan in enumerate(chans):
             if chan is None:
                 continue
@@ -172,11 +177,11 @@ class Router:
             else:
                 parts = [head, *framing.encode(p)]
             try:
-                vid = 0 if shape is None else chan.view_id(shape)
+                vid = 0 if shape is None else chan.views_out.get(shape) or chan.view_id(shape)
                 if cbs is None:
                     chan.post(kind, target, vid, parts)
                 else:
-                    chan.call(kind, target, vid, parts, cbs[i], park)
+                    chan.call(kind, target, vid, parts, cbs[i], park, now)
             except ActorDiedError as exc:  # the peer died under us (a call's fails its callback)
                 if cbs is None:
                     dead = dead or exc

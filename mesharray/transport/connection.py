@@ -552,15 +552,24 @@ class Connection:
             held.append(c)
         ended = []
         try:
-            p = select.poll()
-            by_fd = {}
+            key = tuple(held)
+            cached = _polls.get(key)
+            if cached is None or cached[2] != _sockets_closed:
+                # one poll object per set of connections, kept: a call() loop on one mesh
+                # registers its fds once (all rebuilt once any socket closed: fds are reused)
+                if len(_polls) >= 64:
+                    _polls.clear()
+                p = select.poll()
+                for c in held:
+                    p.register(c._fd, select.POLLIN)
+                cached = _polls[key] = (p, {c._fd: c for c in held}, _sockets_closed)
+            p, by_fd, _ = cached
+            by_fd = by_fd.copy()
             for c in held:
                 poller = c.poller
                 assert poller is not None, "read_all is for polled connections"
                 if c not in poller._parked:
                     poller.disarm(c)
-                p.register(c._fd, select.POLLIN)
-                by_fd[c._fd] = c
             while not done() and by_fd:
                 if deadline is None:
                     ms = None
@@ -572,6 +581,7 @@ class Connection:
                     if c is not None and not c._read_some():
                         ended.append(c)
                         del by_fd[fd]
+                        _polls.pop(key, None)
                         p.unregister(fd)
                 if not ready and deadline is not None and time.monotonic() >= deadline:
                     break
@@ -695,10 +705,12 @@ class Connection:
             self._polled.set()
 
     def _finish(self, exc) -> None:
+        global _sockets_closed
         self._closed = True
         if self.closed_error is None:
             self.closed_error = exc
         self._drop_backlog()
+        _sockets_closed += 1  # read_all's cached poll objects may name this fd: rebuild them
         try:
             self.sock.close()
         except OSError:
@@ -777,8 +789,10 @@ class Poller:
         self._conns[fd] = conn
         self._ep.register(fd)
 
-    def park(self, conn: Connection) -> None:
+    def park(self, conn: Connection, now: float = 0.0) -> None:
         """Disarm ``conn`` *before* a call is sent on it whose caller will likely read the reply.
+
+        ``now``: ``time.monotonic()`` if the caller has it (one clock read per ``call()``).
 
         Disarming only once the caller waits would race with the reply: on a
         busy machine the poller thread often won, and its hand-off cost a
@@ -788,9 +802,9 @@ class Poller:
         """
         parked = self._parked
         if conn in parked:  # still disarmed since its last call: no syscall
-            parked[conn] = time.monotonic()
+            parked[conn] = now or time.monotonic()
             return
-        parked[conn] = time.monotonic()
+        parked[conn] = now or time.monotonic()
         try:
             self._ep.disarm(conn._fd)
         except (OSError, ValueError):
@@ -808,6 +822,14 @@ class Poller:
         ``PARK_MAX`` the poller re-arms it (heartbeats, logs, EOF).
         """
         self._parked[conn] = time.monotonic()
+        self._start_sweeping()
+
+    def keep_parked_all(self, conns) -> None:
+        """:meth:`keep_parked` for several connections (one clock read, one sweep check)."""
+        now = time.monotonic()
+        parked = self._parked
+        for conn in conns:
+            parked[conn] = now
         self._start_sweeping()
 
     def _start_sweeping(self) -> None:
@@ -935,6 +957,9 @@ class Writer:
 
 
 _threads: dict = {}  # class -> the process's one instance (Poller, Writer)
+#: Connection.read_all's poll objects: tuple of connections -> (poll, fd -> connection, _sockets_closed)
+_polls: dict = {}
+_sockets_closed = 0  # sockets closed by Connection._finish so far (their fds may be reused)
 _threads_lock = threading.Lock()
 
 
