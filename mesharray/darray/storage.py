@@ -432,20 +432,14 @@ class DistributedStorage:
     def roll_mesh(self, axis: int, shift: int) -> "DistributedStorage":
         """Position ``j`` along mesh ``axis`` gets the block of position ``j - shift`` (mod the axis' size).
 
-        The blocks move between the workers of each group (an allgather, then each
-        member keeps the one it needs); the controller sends only the plan.
+        Each block moves once, worker to worker, to the rank that needs it (a
+        :func:`move_blocks` whose sources are the ranks rolled); the controller
+        sends only the plan.
         """
         n = self.ranks.shape[axis]
         if n <= 1 or shift % n == 0:
             return self.copy()
-        gathered = self.group_op("allgather", (axis,), None)
-        pos = self.positions(Shape({f"d{i}": s for i, s in enumerate(self.ranks.shape)}), axis)._storage
-        bid = self.ctx.new_id()
-        self.ctx.send(self._unique(), [I.Apply(bid, _roll_pick, [I.BlockRef(gathered.bid), I.BlockRef(pos.bid),
-                                                                  I.Value(shift), I.Value(n)])])
-        out = self._derive(bid, holders=None)
-        del gathered, pos  # (their blocks are freed once the program above ran: frees ride behind it)
-        return out
+        return move_blocks(self, np.roll(self.ranks, shift, axis=axis), self.ctx, self.ranks)
 
     def to_mesh(self, idx: np.ndarray, procs: Any) -> "DistributedStorage":
         """The blocks of positions ``idx`` (flat, one per position of ``procs``) on ``procs``' ranks."""
@@ -799,12 +793,6 @@ def _per_rank(values: np.ndarray, pos_of: dict, m: int) -> dict:
 
 def _roll_local(block: Any, shift: int, axis: int) -> Any:
     return np.roll(np.asarray(block), shift, axis=axis)
-
-
-def _roll_pick(blocks: Any, pos: Any, shift: int, n: int) -> Any:
-    """On the member at position ``p`` of its group: the block of member ``p - shift``."""
-    p = int(np.asarray(pos).reshape(-1)[0])
-    return blocks[(p - shift) % n].copy()
 
 
 _NO_META = object()
