@@ -552,19 +552,20 @@ class Connection:
             held.append(c)
         ended = []
         try:
-            key = tuple(held)
+            # one poll object per set of fds, kept: a call() loop on one mesh registers its
+            # fds once (rebuilt once any socket closed: fds are reused). It holds fds only,
+            # never connections: a cache must not keep dead connections and their buffers
+            key = tuple(c._fd for c in held)
             cached = _polls.get(key)
-            if cached is None or cached[2] != _sockets_closed:
-                # one poll object per set of connections, kept: a call() loop on one mesh
-                # registers its fds once (all rebuilt once any socket closed: fds are reused)
+            if cached is None or cached[1] != _sockets_closed:
                 if len(_polls) >= 64:
                     _polls.clear()
                 p = select.poll()
                 for c in held:
                     p.register(c._fd, select.POLLIN)
-                cached = _polls[key] = (p, {c._fd: c for c in held}, _sockets_closed)
-            p, by_fd, _ = cached
-            by_fd = by_fd.copy()
+                cached = _polls[key] = (p, _sockets_closed)
+            p = cached[0]
+            by_fd = {c._fd: c for c in held}
             for c in held:
                 poller = c.poller
                 assert poller is not None, "read_all is for polled connections"
@@ -957,7 +958,7 @@ class Writer:
 
 
 _threads: dict = {}  # class -> the process's one instance (Poller, Writer)
-#: Connection.read_all's poll objects: tuple of connections -> (poll, fd -> connection, _sockets_closed)
+#: Connection.read_all's poll objects: tuple of fds -> (poll, _sockets_closed when made)
 _polls: dict = {}
 _sockets_closed = 0  # sockets closed by Connection._finish so far (their fds may be reused)
 _threads_lock = threading.Lock()
