@@ -29,14 +29,11 @@ Under pytest (``make bench``) a small subset runs as pytest-benchmark cases.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import resource
-import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import time
 
@@ -46,6 +43,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+from _peers import run_mpi  # noqa: E402
 
 MiB = 1 << 20
 
@@ -142,22 +142,8 @@ def bench_tiny_fetch(size: int, reps: int) -> tuple[float, float, float]:
 
 
 def bench_mpi(size: int, nbytes_list: list[int], reps: int) -> dict[int, float] | None:
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        return None
-    cmd = [mpirun, "--oversubscribe", "-n", str(size)]
-    if os.geteuid() == 0:
-        cmd.insert(1, "--allow-run-as-root")
-    cmd += [sys.executable, os.path.join(HERE, "_mpi_allreduce.py"), str(reps), *map(str, nbytes_list)]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired:
-        return None
-    for line in out.stdout.splitlines():
-        if line.startswith("{"):
-            return {int(k): v for k, v in json.loads(line).items()}
-    print("mpirun failed:", out.stderr[-2000:], file=sys.stderr)
-    return None
+    res = run_mpi("_mpi_allreduce.py", [reps, *nbytes_list], size)
+    return None if res is None else {int(k): v for k, v in res.items()}
 
 
 # --- torch.distributed gloo ------------------------------------------------------------------

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -37,6 +36,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+from _peers import run_mpi  # noqa: E402
 
 MIB = 1 << 20
 
@@ -114,22 +116,8 @@ def bench_gloo(nbytes: int, reps: int) -> dict | None:
 
 
 def bench_mpi(nbytes: int, reps: int) -> float | None:
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        return None
-    cmd = [mpirun, "--oversubscribe", "-n", "4"]
-    if os.geteuid() == 0:
-        cmd.insert(1, "--allow-run-as-root")
-    cmd += [sys.executable, os.path.join(HERE, "_mpi_sendrecv.py"), str(reps), str(nbytes)]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired:
-        return None
-    for line in out.stdout.splitlines():
-        if line.startswith("{"):
-            return float(json.loads(line)["sendrecv"])
-    print("mpirun failed:", out.stderr[-2000:], file=sys.stderr)
-    return None
+    res = run_mpi("_mpi_sendrecv.py", [reps, nbytes], 4)
+    return None if res is None else float(res["sendrecv"])
 
 
 def bench_monarch(nbytes: int, reps: int) -> float | str:

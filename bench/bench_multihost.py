@@ -24,10 +24,8 @@ Rows:
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -39,6 +37,7 @@ ROOT = os.path.dirname(HERE)
 for p in (ROOT, HERE):
     if p not in sys.path:
         sys.path.insert(0, p)
+from _peers import run_mpi  # noqa: E402
 
 MiB = 1 << 20
 SECRET = "bench-multihost"
@@ -195,22 +194,8 @@ def bench_ring(nbytes: int, reps: int) -> float:
 
 
 def bench_mpi_tcp(nbytes: int, reps: int) -> float | None:
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        return None
-    cmd = [mpirun, "--oversubscribe", "--bind-to", "none", "--mca", "btl", "self,tcp", "-n", "2"]
-    if os.geteuid() == 0:
-        cmd.insert(1, "--allow-run-as-root")
-    cmd += [sys.executable, os.path.join(HERE, "_mpi_allreduce.py"), str(reps), str(nbytes)]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired:
-        return None
-    for line in out.stdout.splitlines():
-        if line.startswith("{"):
-            return float(json.loads(line)[str(nbytes)])
-    print("mpirun failed:", out.stderr[-2000:], file=sys.stderr)
-    return None
+    res = run_mpi("_mpi_allreduce.py", [reps, nbytes], 2, ("--bind-to", "none", "--mca", "btl", "self,tcp"))
+    return None if res is None else float(res[str(nbytes)])
 
 
 def bench_gloo(nbytes: int, reps: int) -> float | None:
