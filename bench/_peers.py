@@ -32,3 +32,25 @@ def run_mpi(script: str, args: list, n: int, mca: tuple = ()) -> dict | None:
             return json.loads(line)
     print("mpirun failed:", out.stderr[-2000:], file=sys.stderr)
     return None
+
+
+def spawn_ranks(target, n: int, *args) -> list:
+    """Run ``target(rank, port, *args, queue)`` in ``n`` fresh processes; what each put on the queue.
+
+    ``port`` is a free loopback port for a rendezvous (torch.distributed's ``tcp://``).
+    """
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=target, args=(r, port, *args, q)) for r in range(n)]
+    for p in ps:
+        p.start()
+    res = [q.get(timeout=600) for _ in ps]
+    for p in ps:
+        p.join()
+    return res

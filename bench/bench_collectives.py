@@ -32,7 +32,6 @@ import argparse
 import multiprocessing as mp
 import os
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -45,7 +44,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-from _peers import run_mpi  # noqa: E402
+from _peers import run_mpi, spawn_ranks  # noqa: E402
 
 MiB = 1 << 20
 
@@ -149,7 +148,7 @@ def bench_mpi(size: int, nbytes_list: list[int], reps: int) -> dict[int, float] 
 # --- torch.distributed gloo ------------------------------------------------------------------
 
 
-def _gloo_rank(rank, size, port, nbytes_list, reps, q):
+def _gloo_rank(rank, port, size, nbytes_list, reps, q):
     import torch
     import torch.distributed as dist
 
@@ -174,17 +173,7 @@ def bench_gloo(size: int, nbytes_list: list[int], reps: int) -> dict[int, float]
         import torch  # noqa: F401
     except ImportError:
         return None
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    ps = [ctx.Process(target=_gloo_rank, args=(r, size, port, nbytes_list, reps, q)) for r in range(size)]
-    for p in ps:
-        p.start()
-    res = [q.get(timeout=600) for _ in ps]
-    for p in ps:
-        p.join()
+    res = spawn_ranks(_gloo_rank, size, size, nbytes_list, reps)
     return {n: float(np.median(np.max(np.array([r[n] for _, r in res]), axis=0))) for n in nbytes_list}
 
 

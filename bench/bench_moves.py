@@ -23,9 +23,7 @@ Figures are per rank: 64 MiB / time (each of the two transfers runs at once).
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -38,7 +36,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-from _peers import run_mpi  # noqa: E402
+from _peers import run_mpi, spawn_ranks  # noqa: E402
 
 MIB = 1 << 20
 
@@ -101,17 +99,7 @@ def bench_gloo(nbytes: int, reps: int) -> dict | None:
         import torch  # noqa: F401
     except ImportError:
         return None
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    ps = [ctx.Process(target=_gloo_rank, args=(r, port, nbytes, reps, q)) for r in range(4)]
-    for p in ps:
-        p.start()
-    res = [q.get(timeout=600) for _ in ps]
-    for p in ps:
-        p.join()
+    res = spawn_ranks(_gloo_rank, 4, nbytes, reps)
     return {k: float(np.median(np.max(np.array([r[k] for r in res]), axis=0))) for k in ("sendrecv", "broadcast")}
 
 
