@@ -998,6 +998,8 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         [[[0, 1, 2], [1, 2, 3]]]
         >>> trainers.stop(); generators.stop()                                    # doctest: +SKIP
         """
+        if not (hasattr(procs, "from_numpy") and isinstance(getattr(procs, "mesh_shape", None), Shape)):
+            raise TypeError(f"to_mesh needs a ProcMesh (or a slice of one), got {type(procs).__name__}")
         dst = procs.mesh_shape
         idx = _mesh_alignment(self, tuple(dst.names), tuple(dst.sizes))
         if self._storage.kind == "distributed":

@@ -26,16 +26,19 @@ class BlockCall:
     """``func(*args, **kwargs)`` with each slot filled by a block, on one rank.
 
     ``tensors``: NumPy operands (values the controller sent for gathered
-    MeshArrays) become tensors first, as torch functions want.
+    MeshArrays) become tensors first, as torch functions want. ``grad``: whether
+    autograd records the call (the controller's ``torch.is_grad_enabled()`` when
+    it was made: a ``with torch.no_grad():`` around it reaches the workers).
     """
 
-    __slots__ = ("func", "args", "kwargs", "tensors")
+    __slots__ = ("func", "args", "kwargs", "tensors", "grad")
 
-    def __init__(self, func: Any, args: Any, kwargs: dict, tensors: bool = False) -> None:
+    def __init__(self, func: Any, args: Any, kwargs: dict, tensors: bool = False, grad: bool = True) -> None:
         self.func = func
         self.args = args
         self.kwargs = kwargs
         self.tensors = tensors
+        self.grad = grad
 
     def __call__(self, *values: Any) -> Any:
         if self.tensors:
@@ -43,10 +46,12 @@ class BlockCall:
 
             values = tuple(torch.from_numpy(np.array(v)) if isinstance(v, (np.ndarray, np.generic)) else v
                            for v in values)
+            with torch.set_grad_enabled(self.grad):
+                return self.func(*fill(self.args, values), **fill(self.kwargs, values))
         return self.func(*fill(self.args, values), **fill(self.kwargs, values))
 
     def __reduce__(self) -> tuple:
-        return (BlockCall, (self.func, self.args, self.kwargs, self.tensors))
+        return (BlockCall, (self.func, self.args, self.kwargs, self.tensors, self.grad))
 
     def __repr__(self) -> str:
         return f"BlockCall({getattr(self.func, '__name__', self.func)!r})"

@@ -75,29 +75,34 @@ def apply(procs: ProcMesh, fn: Callable[..., Any], arrays: Sequence[Any]) -> Mes
     if not dist:
         raise TypeError("apply needs at least one distributed MeshArray")
     st0 = dist[0].storage
+    if procs is not None:
+        # the mesh it was called on decides where fn runs: the blocks move there if elsewhere
+        ctx, where, shape = data_context(procs), _ranks(procs), procs.mesh_shape
+    else:
+        ctx, where, shape = st0.ctx, st0.ranks, dist[0].mesh_shape
     moved: dict = {}
-    for a in dist[1:]:
+    for a in dist:
         st = a.storage
-        if st.ranks.shape != st0.ranks.shape:
+        if st.ranks.shape != where.shape:
             raise MeshShapeError(
-                f"apply needs distributed arrays of one mesh layout; got mesh dims {dist[0].mesh_sizes} and {a.mesh_sizes}"
+                f"apply needs distributed arrays of the mesh layout it runs on ({dict(zip(shape.names, shape.sizes))}); "
+                f"got mesh dims {a.mesh_sizes}"
             )
-        if st.ctx is not st0.ctx or not (st.ranks == st0.ranks).all():
-            # its blocks are on other ranks (or another process mesh): they move to the first's
-            moved[id(a)] = move_blocks(st, st.ranks, st0.ctx, st0.ranks)
+        if st.ctx is not ctx or not (st.ranks == where).all():
+            # its blocks are on other ranks (or another process mesh): they move first
+            moved[id(a)] = move_blocks(st, st.ranks, ctx, where)
     operands: list[I.Operand] = []
     for a in arrays:
         st = moved.get(id(a), distributed(a))
         operands.append(I.BlockRef(st.bid) if st is not None else I.Value(a))
-    ctx = st0.ctx
     bid = ctx.new_id()
-    ranks = st0._unique()
+    ranks = sorted(set(where.ravel().tolist()))
     ctx.send(ranks, [I.Apply(bid, fn, operands)])
     # the result's local shape and dtype are known only after running: ask one rank
     # (this also raises the error of a failing fn)
     local, dtype = ctx.meta(ranks[0], bid)
-    return MeshArray.from_storage(dist[0].mesh_shape, DistributedStorage(
-        ctx, bid, st0.ranks.copy(), tuple(local), dtype, st0.engine, None, st0.collective))
+    return MeshArray.from_storage(shape, DistributedStorage(
+        ctx, bid, np.array(where, dtype=np.int64), tuple(local), dtype, st0.engine, None, st0.collective))
 
 
 # -- collectives over mesh dims ---------------------------------------------------------

@@ -450,13 +450,15 @@ class DistributedStorage:
 
     @staticmethod
     def blockwise(what: str, call: Any, plan: Any, leaves: list, meta: tuple | None, per_element: bool = True,
-                  wait: bool = False) -> "DistributedStorage | None":
+                  wait: bool = False, into: int | None = None) -> "DistributedStorage | None":
         """``call(*blocks of leaves)`` on each rank of the result layout ``plan``: a new storage.
 
         ``meta``: the result's ``(local shape, dtype)`` when the controller could
         tell it (the program is then sent fire-and-forget); None asks one rank
         after running (which raises the call's error). ``wait``: run it
         everywhere, wait, raise any rank's error, and return None (``backward()``).
+        ``into``: make the result under this existing block id (an in-place
+        method on that array's blocks); returns None.
         Operands on other ranks move there first; gathered MeshArrays travel
         with the program, one value per rank.
         """
@@ -471,11 +473,13 @@ class DistributedStorage:
                 operands.append(I.BlockRef(moved.get(id(x), st).bid))
             else:
                 operands.append(I.PerRank(_per_rank(plan.align(x, pad_local=not per_element), pos_of, m)))
-        bid = ctx.new_id()
+        bid = ctx.new_id() if into is None else into
         if wait:
             ctx.call(ranks, [I.Apply(bid, call, operands), I.Fetch(bid), I.Free([bid])])
             return None
         ctx.send(ranks, [I.Apply(bid, call, operands)])
+        if into is not None:
+            return None
         local, dt = meta if meta is not None else ctx.meta(ranks[0], bid)
         return DistributedStorage(ctx, bid, R, tuple(local), dt, first.engine, None, first.collective,
                                   _all_ranks=tuple(ranks))
@@ -503,7 +507,7 @@ class DistributedStorage:
         from ..engines.torch_engine import torch_dtype
 
         name = getattr(func, "__name__", "")
-        call = BlockCall(func, args, kwargs, tensors=True)
+        call = BlockCall(func, args, kwargs, tensors=True, grad=torch.is_grad_enabled())
         if name == "backward":
             DistributedStorage.blockwise(name, call, plan, leaves, None, wait=True)
             return None
@@ -517,8 +521,11 @@ class DistributedStorage:
         if (name.endswith("_") and not name.startswith("_") and type(first) is Slot
                 and distributed(leaves[first.i]) is not None):
             x = leaves[first.i]
-            DistributedStorage.blockwise(name, call, plan, leaves, (x.local_shape, x.dtype))
-            return x  # (the blocks changed in place; the temporary id is freed with its storage)
+            # made under x's own block id: the blocks change where they live, and a failure
+            # (a leaf that requires grad, shapes that do not broadcast) becomes x's, raised
+            # by its next use or fetch, as any fire-and-forget op's
+            DistributedStorage.blockwise(name, call, plan, leaves, (x.local_shape, x.dtype), into=x.storage.bid)
+            return x
         if isinstance(res, torch.Tensor) and res.dtype != torch.bfloat16:
             return MeshArray.from_storage(plan.shape, DistributedStorage.blockwise(
                 name, call, plan, leaves, (tuple(res.shape), _np_dtype(res.dtype))))
@@ -615,7 +622,7 @@ class DistributedStorage:
                 proxies.append(_proxy(x.dtype, full.shape[m:]))
             else:
                 operands.append(I.Value(x))
-                proxies.append(x)
+                proxies.append(_host_proxy(x))
         # result dtype and local shape, from NumPy on empty proxies (nothing is computed at size 0)
         with np.errstate(all="ignore"):
             if per_element:
@@ -793,6 +800,16 @@ def _per_rank(values: np.ndarray, pos_of: dict, m: int) -> dict:
 
 def _roll_local(block: Any, shift: int, axis: int) -> Any:
     return np.roll(np.asarray(block), shift, axis=axis)
+
+
+def _host_proxy(x: Any) -> Any:
+    """What NumPy sees of a plain operand when it works out a result dtype (a torch tensor: its array)."""
+    if isinstance(x, np.ndarray) or not hasattr(x, "__array__"):
+        return x
+    try:
+        return np.asarray(x.detach() if hasattr(x, "detach") else x)
+    except Exception:
+        return x
 
 
 _NO_META = object()

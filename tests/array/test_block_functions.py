@@ -179,3 +179,30 @@ def test_prod_any_all_over_mesh_axes_are_collectives(procs, op):
     r = getattr(x, op)(axis="procs")
     assert type(r._storage).__name__ == "DistributedStorage"
     np.testing.assert_array_equal(_np(r), getattr(np.asarray(x.fetch()), op)(axis=1))
+
+
+def test_no_grad_reaches_the_workers_and_in_place_failures_are_kept(procs):
+    w = _dist(procs, (3,), 12).detach().requires_grad_()
+    before = _np(w)
+    with torch.no_grad():  # the optimizer's update, as in torch
+        w.sub_(0.5)
+    np.testing.assert_allclose(_np(w), before - 0.5)
+    assert _np(w.requires_grad).all() and _np(w.is_leaf).all()
+    # outside no_grad, torch refuses an in-place op on such a leaf: the error is kept as w's
+    w.sub_(0.5)
+    with pytest.raises(ma.ActorError, match="leaf Variable that requires grad"):
+        w.fetch()
+
+
+def test_plain_tensors_on_either_side(procs):
+    x = _dist(procs, (3,), 13)
+    b = torch.arange(3, dtype=torch.float32)
+    np.testing.assert_allclose(_np(x + b), _np(x) + b.numpy())
+    np.testing.assert_allclose(_np(b + x), _np(x) + b.numpy())
+    np.testing.assert_allclose(_np(x * torch.tensor(2.0)), _np(x) * 2)
+
+
+def test_to_mesh_needs_a_proc_mesh(procs):
+    x = _dist(procs, (3,), 14)
+    with pytest.raises(TypeError, match="to_mesh needs a ProcMesh"):
+        x.to_mesh(None)

@@ -218,11 +218,14 @@ def test_large_move_goes_straight_between_processes(two):
     np.testing.assert_array_equal(_np(y.sum(axis=-1)), [[8 << 20, 16 << 20]])
 
 
-def test_apply_moves_operands_to_the_first_arrays_ranks(two, grid):
+def test_apply_runs_on_its_mesh_and_moves_operands_there(two, grid):
     a, b = two
     u, v = a.arange(3) + a.rank_array(), b.arange(3) * 100 + b.rank_array()
     np.testing.assert_array_equal(_np(a.apply(np.add, u, v)), _np(u) + _np(v))
+    on_b = b.apply(np.add, u, v)  # runs on b: u's blocks move there
+    assert on_b._storage.ctx is v._storage.ctx
+    np.testing.assert_array_equal(_np(on_b), _np(u) + _np(v))
     x = grid.rank_array() * 1.0
     np.testing.assert_array_equal(_np(grid[0].apply(np.subtract, x[0], x[1])), _np(x[0]) - _np(x[1]))
-    with pytest.raises(MeshShapeError, match="one mesh layout"):
+    with pytest.raises(MeshShapeError, match="the mesh layout it runs on"):
         a.apply(np.add, u, grid.rank_array())
