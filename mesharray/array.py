@@ -338,12 +338,10 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         """
         if not isinstance(mesh_shape, Shape):
             raise TypeError(f"mesh_shape must be a Shape, got {type(mesh_shape).__name__}")
-        if len(values) == 1 and mesh_shape.size == 1:
-            # one actor's reply (``call()`` on a one-actor view): the common cases without the general path
-            v = values[0]
-            if v is None or type(v) in _NUMBER_TYPES:
-                one = np.array(v, dtype=object) if v is None else np.array(v)
-                return cls._from_parts(mesh_shape, GatheredStorage(one.reshape(tuple(mesh_shape.sizes))))
+        if len(values) == 1 and mesh_shape.size == 1 and type(values[0]) in _NUMBER_TYPES:
+            # one actor's number (``call()`` on a one-actor view) without the general path
+            one = np.array(values[0])
+            return cls._from_parts(mesh_shape, GatheredStorage(one.reshape(tuple(mesh_shape.sizes))))
         values = list(values)
         n = mesh_shape.size
         if len(values) != n:

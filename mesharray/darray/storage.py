@@ -504,7 +504,7 @@ class DistributedStorage:
         """
         import torch
 
-        from ..engines.torch_engine import torch_dtype
+        from ..engines.torch_engine import numpy_dtype, torch_dtype
 
         name = getattr(func, "__name__", "")
         call = BlockCall(func, args, kwargs, tensors=True, grad=torch.is_grad_enabled())
@@ -528,12 +528,12 @@ class DistributedStorage:
             return x
         if isinstance(res, torch.Tensor) and res.dtype != torch.bfloat16:
             return MeshArray.from_storage(plan.shape, DistributedStorage.blockwise(
-                name, call, plan, leaves, (tuple(res.shape), _np_dtype(res.dtype))))
+                name, call, plan, leaves, (tuple(res.shape), numpy_dtype(res.dtype))))
         if (isinstance(res, (tuple, list)) and res and all(isinstance(t, torch.Tensor) for t in res)
                 and not any(t.dtype == torch.bfloat16 for t in res)):
             both = DistributedStorage.blockwise(name, call, plan, leaves, ((), np.dtype(object)))
             assert both is not None
-            outs = [MeshArray.from_storage(plan.shape, both.pick(i, (tuple(t.shape), _np_dtype(t.dtype))))
+            outs = [MeshArray.from_storage(plan.shape, both.pick(i, (tuple(t.shape), numpy_dtype(t.dtype))))
                     for i, t in enumerate(res)]
             try:
                 return type(res)(outs)  # torch.return_types.max(values, indices) and friends
@@ -565,11 +565,11 @@ class DistributedStorage:
         else:
             get = operator.attrgetter(name)
             try:
-                from ..engines.torch_engine import torch_dtype
+                from ..engines.torch_engine import numpy_dtype, torch_dtype
 
                 value = getattr(torch.empty(array.local_shape, dtype=torch_dtype(array.dtype), device="meta"), name)
                 if isinstance(value, torch.Tensor) and value.dtype != torch.bfloat16:
-                    meta = (tuple(value.shape), _np_dtype(value.dtype))  # x.T, x.mT, x.data, x.real
+                    meta = (tuple(value.shape), numpy_dtype(value.dtype))  # x.T, x.mT, x.data, x.real
             except Exception:
                 pass
         st = DistributedStorage.blockwise(name, get, plan, [array], meta)
@@ -815,12 +815,6 @@ def _host_proxy(x: Any) -> Any:
 _NO_META = object()
 #: engines whose blocks are torch tensors
 _TORCH_ENGINES = ("torch", "cuda", "rocm", "mps", "xla")
-
-
-def _np_dtype(tdtype: Any) -> np.dtype:
-    import torch
-
-    return torch.empty(0, dtype=tdtype).numpy().dtype
 
 
 def _tensor_method(method: Any, array: Any, *args: Any, **kwargs: Any) -> Any:

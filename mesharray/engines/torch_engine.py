@@ -19,7 +19,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "the torch engine needs torch; install it with: pip install mesharray[torch]"
     ) from exc
 
-__all__ = ["TorchEngine", "torch_dtype"]
+__all__ = ["TorchEngine", "numpy_dtype", "torch_dtype"]
 
 # NumPy ufunc name -> torch function name where they differ
 _TORCH_NAMES = {
@@ -51,7 +51,8 @@ def torch_dtype(dtype: Any) -> "torch.dtype":
     return torch.from_numpy(np.empty(0, dtype=dt)).dtype
 
 
-def _numpy_dtype(tdtype: "torch.dtype") -> np.dtype:
+def numpy_dtype(tdtype: "torch.dtype") -> np.dtype:
+    """The NumPy dtype of a torch dtype (``TypeError`` for bfloat16, which has none)."""
     if tdtype == torch.bfloat16:
         raise TypeError("bfloat16 has no NumPy dtype; astype('float32') first")
     return torch.empty(0, dtype=tdtype).numpy().dtype
@@ -165,7 +166,7 @@ class TorchEngine:
 
     def dtype_of(self, block: Any) -> np.dtype:
         if isinstance(block, torch.Tensor):
-            return _numpy_dtype(block.dtype)
+            return numpy_dtype(block.dtype)
         return np.asarray(block).dtype
 
     def shape_of(self, block: Any) -> tuple:
