@@ -73,7 +73,7 @@ class DataContext:
 
     def pids(self, groups: list) -> dict:
         """Process ids of the ranks in ``groups`` (lets a collective notice a peer that never joins)."""
-        return {r: int(self._pids.get(r) or 0) for g in groups for r in g}
+        return {r: self.pid(r) for g in groups for r in g}
 
     def pid(self, rank: int) -> int:
         """Process id of ``rank`` (0 when unknown)."""
