@@ -6,6 +6,8 @@ gives each figure's median over the rounds and the ratio after/before, so a
 noisy machine moves both columns alike. Measures, with the public API only:
 
 - ``socket_p50_us``: the floor: a raw Python unix-socket ping-pong with a forked child.
+- ``fanout2_p50_us``, ``fanout8_p50_us``: the floor of a ``call()`` to 2 and 8 processes:
+  the same, with 2 and 8 children, 64 bytes sent to each, one ``poll`` loop for the replies.
 - ``call_one_p50_us``: no-op ``call_one().get()`` to one actor of an 8-process mesh.
 - ``call1_p50_us``: ``call().get()`` on the same one-actor slice.
 - ``call8_p50_us``: ``call().get()`` on 8 actors (8 processes).
@@ -29,7 +31,7 @@ import sys
 import time
 
 CHILD = r'''
-import json, os, socket, statistics, time
+import json, os, select, socket, statistics, time
 import mesharray as ma
 
 class Noop(ma.Actor):
@@ -43,24 +45,50 @@ def p50(f, n):
         t = time.perf_counter(); f(); ts.append(time.perf_counter() - t)
     return statistics.median(ts) * 1e6
 
-def socket_floor(n=3000):
-    a, b = socket.socketpair()
-    pid = os.fork()
-    if pid == 0:
-        a.close()
-        buf = bytearray(256)
-        while b.recv_into(buf):
-            b.send(buf[:64])
-        os._exit(0)
-    b.close()
+def socket_floor(k=1, n=3000):
+    # k forked children, one socketpair each: send 64 bytes to all, poll until all k
+    # answered (k=1: plain send/recv). The floor of a call() to k processes in Python.
+    socks, pids = [], []
+    for _ in range(k):
+        a, b = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:
+            a.close()
+            for s in socks:
+                s.close()
+            buf = bytearray(256)
+            while b.recv_into(buf):
+                b.send(buf[:64])
+            os._exit(0)
+        b.close()
+        socks.append(a)
+        pids.append(pid)
+    p = select.poll()
+    for s in socks:
+        p.register(s.fileno(), select.POLLIN)
+    by_fd = {s.fileno(): s for s in socks}
     buf, msg, ts = bytearray(256), b"x" * 64, []
     for _ in range(n):
-        t = time.perf_counter(); a.send(msg); a.recv_into(buf); ts.append(time.perf_counter() - t)
-    a.close()
-    os.waitpid(pid, 0)
+        t = time.perf_counter()
+        if k == 1:
+            socks[0].send(msg)
+            socks[0].recv_into(buf)
+        else:
+            for s in socks:
+                s.send(msg)
+            left = k
+            while left:
+                for fd, _ in p.poll():
+                    by_fd[fd].recv_into(buf)
+                    left -= 1
+        ts.append(time.perf_counter() - t)
+    for s in socks:
+        s.close()
+    for pid in pids:
+        os.waitpid(pid, 0)
     return statistics.median(ts[200:]) * 1e6
 
-out = {"socket_p50_us": socket_floor()}
+out = {"socket_p50_us": socket_floor(), "fanout2_p50_us": socket_floor(2), "fanout8_p50_us": socket_floor(8, 1500)}
 with ma.proc_mesh(procs=8) as procs:
     a = procs.spawn("noop", Noop)
     one = a.slice(procs=1)
@@ -81,6 +109,11 @@ with ma.proc_mesh(procs=2) as procs:
     out["sum8b_p50_us"] = p50(lambda: x.sum(axis="procs").fetch(), 600)
 print("AB-JSON " + json.dumps(out))
 '''
+
+
+#: each figure against the raw-socket floor of the same message pattern (ratios per round)
+FLOORS = [("call_one_p50_us", "socket_p50_us"), ("call1_p50_us", "socket_p50_us"),
+          ("call8_p50_us", "fanout8_p50_us"), ("sum8b_p50_us", "fanout2_p50_us")]
 
 
 def run(checkout: str) -> dict:
@@ -111,6 +144,13 @@ def main(argv: list[str] | None = None) -> None:
         b = statistics.median(r[key] for r in runs["before"])
         a = statistics.median(r[key] for r in runs["after"])
         print(f"| {key} | {b:.1f} | {a:.1f} | {a / b:.2f} |")
+    print()
+    print("| figure / its floor in the same run | before | after |")
+    print("|---|---|---|")
+    for key, floor in FLOORS:
+        b = statistics.median(r[key] / r[floor] for r in runs["before"])
+        a = statistics.median(r[key] / r[floor] for r in runs["after"])
+        print(f"| {key} / {floor} | {b:.2f} | {a:.2f} |")
 
 
 if __name__ == "__main__":

@@ -605,5 +605,26 @@ class Endpoint(Generic[_P, _R]):
         shape = self._mesh._shape
         self._send(list(shape), shape, args, kwargs, None)
 
+    def _call_some(self, reply: Sequence[int], *args: Any) -> dict[int, Future[Any]]:
+        """One message to every actor, pickled once: a call to the ranks in ``reply`` (a future
+        of each one's value, by rank) and a broadcast to the others (a dead one skipped).
+
+        For the runtime's own one-program-for-all messages (a tiny reduction whose result's
+        holders answer with it); the futures are read in the caller's thread, as ``call_one``'s.
+        """
+        shape = self._mesh._shape
+        ranks = list(shape)
+        futs = {r: new_future() for r in reply}
+        if len(futs) != len(set(ranks) & set(futs)):
+            raise ValueError(f"ranks {sorted(set(futs) - set(ranks))} to answer are not among the actors' "
+                             f"ranks {ranks}")
+        cbs = [None if f is None else future_callback(f) for f in map(futs.get, ranks)]
+        chans = self._send(ranks, shape, args, {}, cbs, park=True)
+        for r, c in zip(ranks, chans):
+            f = futs.get(r)
+            if f is not None and c is not None and c.polled:
+                reply_on(f, c)
+        return futs
+
     def __repr__(self) -> str:
         return f"<Endpoint {self._mesh._name}.{self._name}>"

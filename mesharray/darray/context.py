@@ -172,6 +172,12 @@ class DataContext:
                 self._raise_failure(exc, bid)
         return out
 
+    def call_some(self, members: list, reply: list, program: list) -> dict:
+        """Run ``program`` on ``members`` (sorted, unique), sent once for all (pending frees of
+        any member go with it): a future of its result per rank of ``reply`` (those ranks
+        answer; the others get it as a broadcast, a dead one skipped, as :meth:`post`)."""
+        return self.view(members).run._call_some(reply, I.encode(self.with_frees(members, program)))
+
     def call_one(self, rank: int, program: list) -> Any:
         """Run ``program`` on ``rank``; a future of its result (a :class:`~.instructions.Fetch`'s block)."""
         return self.view([rank]).run.call_one(I.encode(program))

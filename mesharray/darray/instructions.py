@@ -223,9 +223,15 @@ class SetItem(NamedTuple):
 
 
 class Fetch(NamedTuple):
-    """Return block ``block`` to the caller (as host memory)."""
+    """Return block ``block`` to the caller (as host memory).
+
+    ``ranks``: only these ranks return it (the others skip it: one program for
+    the members of a reduction, of which only the result's holders reply);
+    empty: every rank that runs it.
+    """
 
     block: int
+    ranks: tuple = ()
 
 
 class Free(NamedTuple):

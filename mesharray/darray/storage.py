@@ -284,12 +284,9 @@ class DistributedStorage:
         if rdt_work == rdt and math.prod(new_local) * rdt.itemsize <= ANNOUNCE_BYTES:
             # a tiny result (a loss, a norm): the ranks holding it send it back with the
             # program's reply, so fetching it costs no further message
+            # (one program for all members, pickled once: only the holders fetch)
             roots = res._unique()
-            others = [r for r in members if r not in set(roots)]
-            prog = program + [I.Fetch(out)]
-            res.announced = {r: ctx.call_one(r, ctx.with_frees([r], prog)) for r in roots}
-            if others:
-                ctx.post(others, ctx.with_frees(others, program))
+            res.announced = ctx.call_some(members, roots, program + [I.Fetch(out, tuple(roots))])
             return res
         # fire-and-forget (see _send_collective); members are sorted and unique
         ctx.post(members, ctx.with_frees(members, program))

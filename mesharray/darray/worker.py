@@ -160,11 +160,17 @@ def pack_small(a: np.ndarray) -> Any:
     return a
 
 
+_DTYPES: dict[str, np.dtype] = {}
+
+
 def unpack_small(v: Any) -> np.ndarray:
     """The inverse of :func:`pack_small` (a writable array, like an unpickled one)."""
     if type(v) is tuple:
         dt, shape, raw = v
-        return np.frombuffer(raw, dtype=dt).reshape(shape).copy()
+        d = _DTYPES.get(dt)
+        if d is None:  # (parsing a dtype string costs more than the rest of a tiny fetch)
+            d = _DTYPES[dt] = np.dtype(dt)
+        return np.frombuffer(raw, dtype=d).reshape(shape).copy()
     return np.asarray(v)
 
 
@@ -487,8 +493,9 @@ class DataActor(Actor):
                 else:
                     STORE.put(ins.out, block, eng)
             elif t is I.Fetch:
-                bid = ins.block
-                result = pack_small(_host(STORE.engine(bid), STORE.get(bid)))
+                if not ins.ranks or me in ins.ranks:
+                    bid = ins.block
+                    result = pack_small(_host(STORE.engine(bid), STORE.get(bid)))
             elif t is I.Free:
                 STORE.free(ins.blocks)
             elif t is I.Collective:

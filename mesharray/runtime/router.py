@@ -133,8 +133,10 @@ class Router:
         refer to (defined per channel on first use; ``None``: no view);
         ``plain`` the whole payload when it is already encoded. ``cbs[i]``
         gets the reply of ``ranks[i]`` (an unreachable or dead rank fails it);
-        ``cbs=None`` sends without replies (a broadcast: every live peer gets
-        it, then the first death error is raised). ``park``: the caller will
+        ``cbs[i] = None`` sends that rank the frame without a reply (a dead
+        rank skipped); ``cbs=None`` sends without replies to all (a
+        broadcast: every live peer gets it, then the first death error is
+        raised). ``park``: the caller will
         read the replies itself (see :meth:`Channel.call`). Large buffers of
         ``p`` to same-host peers go through one shared-memory segment.
         Returns the channels used (``None`` for a rank that could not be reached).
@@ -151,7 +153,7 @@ class Router:
                     if not isinstance(exc, ActorDiedError):
                         raise
                     dead = dead or exc
-                else:
+                elif cbs[i] is not None:
                     cbs[i](P.DIED, exc)
         seg = placed = None
         if plain is None and p.big and all(c is not None and c.conn.same_host for c in chans):
@@ -176,17 +178,18 @@ class Router:
                 parts = [head, *framing.encode(p, seg=seg, placed=placed, slot=i)]
             else:
                 parts = [head, *framing.encode(p)]
+            cb = None if cbs is None else cbs[i]
             try:
                 vid = 0 if shape is None else chan.views_out.get(shape) or chan.view_id(shape)
-                if cbs is None:
+                if cb is None:
                     chan.post(kind, target, vid, parts)
                 else:
-                    chan.call(kind, target, vid, parts, cbs[i], park, now)
+                    chan.call(kind, target, vid, parts, cb, park, now)
             except ActorDiedError as exc:  # the peer died under us (a call's fails its callback)
                 if cbs is None:
                     dead = dead or exc
-                else:
-                    cbs[i](P.DIED, exc)
+                elif cb is not None:
+                    cb(P.DIED, exc)
         if dead is not None:
             raise dead
         return chans

@@ -326,6 +326,27 @@ def test_a_tiny_reduction_sends_one_message_per_rank_and_fetch_sends_none():
         assert (s2["calls"], s2["broadcasts"]) == (s1["calls"], s1["broadcasts"])
 
 
+def test_tiny_reductions_with_several_roots_in_a_loop_free_what_they_drop(procs):
+    # one program for all members, sent once: each group's root answers with its value,
+    # and the frees of dropped results (held by the roots only) reach their holders
+    from _dist_actors import BlockProbe
+
+    probes = procs.spawn("tiny_loop", BlockProbe)
+    x = procs.rank_array().astype("float64")
+    gc.collect()
+    data_context(procs).flush_frees()
+    before = _np(probes.count.call().get()).tolist()
+    for i in range(60):
+        y = (x + i).sum(axis="procs")  # roots: one per host
+        np.testing.assert_array_equal(_np(y), [1.0 + 2 * i, 5.0 + 2 * i])
+        del y
+    gc.collect()
+    data_context(procs).flush_frees()
+    assert _np(probes.count.call().get()).tolist() == before
+    # the other mesh dim: roots are the first host's ranks
+    np.testing.assert_array_equal(_np(x.sum(axis="hosts")), [2.0, 4.0])
+
+
 def test_a_large_reduction_is_fire_and_forget_and_fetch_asks_only_the_root():
     with ma.proc_mesh(procs=2) as procs:
         x = procs.ones((1000,))
