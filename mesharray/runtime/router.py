@@ -149,12 +149,13 @@ class Router:
                 chans.append(table.get(addresses[r]) or self.channel(addresses[r]))
             except Exception as exc:
                 chans.append(None)
-                if cbs is None:
-                    if not isinstance(exc, ActorDiedError):
-                        raise
+                cb = None if cbs is None else cbs[i]
+                if cb is not None:
+                    cb(P.DIED, exc)
+                elif not isinstance(exc, ActorDiedError):
+                    raise
+                elif cbs is None:
                     dead = dead or exc
-                elif cbs[i] is not None:
-                    cbs[i](P.DIED, exc)
         seg = placed = None
         if plain is None and p.big and all(c is not None and c.conn.same_host for c in chans):
             if shm.available():
