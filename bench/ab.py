@@ -8,6 +8,9 @@ noisy machine moves both columns alike. Measures, with the public API only:
 - ``socket_p50_us``: the floor: a raw Python unix-socket ping-pong with a forked child.
 - ``fanout2_p50_us``, ``fanout8_p50_us``: the floor of a ``call()`` to 2 and 8 processes:
   the same, with 2 and 8 children, 64 bytes sent to each, one ``poll`` loop for the replies.
+- ``c_socket_p50_us``, ``c_fanout2_p50_us``, ``c_fanout8_p50_us``: the same three floors with
+  no interpreter (``bench/_floor.c``, built with ``cc`` when there is one; measured once per
+  round and given to both columns): what the kernel and the machine's wake-ups cost alone.
 - ``call_one_p50_us``: no-op ``call_one().get()`` to one actor of an 8-process mesh.
 - ``call1_p50_us``: ``call().get()`` on the same one-actor slice.
 - ``call8_p50_us``: ``call().get()`` on 8 actors (8 processes).
@@ -25,9 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 CHILD = r'''
@@ -113,7 +118,27 @@ print("AB-JSON " + json.dumps(out))
 
 #: each figure against the raw-socket floor of the same message pattern (ratios per round)
 FLOORS = [("call_one_p50_us", "socket_p50_us"), ("call1_p50_us", "socket_p50_us"),
-          ("call8_p50_us", "fanout8_p50_us"), ("sum8b_p50_us", "fanout2_p50_us")]
+          ("call8_p50_us", "fanout8_p50_us"), ("sum8b_p50_us", "fanout2_p50_us"),
+          ("call8_p50_us", "c_fanout8_p50_us"), ("sum8b_p50_us", "c_fanout2_p50_us")]
+
+
+def build_c_floor(tmp: str) -> str | None:
+    """``bench/_floor.c`` compiled into ``tmp``; None without a C compiler (the C floors are left out)."""
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        return None
+    exe = os.path.join(tmp, "floor")
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_floor.c")
+    r = subprocess.run([cc, "-O2", "-o", exe, src], capture_output=True, text=True)
+    return exe if r.returncode == 0 else None
+
+
+def c_floors(exe: str) -> dict:
+    out = {}
+    for key, k, n in (("c_socket_p50_us", 1, 3000), ("c_fanout2_p50_us", 2, 3000), ("c_fanout8_p50_us", 8, 1500)):
+        r = subprocess.run([exe, str(k), str(n)], capture_output=True, text=True, timeout=120, check=True)
+        out[key] = float(r.stdout.strip())
+    return out
 
 
 def run(checkout: str) -> dict:
@@ -133,11 +158,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
     runs: dict[str, list[dict]] = {"before": [], "after": []}
-    for i in range(args.rounds):
-        order = [("before", args.before), ("after", args.after)]
-        for name, path in order if i % 2 == 0 else order[::-1]:
-            runs[name].append(run(path))
-        print(f"round {i + 1}/{args.rounds} done", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="mesharray-ab-") as tmp:
+        exe = build_c_floor(tmp)
+        for i in range(args.rounds):
+            order = [("before", args.before), ("after", args.after)]
+            floors = c_floors(exe) if exe else {}
+            for name, path in order if i % 2 == 0 else order[::-1]:
+                runs[name].append({**floors, **run(path)})
+            print(f"round {i + 1}/{args.rounds} done", file=sys.stderr)
     print(f"| figure | before | after | after/before |  ({args.rounds} interleaved rounds, medians)")
     print("|---|---|---|---|")
     for key in runs["before"][0]:
@@ -148,6 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     print("| figure / its floor in the same run | before | after |")
     print("|---|---|---|")
     for key, floor in FLOORS:
+        if floor not in runs["before"][0]:
+            continue
         b = statistics.median(r[key] / r[floor] for r in runs["before"])
         a = statistics.median(r[key] / r[floor] for r in runs["after"])
         print(f"| {key} / {floor} | {b:.2f} | {a:.2f} |")
