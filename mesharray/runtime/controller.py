@@ -196,9 +196,11 @@ class Controller:
                 status = None
             if status is not None:
                 exitcode, signal = status
-        reason = "" if (exitcode is not None or signal is not None) else "connection lost"
-        if exc is not None and not reason:
-            reason = f"connection lost: {exc}"
+        # the exit status says it all; without one, what the connection said
+        if exitcode is not None or signal is not None:
+            reason = ""
+        else:
+            reason = "connection lost" if exc is None else f"connection lost: {exc}"
         self._fail(info, ActorDiedError((info.rank,), info.pid, exitcode, signal, reason), conn)
 
     def _fail(self, info: WorkerInfo, err: BaseException, conn=None) -> None:

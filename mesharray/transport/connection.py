@@ -550,7 +550,8 @@ class Connection:
                     h._rlock.release()
                 return None
             held.append(c)
-        ended = []
+        ended: list[Connection] = []
+        finished: list[Connection] = []
         try:
             # one poll object per set of fds, kept: a call() loop on one mesh registers its
             # fds once (rebuilt once any socket closed: fds are reused). It holds fds only,
@@ -584,15 +585,19 @@ class Connection:
                         del by_fd[fd]
                         _polls.pop(key, None)
                         p.unregister(fd)
+                        # finished now, under its read lock (see read_until), not after the
+                        # loop: its close handler fails the calls waiting on it, which is
+                        # what done() may be waiting for while the others' frames
+                        # (heartbeats) keep this loop going
+                        finished.append(c)
+                        c._end_polled()
                 if not ready and deadline is not None and time.monotonic() >= deadline:
                     break
         finally:
             for c in held:
                 try:
-                    if c in ended:  # finished under its read lock (see read_until)
-                        if c.poller is not None:
-                            c.poller.discard(c)
-                        c._poll_done()
+                    if c in ended and c not in finished:  # (a handler raised out of _read_some's caller)
+                        c._end_polled()
                 finally:
                     c._rlock.release()
         return ended
@@ -698,6 +703,12 @@ class Connection:
             self._big[1].release()
             self._big = None
         self._finish(self._read_exc)
+
+    def _end_polled(self) -> None:
+        """Finish a polled connection that ended, in the thread holding its read lock."""
+        if self.poller is not None:
+            self.poller.discard(self)
+        self._poll_done()
 
     def _poll_done(self) -> None:
         try:

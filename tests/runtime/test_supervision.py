@@ -56,6 +56,27 @@ def test_worker_death_fails_pending_and_later_calls(how, code, sig):
     # stop() still worked: context exit returned, nothing left behind (conftest checks)
 
 
+def test_a_call_to_every_actor_right_after_a_kill_fails_at_once_and_says_how():
+    # the call is read by the caller's own thread over all connections at once: the dead
+    # one's end must fail its reply at once, although the live workers' heartbeats keep
+    # coming in on the others (it waited forever without a timeout)
+    with ma.proc_mesh(hosts=1, procs=4, forward_logs=False) as procs:
+        p = procs.spawn("p", Probe)
+        for _ in range(50):  # the connections stay parked between calls, as in a loop
+            p.echo.call(1).get(timeout=10)
+        for victim, view in ((1, p), (3, p[0, 2:])):  # (a view without the first dead rank)
+            for _ in range(20):
+                view.echo.call(1).get(timeout=10)
+            os.kill(procs.pids[victim], signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(ma.ActorDiedError) as ei:
+                view.echo.call(1).get()  # no timeout: a user's plain get()
+            assert time.monotonic() - t0 < 2.0
+            assert ei.value.ranks == (victim,) and ei.value.signal == signal.SIGKILL
+            assert "connection lost" not in str(ei.value)  # the exit status says it all
+        assert p[0, ::2].echo.call(7).get(timeout=10).tolist() == [7, 7]
+
+
 def test_broadcast_reaches_the_live_actors_then_reports_the_dead_one():
     from actors import Counter
 
