@@ -528,8 +528,7 @@ class Connection:
             # (or another caller) must not start reading buffers being released
             try:
                 if not ok:
-                    poller.discard(self)
-                    self._poll_done()
+                    self._end_polled()
             finally:
                 self._rlock.release()
         return ok
@@ -596,7 +595,7 @@ class Connection:
         finally:
             for c in held:
                 try:
-                    if c in ended and c not in finished:  # (a handler raised out of _read_some's caller)
+                    if c in ended and c not in finished:  # (an error between its end and finishing it above)
                         c._end_polled()
                 finally:
                     c._rlock.release()
