@@ -42,6 +42,7 @@ __all__ = [
     "Move",
     "New",
     "Operand",
+    "Planned",
     "PerRank",
     "Put",
     "Reduce",
@@ -211,6 +212,23 @@ class Move(NamedTuple):
     token: str
 
 
+class Planned(NamedTuple):
+    """A :class:`Collective` whose fields other than ``out`` and ``src`` travel as ``plan``:
+    ``pickle.dumps((op, groups, backend, dtype, torch_init, pids, hosts))``, made once per
+    reduction plan by the controller, so every op of one plan sends the same bytes and a
+    worker unpickles and prepares them once (its group, its reduction kernel); ``fetch``:
+    the ranks that return ``out`` right after (as a :class:`Fetch` with those ranks would).
+
+    This is the message of a reduction in a loop (a loss, a norm): its block ids are all
+    that changes from one op to the next.
+    """
+
+    out: int
+    src: int
+    plan: bytes
+    fetch: tuple = ()
+
+
 # -- instructions that make no block ---------------------------------------------------
 
 
@@ -241,7 +259,7 @@ class Free(NamedTuple):
 
 
 Instruction = Union[New, Put, Elementwise, Apply, Reduce, AsType, Reshape, GetItem, Copy, Collective,
-                    Move, SetItem, Fetch, Free]
+                    Planned, Move, SetItem, Fetch, Free]
 
 #: the instruction types whose failure is kept as the failure of their ``out`` block
 MAKES_BLOCK = (New, Put, Elementwise, Apply, Reduce, AsType, Reshape, GetItem, Copy)
@@ -250,7 +268,7 @@ MAKES_BLOCK = (New, Put, Elementwise, Apply, Reduce, AsType, Reshape, GetItem, C
 CODES: dict[type, str] = {
     BlockRef: "b", PerRank: "r", Value: "v",
     New: "new", Put: "put", Elementwise: "ew", Apply: "apply", Reduce: "reduce", AsType: "astype",
-    Reshape: "reshape", GetItem: "getitem", Copy: "copy", Collective: "coll", Move: "move", SetItem: "setitem",
+    Reshape: "reshape", GetItem: "getitem", Copy: "copy", Collective: "coll", Planned: "plan", Move: "move", SetItem: "setitem",
     Fetch: "fetch", Free: "free",
 }
 _BY_CODE: dict[str, Any] = {code: cls for cls, code in CODES.items()}

@@ -36,6 +36,7 @@ import functools
 import math
 import operator
 import os
+import pickle
 import weakref
 from typing import Any
 
@@ -272,21 +273,20 @@ class DistributedStorage:
         if coll is None:
             ctx.send(self._unique(), program)
             return self._derive(cur, local=new_local, dtype=rdt_work)
-        coll_op, groups_l, members, ranks, holders, all_ranks, pids, rdt_name, backend = coll
+        members, ranks, holders, all_ranks, roots, planned = coll
         out = ctx.new_id()
-        program.append(I.Collective(out, cur, coll_op, groups_l, backend, rdt_name,
-                                    (ctx.torch_init_method(), ctx.shape.size) if backend == "torch" else (), pids,
-                                    ctx.hosts(groups_l)))
+        tiny = rdt_work == rdt and math.prod(new_local) * rdt.itemsize <= ANNOUNCE_BYTES
+        # the collective's fields but the block ids are the plan's, pickled once (Planned)
+        program.append(I.Planned(out, cur, planned, roots if tiny else ()))
         if cur != self.bid:
             program.append(I.Free([cur]))
         res = DistributedStorage(ctx, out, ranks, new_local, rdt_work, self.engine, holders, self.collective,
                                  _all_ranks=all_ranks)
-        if rdt_work == rdt and math.prod(new_local) * rdt.itemsize <= ANNOUNCE_BYTES:
+        if tiny:
             # a tiny result (a loss, a norm): the ranks holding it send it back with the
             # program's reply, so fetching it costs no further message
             # (one program for all members, pickled once: only the holders fetch)
-            roots = res._unique()
-            res.announced = ctx.call_some(members, roots, program + [I.Fetch(out, tuple(roots))])
+            res.announced = ctx.call_some(members, list(roots), program)
             return res
         # fire-and-forget (see _send_collective); members are sorted and unique
         ctx.post(members, ctx.with_frees(members, program))
@@ -344,8 +344,13 @@ class DistributedStorage:
         ranks.setflags(write=False)
         holders.setflags(write=False)
         members = sorted({r for g in groups for r in g})
-        coll = (COLLECTIVE_OP[name], [list(g) for g in groups], members, ranks, holders, tuple(members),
-                self.ctx.pids(groups), rdt_work.name, backend)
+        groups_l = [list(g) for g in groups]
+        ctx = self.ctx
+        planned = pickle.dumps((COLLECTIVE_OP[name], groups_l, backend, rdt_work.name,
+                                (ctx.torch_init_method(), ctx.shape.size) if backend == "torch" else (),
+                                ctx.pids(groups), ctx.hosts(groups_l)), protocol=5)
+        roots = tuple(sorted(set(ranks.ravel().tolist())))
+        coll = (members, ranks, holders, tuple(members), roots, planned)
         return first, rdt_work, rdt, new_local, coll
 
     def _backend(self, groups: list) -> str | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import pickle
 import sys
 from typing import Any, Callable
 
@@ -37,6 +38,11 @@ __all__ = ["BlockStore", "DataActor", "InputFailed", "STORE", "local_block", "pa
 #: what a mesh-axis reduction runs as a collective (any/all: max/min over uint8)
 COLLECTIVE_OP = {"sum": "sum", "prod": "prod", "min": "min", "max": "max", "mean": "mean",
                  "any": "max", "all": "min"}
+
+#: Planned instructions' plans, by their bytes: [the Collective's fields after out and src,
+#: (group, op, dtype, engine) once the plan is known to run in shared memory]
+_PLANS: dict[bytes, list] = {}
+_SHM_OPS = frozenset(("sum", "prod", "min", "max", "mean"))
 
 #: host blocks below this many bytes travel as (dtype, shape, bytes): pickling an ndarray
 #: costs ~20 us a side, which is most of a small fetch's CPU time
@@ -482,6 +488,12 @@ class DataActor(Actor):
         me = self._me()
         result = None
         for raw in program:
+            if raw[0] == "plan":  # (the one instruction of a reduction in a loop: first, undecoded)
+                _, out, src, plan, fetch = raw
+                self._planned(me, out, src, plan)
+                if me in fetch:
+                    result = pack_small(_host(STORE.engine(out), STORE.get(out)))
+                continue
             ins = I.decode(raw)
             t = type(ins)
             make = _MAKERS.get(t)
@@ -518,6 +530,43 @@ class DataActor(Actor):
             STORE.fail(ins.out, exc)
         else:
             STORE.put(ins.out, block, eng)
+
+    def _planned(self, me: int, out: int, src: int, plan: bytes) -> None:
+        """A :class:`~.instructions.Planned` collective: the plan's bytes are unpickled once; once
+        its group is known to be shared memory, an allreduce of a contiguous NumPy block goes
+        straight to the group (what :meth:`_collective_inner` would do, without deciding it again)."""
+        st = _PLANS.get(plan)
+        if st is None:
+            if len(_PLANS) >= 256:
+                _PLANS.clear()
+            st = _PLANS[plan] = [pickle.loads(plan), None]
+        fast = st[1]
+        if fast is not None:
+            g, op, dtype, eng = fast
+            blocks = STORE.blocks
+            blocks.pop(out, None)
+            block = blocks.get(src)
+            if (type(block) is np.ndarray and block.dtype == dtype and block.flags.c_contiguous
+                    and STORE.engines.get(src) is eng):
+                res = STORE.take(block.shape, dtype)
+                try:
+                    failed = g.allreduce_checked(block, out=res, op=op)
+                except BaseException as exc:
+                    STORE.fail(out, exc)
+                    return
+                if failed:
+                    STORE.fail(out, InputFailed(failed, out))
+                else:
+                    STORE.put(out, res, eng)
+                return
+        ins = I.Collective(out, src, *st[0])
+        self._collective(me, ins)
+        if fast is None and ins.op in _SHM_OPS and ins.backend is None:
+            # the group the generic path just used: shared memory, more than one member
+            members = next(tuple(g) for g in ins.groups if me in g)
+            g = STORE.groups.get((members, None))
+            if isinstance(g, ShmCollective) and g.size > 1:
+                st[1] = (g, ins.op, np.dtype(ins.dtype), get_engine("numpy"))
 
     def _move(self, me: int, ins: I.Move) -> None:
         """This process's part of a move: its sends and its receive, in the move's order."""
