@@ -36,7 +36,8 @@ import tempfile
 import time
 
 CHILD = r'''
-import json, os, select, socket, statistics, time
+import json, os, pickle, select, socket, statistics, time
+import numpy as np
 import mesharray as ma
 
 class Noop(ma.Actor):
@@ -93,7 +94,94 @@ def socket_floor(k=1, n=3000):
         os.waitpid(pid, 0)
     return statistics.median(ts[200:]) * 1e6
 
-out = {"socket_p50_us": socket_floor(), "fanout2_p50_us": socket_floor(2), "fanout8_p50_us": socket_floor(8, 1500)}
+def _child_loop(b, body):
+    # the least a Python runtime does per message: read a frame, parse its header with the
+    # compiled codec, unpickle the arguments, call, pickle the result, frame and send it
+    from mesharray._core import pack_header, unpack_header
+    buf = bytearray(4096)
+    view = memoryview(buf)
+    loads, dumps = pickle.loads, pickle.dumps
+    while True:
+        n = b.recv_into(buf)
+        if not n:
+            return
+        kind, flags, length, msg_id, target, vw = unpack_header(view, 1 << 20, 0)
+        res = body(*loads(buf[24:24 + length]))
+        if res is not _NO_REPLY:
+            out = dumps(res, protocol=5)
+            b.send(pack_header(2, 0, len(out), msg_id, 0, 0) + out)
+
+_NO_REPLY = object()
+
+def pyrt_floor(k, n=3000, sum_pattern=False):
+    # k forked children running _child_loop; the parent frames and pickles a call to each and
+    # reads every reply with one poll loop: the floor of call() to k in Python on both sides.
+    # sum_pattern (k=2): the message pattern of the 8-byte x.sum(axis=...).fetch(): both
+    # children get a call, meet in shared memory (arrival flags and the reduction with the
+    # compiled kernels of mesharray._core), and only the first one replies with the sum.
+    import mmap
+    from mesharray._core import atomic_load, atomic_store, pack_header, reduce_addresses, unpack_header, wait_flags
+    seg = mmap.mmap(-1, 4096 * 4)
+    base = np.frombuffer(seg, dtype=np.uint8).ctypes.data
+    flags_at, slots = base, [base + 4096 + 64 * j for j in range(k)]
+    socks, pids = [], []
+    for j in range(k):
+        a, b = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:
+            a.close()
+            for s in socks:
+                s.close()
+            if sum_pattern:
+                seq = [0]
+                mine = np.frombuffer(seg, dtype=np.float64, count=1, offset=4096 + 64 * j)
+                res = np.empty(1)
+                rbuf = res.ctypes.data
+
+                def body(value, j=j, mine=mine, res=res, rbuf=rbuf, seq=seq):
+                    seq[0] += 1
+                    mine[0] = value
+                    atomic_store(flags_at + 64 * j, seq[0])
+                    wait_flags(flags_at, 64, range(k), seq[0], 1.0)
+                    reduce_addresses(rbuf, slots, 1, "float64", "sum")
+                    return float(res[0]) if j == 0 else _NO_REPLY
+            else:
+                def body():
+                    return None
+            _child_loop(b, body)
+            os._exit(0)
+        b.close()
+        socks.append(a)
+        pids.append(pid)
+    p = select.poll()
+    for s in socks:
+        p.register(s.fileno(), select.POLLIN)
+    by_fd = {s.fileno(): s for s in socks}
+    buf, ts = bytearray(4096), []
+    view = memoryview(buf)
+    expect = 1 if sum_pattern else k
+    for i in range(n):
+        t = time.perf_counter()
+        payload = pickle.dumps((2.0,) if sum_pattern else (), protocol=5)
+        for s in socks:
+            s.send(pack_header(1, 1, len(payload), i + 1, 0, 0) + payload)
+        left = expect
+        while left:
+            for fd, _ in p.poll():
+                by_fd[fd].recv_into(buf)
+                kind, flags, length, msg_id, target, vw = unpack_header(view, 1 << 20, 0)
+                pickle.loads(buf[24:24 + length])
+                left -= 1
+        ts.append(time.perf_counter() - t)
+    for s in socks:
+        s.close()
+    for pid in pids:
+        os.waitpid(pid, 0)
+    return statistics.median(ts[200:]) * 1e6
+
+out = {"socket_p50_us": socket_floor(), "fanout2_p50_us": socket_floor(2), "fanout8_p50_us": socket_floor(8, 1500),
+       "pyrt1_p50_us": pyrt_floor(1), "pyrt8_p50_us": pyrt_floor(8, 1500),
+       "pyrt_sum_p50_us": pyrt_floor(2, sum_pattern=True)}
 with ma.proc_mesh(procs=8) as procs:
     a = procs.spawn("noop", Noop)
     one = a.slice(procs=1)

@@ -353,3 +353,104 @@ def copy_bytes(uintptr_t dst, uintptr_t src, Py_ssize_t nbytes):
     else:
         with nogil:
             memcpy(<void*>dst, <const void*>src, nbytes)
+
+
+# --- one small round of a shared-memory allreduce, in one call --------------------
+#
+# What ShmCollective._reduce_rounds does for a message that fits one round below its
+# small-message size (every member reduces everything itself), with the same flags in
+# the same order, so members on this path and on the Python one interoperate. A tiny
+# reduction in a loop (a loss, a norm) spent most of its collective time in the Python
+# of those steps (~15 calls a round); here they are one call without the GIL.
+
+cdef inline Py_ssize_t _wait_all(uintptr_t base, Py_ssize_t n, long long target, double seconds) noexcept nogil:
+    # the flags base + j*64 of j in 0..n-1: -1 once all reached target, else the first
+    # index still short after ``seconds`` (the caller checks that member is alive)
+    cdef Py_ssize_t j = 0, spins = 0
+    cdef double deadline = _now() + seconds
+    while j < n:
+        if _ma_load_acquire(<long long*>(base + j * 64)) >= target:
+            j += 1
+            continue
+        spins += 1
+        if spins > 64:
+            sched_yield()
+            if (spins & 255) == 0 and _now() > deadline:
+                return j
+    return -1
+
+
+cdef Py_ssize_t _small_round(uintptr_t flags, Py_ssize_t size, Py_ssize_t rank, long long k, uintptr_t src,
+                             Py_ssize_t nbytes, uintptr_t dst, void** ptrs, Py_ssize_t count, int code, int opc,
+                             bint failed, int start, double seconds) noexcept nogil:
+    cdef uintptr_t arrive = flags, done = flags + 2 * size * 64
+    cdef Py_ssize_t j, r
+    cdef int bad = 0
+    if start <= 0 and k > 1:
+        r = _wait_all(done, size, k - 1, seconds)
+        if r >= 0:
+            return -(1 + r)
+    if start <= 1:
+        _ma_store_release(<long long*>(arrive + rank * 64 + 8), k if failed else 0)
+        if not failed:
+            memcpy(ptrs[rank], <const void*>src, nbytes)
+        _ma_store_release(<long long*>(arrive + rank * 64), k)
+        r = _wait_all(arrive, size, k, seconds)
+        if r >= 0:
+            return -(1 + size + r)
+    for j in range(size):
+        if _ma_load_acquire(<long long*>(arrive + j * 64 + 8)) == k:
+            bad = 1
+    if not bad and dst != 0:
+        _reduce_dispatch(code, <void*>dst, ptrs, <int>size, count, opc)
+    _ma_store_release(<long long*>(done + rank * 64), k)
+    return bad
+
+
+def small_round(uintptr_t flags, Py_ssize_t size, Py_ssize_t rank, long long k, uintptr_t src,
+                Py_ssize_t nbytes, uintptr_t dst, slots, Py_ssize_t count, str dtype, str op,
+                bint failed, int start, double seconds):
+    """Round ``k`` of a small allreduce among the ``size`` members of a shared-memory group.
+
+    ``flags`` is the address of the group's first flag line (64-byte lines: arrival
+    flags of members 0..size-1, then "reduced", then "done"; a member's status word
+    follows its arrival flag), ``slots`` the members' slot addresses. Steps: wait
+    until every member is done with round ``k - 1``; publish this member's status
+    (``failed``) and, unless failed, copy ``nbytes`` from ``src`` into its slot; set
+    its arrival flag; wait for every arrival; unless a member's input failed, reduce
+    the ``count`` elements of every slot into ``dst`` (0: no output); set "done".
+
+    ``start``: 0 from the beginning, 1 after the wait for round ``k - 1``, 2 after the
+    wait for the arrivals (a caller resuming after a wait it finished itself).
+
+    Returns
+    -------
+    int
+        0: reduced; 1: some member's input failed (nothing reduced, "done" set);
+        ``-(1 + j)``: member ``j`` was not done with round ``k - 1`` after ``seconds``;
+        ``-(1 + size + j)``: member ``j`` had not arrived after ``seconds`` (resume with
+        ``start`` 1 or 2 once the wait is over).
+    """
+    cdef int opc = _op_code(op)
+    cdef int code
+    cdef Py_ssize_t j, r
+    cdef void* stack_ptrs[64]
+    cdef void** ptrs = stack_ptrs
+    if dtype not in _KERNEL_DTYPE_NAMES:
+        raise TypeError(f"reduction kernels support {', '.join(_KERNEL_DTYPE_NAMES)}; got {dtype!r}")
+    if not 0 <= rank < size or len(slots) != size:
+        raise ValueError(f"rank {rank} and {len(slots)} slots do not fit a group of size {size}")
+    code = _KERNEL_DTYPE_NAMES.index(dtype)
+    if size > 64:
+        ptrs = <void**>malloc(size * sizeof(void*))
+        if ptrs == NULL:
+            raise MemoryError()
+    try:
+        for j in range(size):
+            ptrs[j] = <void*><uintptr_t>slots[j]
+        with nogil:
+            r = _small_round(flags, size, rank, k, src, nbytes, dst, ptrs, count, code, opc, failed, start, seconds)
+        return r
+    finally:
+        if ptrs != stack_ptrs:
+            free(ptrs)

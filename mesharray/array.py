@@ -793,11 +793,25 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
     # -- reductions ------------------------------------------------------------------------
 
     def _reduce(self, op: str, func: Any, axis: Any, keepdims: bool, kwargs: dict) -> Any:
-        axes = _normalize_axes(axis, self)
-        m = self._shape.ndim
-        reduced_mesh = range(m) if axes is None else [i for i in axes if i < m]
-        storage = self._storage.reduce(op, func, axes, bool(keepdims), kwargs)
-        return _wrap(self._reduced_shape(set(reduced_mesh), bool(keepdims)), storage)
+        keepdims = bool(keepdims)
+        # the axes and the result's mesh Shape depend only on the Shape, ndim and the request:
+        # a reduction in a loop (a loss) looks them up (an axis of exactly str, int or a tuple
+        # of those: True == 1 must still be refused, and lists are not hashable)
+        t = type(axis)
+        key = (self._shape, self.ndim, axis, keepdims) if axis is None or t is str or t is int or (
+            t is tuple and all(type(a) is str or type(a) is int for a in axis)) else None
+        hit = _REDUCED.get(key) if key is not None else None
+        if hit is None:
+            axes = _normalize_axes(axis, self)
+            m = self._shape.ndim
+            reduced_mesh = range(m) if axes is None else [i for i in axes if i < m]
+            hit = (axes, self._reduced_shape(set(reduced_mesh), keepdims))
+            if key is not None:
+                if len(_REDUCED) >= 512:
+                    _REDUCED.clear()
+                _REDUCED[key] = hit
+        storage = self._storage.reduce(op, func, hit[0], keepdims, kwargs)
+        return _wrap(hit[1], storage)
 
     def _reduced_shape(self, mesh_axes: set[int], keepdims: bool) -> Shape:
         if not mesh_axes:
@@ -1177,6 +1191,10 @@ def _single_axis(axis: Any, what: str) -> Any:
 
 def _axis_labels(a: MeshArray) -> tuple:
     return tuple(a._shape.names) + tuple(f"local:{i}" for i in range(a.local_ndim))
+
+
+#: (mesh Shape, ndim, axis, keepdims) -> (the axes of _normalize_axes, the reduced mesh Shape)
+_REDUCED: dict[tuple, tuple] = {}
 
 
 def _normalize_axes(axis: Any, a: MeshArray) -> tuple[int, ...] | None:

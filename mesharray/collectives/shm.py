@@ -35,7 +35,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import _platform, _proc_stat
-from .._core import atomic_load, atomic_store, buffer_address, copy_bytes, reduce_addresses, wait_flags
+from .._core import atomic_load, atomic_store, buffer_address, copy_bytes, reduce_addresses, small_round, wait_flags
 from ..errors import ActorDiedError, MeshArrayError, SupervisionError
 from ._args import as_contiguous, check_out
 
@@ -226,6 +226,7 @@ class ShmCollective:
         self._slot_addr = [self._base + self._slot_off(j) for j in range(self.size)]
         self._res_addr = self._base + self._slot_off(self.size)
         self._all = list(range(self.size))
+        self._flags_at = self._flag(_ARRIVE, 0)  # the first flag line (small_round's ``flags``)
         if self.rank == 0:
             atomic_store(self._base, _MAGIC)
         else:
@@ -450,6 +451,47 @@ class ShmCollective:
         if not bad and op == "mean":
             np.divide(out, self.size, out=out)
         return [self.global_ranks[j] for j in bad]
+
+    def small_allreduce_checked(self, send: np.ndarray, out: np.ndarray, op: str) -> list[int]:
+        """:meth:`allreduce_checked` of a C-contiguous ``send`` of at most :attr:`small_bytes` bytes
+        into a C-contiguous ``out`` of its shape and dtype, as one compiled call (``_core.small_round``).
+
+        For a caller that checked those conditions once for many rounds (a reduction
+        plan run in a loop); members on this path and on :meth:`allreduce_checked`
+        take part in the same rounds.
+        """
+        kdt = self._kernel_dtype(send.dtype, op)
+        k = self._begin_small()
+        src, nb = buffer_address(send)
+        code = small_round(self._flags_at, self.size, self.rank, k, src, nb, buffer_address(out, True)[0],
+                           self._slot_addr, send.size, kdt, "sum" if op == "mean" else op, False, 0, _POLL)
+        while code < 0:  # a wait ran past _POLL: check that the member waited for lives, then go on
+            j = -code - 1
+            if j < self.size:
+                self._wait(_DONE, k - 1, self._all[j:], "reduction")
+                start = 1
+            else:
+                self._wait(_ARRIVE, k, self._all[j - self.size:], "reduction")
+                start = 2
+            code = small_round(self._flags_at, self.size, self.rank, k, src, nb, buffer_address(out, True)[0],
+                               self._slot_addr, send.size, kdt, "sum" if op == "mean" else op, False, start, _POLL)
+        if code:
+            return [self.global_ranks[j] for j in self._all if atomic_load(self._flag(_ARRIVE, j) + 8) == k]
+        if op == "mean":
+            np.divide(out, self.size, out=out)
+        return []
+
+    @property
+    def small_bytes(self) -> int:
+        """The largest message :meth:`small_allreduce_checked` takes (one round, every member reducing it all)."""
+        return min(_SMALL, self.capacity)
+
+    def _begin_small(self) -> int:
+        # _begin without its wait for the previous round (small_round waits for it)
+        if self._closed or self._broken is not None:
+            return self._begin("reduction")
+        k = self._seq = self._seq + 1
+        return k
 
     def _reduce_rounds(self, send: np.ndarray, out: np.ndarray | None, op: str, kdt: str, root: int | None,
                        failed: bool | None = None) -> list[int]:

@@ -550,7 +550,10 @@ class DataActor(Actor):
                     and STORE.engines.get(src) is eng):
                 res = STORE.take(block.shape, dtype)
                 try:
-                    failed = g.allreduce_checked(block, out=res, op=op)
+                    if block.nbytes <= g.small_bytes:
+                        failed = g.small_allreduce_checked(block, res, op)
+                    else:
+                        failed = g.allreduce_checked(block, out=res, op=op)
                 except BaseException as exc:
                     STORE.fail(out, exc)
                     return

@@ -387,6 +387,22 @@ def test_input_failing_on_one_rank_surfaces_at_fetch_as_the_original_error(procs
     np.testing.assert_array_equal(_np(r.sum(axis="procs")), [1.0, 5.0])
 
 
+def test_a_tiny_reduction_in_a_loop_whose_input_fails_on_one_rank_raises_the_original(procs):
+    # after a few rounds the plan runs on the workers' prepared path (its group cached, one
+    # compiled round); a rank whose input failed takes the general path and its peers
+    # must still agree that nothing was reduced, and the next rounds must still add up
+    r = procs.rank_array().astype("float64")
+    for i in range(5):
+        np.testing.assert_array_equal(_np((r + i).sum(axis="procs")), [1.0 + 2 * i, 5.0 + 2 * i])
+    bad = procs.apply(_fail_on_rank_one, r)  # same layout and dtype: the same plan
+    with pytest.raises(ma.ActorError) as info:
+        bad.sum(axis="procs").fetch()
+    assert isinstance(info.value.exception, ZeroDivisionError) and "rank one says no" in str(info.value)
+    for i in range(5):
+        np.testing.assert_array_equal(_np((r * i).sum(axis="procs")), [1.0 * i, 5.0 * i])
+        np.testing.assert_array_equal(_np((r * i).mean(axis="procs")), [0.5 * i, 2.5 * i])
+
+
 @pytest.mark.timeout(60)
 def test_worker_death_before_fire_and_forget_reduction_raises_at_fetch():
     with ma.proc_mesh(procs=2) as procs:

@@ -99,7 +99,9 @@ def test_dead_peer_fails_survivors_quickly():
     res = run_ranks(_die_mid_collective, 3, unique_segment_name("test"), expect_exit={1})
     for r in (0, 2):
         kind, ranks, took, later = res[r]
-        assert kind == "died" and ranks == (1,)
+        # (the other survivor may have reported and exited by the time this one looks:
+        # then it is named too, rightly; seen under load)
+        assert kind == "died" and 1 in ranks
         assert took < 2.0
         assert "broken" in later
 

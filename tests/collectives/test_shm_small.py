@@ -1,0 +1,148 @@
+"""The compiled small round of the shared-memory allreduce (``small_allreduce_checked``), with real processes.
+
+Members on the compiled path and on the Python one (``allreduce_checked``) take part in
+the same rounds: a worker may take either for a reduction plan, so both must agree.
+"""
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from mesharray._core import small_round
+from mesharray.collectives import ShmCollective, unique_segment_name
+from mesharray.errors import ActorDiedError
+from tests.collectives._procs import run_ranks
+
+pytestmark = pytest.mark.timeout(90)
+
+DTYPES = ("float32", "float64", "int8", "int32", "int64", "uint16", "uint64")
+OPS = ("sum", "prod", "min", "max")
+
+
+def _data(rank, shape, dtype, seed):
+    rng = np.random.default_rng(seed * 31 + rank)
+    if np.dtype(dtype).kind == "f":
+        return rng.standard_normal(shape).astype(dtype)
+    return rng.integers(1, 4, shape).astype(dtype)  # small: prod of a few ranks fits int8
+
+
+def _mixed(rank, size, name):
+    # even ranks on the compiled round, odd ranks on the Python one, in the same rounds
+    g = ShmCollective(name, rank, size, timeout=30)
+    compiled = rank % 2 == 0
+    out = {}
+    try:
+        for shape in ((), (7,), (3, 5), (1000,)):
+            for dtype in DTYPES:
+                for op in OPS:
+                    x = _data(rank, shape, dtype, seed=len(shape) + DTYPES.index(dtype))
+                    res = np.empty(shape, dtype)
+                    bad = g.small_allreduce_checked(x, res, op) if compiled else g.allreduce_checked(x, res, op)
+                    out[(shape, dtype, op)] = (bad, res)
+            x = _data(rank, shape, "float64", seed=99)
+            res = np.empty(shape)
+            g.small_allreduce_checked(x, res, "mean") if compiled else g.allreduce_checked(x, res, "mean")
+            out[(shape, "mean")] = res
+        # rank 1's input failed: nobody reduces, everybody learns who, the group stays in step
+        x = np.ones(4)
+        if rank == 1:
+            out["failed"] = g.allreduce_checked(np.zeros(1), None, failed=True)
+        else:
+            out["failed"] = g.small_allreduce_checked(x, np.empty(4), "sum") if compiled else \
+                g.allreduce_checked(x, np.empty(4))
+        out["after"] = g.allreduce(np.ones(2)).tolist()
+    finally:
+        g.close()
+    return out
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_compiled_and_python_rounds_agree_with_numpy(size):
+    name = unique_segment_name("test")
+    res = run_ranks(_mixed, size, name)
+    funcs = {"sum": np.add.reduce, "prod": np.multiply.reduce, "min": np.minimum.reduce, "max": np.maximum.reduce}
+    for shape in ((), (7,), (3, 5), (1000,)):
+        for dtype in DTYPES:
+            stack = np.stack([_data(r, shape, dtype, seed=len(shape) + DTYPES.index(dtype)) for r in range(size)])
+            for op in OPS:
+                expected = funcs[op](stack, axis=0, dtype=stack.dtype)
+                for r in range(size):
+                    bad, got = res[r][(shape, dtype, op)]
+                    assert bad == []
+                    # members added in rank order, as NumPy does: bit-identical
+                    np.testing.assert_array_equal(got, expected, err_msg=f"{shape} {dtype} {op} rank {r}")
+        xs = np.stack([_data(r, shape, "float64", seed=99) for r in range(size)])
+        for r in range(size):
+            np.testing.assert_allclose(res[r][(shape, "mean")], xs.mean(axis=0), rtol=1e-12)
+    for r in range(size):
+        assert res[r]["failed"] == [1]
+        assert res[r]["after"] == [float(size)] * 2
+    assert not os.path.exists(f"/dev/shm/{name}"), "segment left behind"
+
+
+def _slow_peer(rank, size, name):
+    # rank 1 arrives 30 ms late (past the 5 ms a compiled wait runs before it returns to
+    # check that the member it waits for is alive): every other rank resumes its round
+    g = ShmCollective(name, rank, size, timeout=30)
+    got = []
+    try:
+        for i in range(4):
+            if rank == 1:
+                time.sleep(0.03)
+            res = np.empty(3)
+            bad = g.small_allreduce_checked(np.full(3, float(rank + i)), res, "sum")
+            got.append((bad, res.tolist()))
+            if rank == 0 and i == 1:
+                time.sleep(0.03)  # and once the others wait for rank 0 to finish the round before
+    finally:
+        g.close()
+    return got
+
+
+def test_a_slow_member_is_waited_for_and_the_sums_are_right():
+    res = run_ranks(_slow_peer, 3, unique_segment_name("test"))
+    for r in range(3):
+        assert res[r] == [([], [float(sum(q + i for q in range(3)))] * 3) for i in range(4)]
+
+
+def _die_in_small_round(rank, size, name):
+    g = ShmCollective(name, rank, size, timeout=30)
+    g.small_allreduce_checked(np.ones(2), np.empty(2), "sum")
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        g.small_allreduce_checked(np.ones(2), np.empty(2), "sum")
+    except ActorDiedError as exc:
+        took = time.monotonic() - t0
+        g.close()
+        return ("died", exc.ranks, took)
+    return ("no error",)
+
+
+def test_a_member_killed_before_its_small_round_fails_the_others_quickly():
+    res = run_ranks(_die_in_small_round, 3, unique_segment_name("test"), expect_exit={1})
+    for r in (0, 2):
+        kind, ranks, took = res[r]
+        # (the other survivor may have reported and exited by the time this one looks)
+        assert kind == "died" and 1 in ranks
+        assert took < 2.0
+
+
+def test_one_member_group_and_argument_errors():
+    with ShmCollective(unique_segment_name("test"), 0, 1) as g:
+        out = np.empty(3)
+        assert g.small_allreduce_checked(np.arange(3.0), out, "max") == []
+        assert out.tolist() == [0.0, 1.0, 2.0]
+        assert g.small_bytes == 64 * 1024
+        with pytest.raises(ValueError, match="unknown reduction op 'avg'"):
+            g.small_allreduce_checked(np.arange(3.0), out, "avg")
+        # the group is still usable after a refused call
+        assert g.allreduce(np.ones(2)).tolist() == [1.0, 1.0]
+    with pytest.raises(TypeError, match="reduction kernels support .*got 'complex128'"):
+        small_round(0, 1, 0, 1, 0, 0, 0, [0], 0, "complex128", "sum", False, 0, 0.0)
+    with pytest.raises(ValueError, match="rank 2 and 1 slots do not fit a group of size 2"):
+        small_round(0, 2, 2, 1, 0, 0, 0, [0], 0, "float64", "sum", False, 0, 0.0)
