@@ -11,6 +11,14 @@ noisy machine moves both columns alike. Measures, with the public API only:
 - ``c_socket_p50_us``, ``c_fanout2_p50_us``, ``c_fanout8_p50_us``: the same three floors with
   no interpreter (``bench/_floor.c``, built with ``cc`` when there is one; measured once per
   round and given to both columns): what the kernel and the machine's wake-ups cost alone.
+- ``pyrt1_p50_us``, ``pyrt8_p50_us``: the floor of a *runtime* in Python on both sides: forked
+  children that read a frame, parse its header with ``_core.unpack_header``, unpickle the
+  arguments, call a function, pickle the result and send it back in a frame; the parent frames
+  and pickles a call to 1 or 8 of them and reads every reply in one ``poll`` loop. What any
+  design that runs Python per message in the caller and the callee costs at least here.
+- ``pyrt_sum_p50_us``: the same with the message pattern of the 8-byte sum: two children get a
+  call, meet in shared memory (arrival flags and the reduction with ``_core``'s kernels), and
+  only the first one replies, with the sum.
 - ``call_one_p50_us``: no-op ``call_one().get()`` to one actor of an 8-process mesh.
 - ``call1_p50_us``: ``call().get()`` on the same one-actor slice.
 - ``call8_p50_us``: ``call().get()`` on 8 actors (8 processes).
@@ -207,7 +215,9 @@ print("AB-JSON " + json.dumps(out))
 #: each figure against the raw-socket floor of the same message pattern (ratios per round)
 FLOORS = [("call_one_p50_us", "socket_p50_us"), ("call1_p50_us", "socket_p50_us"),
           ("call8_p50_us", "fanout8_p50_us"), ("sum8b_p50_us", "fanout2_p50_us"),
-          ("call8_p50_us", "c_fanout8_p50_us"), ("sum8b_p50_us", "c_fanout2_p50_us")]
+          ("call8_p50_us", "c_fanout8_p50_us"), ("sum8b_p50_us", "c_fanout2_p50_us"),
+          ("call_one_p50_us", "pyrt1_p50_us"), ("call8_p50_us", "pyrt8_p50_us"),
+          ("sum8b_p50_us", "pyrt_sum_p50_us")]
 
 
 def build_c_floor(tmp: str) -> str | None:

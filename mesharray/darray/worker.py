@@ -540,7 +540,7 @@ class DataActor(Actor):
             if len(_PLANS) >= 256:
                 _PLANS.clear()
             st = _PLANS[plan] = [pickle.loads(plan), None]
-        fast = st[1]
+        fast: tuple[ShmCollective, str, np.dtype, Engine] | None = st[1]
         if fast is not None:
             g, op, dtype, eng = fast
             blocks = STORE.blocks
@@ -566,10 +566,10 @@ class DataActor(Actor):
         self._collective(me, ins)
         if fast is None and ins.op in _SHM_OPS and ins.backend is None:
             # the group the generic path just used: shared memory, more than one member
-            members = next(tuple(g) for g in ins.groups if me in g)
-            g = STORE.groups.get((members, None))
-            if isinstance(g, ShmCollective) and g.size > 1:
-                st[1] = (g, ins.op, np.dtype(ins.dtype), get_engine("numpy"))
+            members = next(tuple(m) for m in ins.groups if me in m)
+            grp = STORE.groups.get((members, None))
+            if isinstance(grp, ShmCollective) and grp.size > 1:
+                st[1] = (grp, ins.op, np.dtype(ins.dtype), get_engine("numpy"))
 
     def _move(self, me: int, ins: I.Move) -> None:
         """This process's part of a move: its sends and its receive, in the move's order."""

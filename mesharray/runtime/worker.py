@@ -59,6 +59,7 @@ __all__ = ["run_worker", "Worker", "error_record"]
 log = logging.getLogger("mesharray.worker")
 
 _EMPTY_OK = framing.encode(framing.dumps(None))
+_EMPTY_OK_BYTES = 24 + sum(len(p) for p in _EMPTY_OK)  # (the frame's size, for the telemetry row)
 # the pickled payload of a call without arguments (what the caller sends, byte for byte)
 _NO_ARGS_BYTES = b"".join(framing.encode(framing.dumps(((), {}))))
 _NO_ARGS_LEN = len(_NO_ARGS_BYTES)
@@ -412,7 +413,12 @@ class Worker:
             return 0
         except ConnectionError:
             return 0  # the caller is gone
-        return 24 + sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)
+        if parts is _EMPTY_OK:
+            return _EMPTY_OK_BYTES
+        n = 24
+        for p in parts:
+            n += p.nbytes if isinstance(p, memoryview) else len(p)
+        return n
 
     def _fail(self, conn, msg_id, reply, slot, exc, method: str = "?") -> None:
         if RECORD:
