@@ -1,0 +1,59 @@
+"""The per-process call recorder, without processes: bounded rows, aggregates that count every call."""
+
+from __future__ import annotations
+
+import pytest
+
+from mesharray.runtime import recorder
+from mesharray.runtime.recorder import BUCKETS, Recorder
+
+
+def _row(i: int, dur_ns: int, status: str = "ok") -> tuple:
+    return (i, dur_ns, "actor", "ping", 1, i, 40, 36, status)
+
+
+@pytest.fixture
+def small_cap(monkeypatch):
+    monkeypatch.setattr(recorder, "MAX_ROWS", 640)
+    return 640
+
+
+def test_rows_stay_bounded_in_small_steps_and_the_list_object_stays(small_cap):
+    rec = Recorder()
+    rows = rec.rows  # the worker appends to this very list
+    durations = [3_000, 20_000, 40_000, 200_000, 7_000_000, 30_000_000_000]  # the last past every bucket
+    n = 5 * small_cap + 7
+    for i in range(n):
+        rec.call(_row(i, durations[i % len(durations)], "ok" if i % 5 else "ValueError"))
+        # never more than the cap, and a trim drops a 32nd of it, not half
+        assert len(rows) <= small_cap
+        assert len(rows) >= min(i + 1, small_cap - small_cap // 32)
+    assert rec.rows is rows
+    # absolute indices: a reader that asked before keeps its place
+    assert rec.rows_base + len(rows) == n
+    snap = rec.snapshot({"messages": n - 3})
+    assert [r[0] for r in snap["messages"]] == [n - 3, n - 2, n - 1]
+    # every call is counted once, whether its row was dropped or is still kept
+    agg = rec.aggregates()
+    assert sum(a[0] for a in agg.values()) == n
+    ok = agg[("actor", "ping", "ok")]
+    want = [0] * len(BUCKETS)
+    for i in range(n):
+        if i % 5:
+            d = durations[i % len(durations)] / 1e9
+            hit = [j for j, le in enumerate(BUCKETS) if d <= le]
+            if hit:
+                want[hit[0]] += 1  # one bucket per call, not cumulative; none past the last bound
+    assert ok[4:] == want
+    assert ok[0] == sum(1 for i in range(n) if i % 5)
+    assert ok[2] == 40 * ok[0] and ok[3] == 36 * ok[0]
+
+
+def test_aggregates_between_trims_count_each_row_once(small_cap):
+    rec = Recorder()
+    for i in range(small_cap):
+        rec.call(_row(i, 1_000))
+    assert rec.aggregates()[("actor", "ping", "ok")][0] == small_cap  # folded, still kept
+    for i in range(small_cap, small_cap + 100):
+        rec.call(_row(i, 1_000))  # a trim now drops rows that were folded already
+    assert rec.aggregates()[("actor", "ping", "ok")][0] == small_cap + 100
