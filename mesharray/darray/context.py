@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 import numpy as np
 
@@ -230,7 +230,7 @@ class DataContext:
             try:
                 out[r] = unpack_small(f.get())
             except BaseException as exc:
-                self._raise_failure(exc, bid)
+                self.raise_failure(exc, bid)
         return out
 
     def call_some(self, members: list, reply: list, program: list) -> dict:
@@ -248,7 +248,9 @@ class DataContext:
         self.check_live()
         return self.view([rank]).meta.call_one(bid).get()
 
-    def _raise_failure(self, exc: BaseException, bid: int, hops: int = 0) -> None:
+    def raise_failure(self, exc: BaseException, bid: int, hops: int = 0) -> NoReturn:
+        """Raise the failure of block ``bid`` that ``exc`` (a fetch's error) stands for: a dead rank's
+        :class:`~mesharray.ActorDiedError`, or the original error a chain of :class:`InputFailed` leads to."""
         inner = exc.exception if isinstance(exc, ActorError) else None
         if isinstance(inner, ActorDiedError):
             raise inner from exc
@@ -261,7 +263,7 @@ class DataContext:
                 try:
                     owner.call_one(inner.ranks[0], [I.Fetch(inner.bid)]).get()
                 except BaseException as deeper:
-                    owner._raise_failure(deeper, inner.bid, hops + 1)
+                    owner.raise_failure(deeper, inner.bid, hops + 1)
         raise exc
 
     def incref(self, bid: int) -> None:
