@@ -382,10 +382,11 @@ cdef inline Py_ssize_t _wait_all(uintptr_t base, Py_ssize_t n, long long target,
 
 cdef Py_ssize_t _small_round(uintptr_t flags, Py_ssize_t size, Py_ssize_t rank, long long k, uintptr_t src,
                              Py_ssize_t nbytes, uintptr_t dst, void** ptrs, Py_ssize_t count, int code, int opc,
-                             bint failed, int start, double seconds) noexcept nogil:
+                             bint failed, int start, double seconds, uint8_t* bad_out) noexcept nogil:
     cdef uintptr_t arrive = flags, done = flags + 2 * size * 64
     cdef Py_ssize_t j, r
     cdef int bad = 0
+    cdef uint8_t b
     if start <= 0 and k > 1:
         r = _wait_all(done, size, k - 1, seconds)
         if r >= 0:
@@ -398,8 +399,12 @@ cdef Py_ssize_t _small_round(uintptr_t flags, Py_ssize_t size, Py_ssize_t rank, 
         r = _wait_all(arrive, size, k, seconds)
         if r >= 0:
             return -(1 + size + r)
+    # who failed is read before "done": once it is set, a member may start round k + 1
+    # and overwrite its status word
     for j in range(size):
-        if _ma_load_acquire(<long long*>(arrive + j * 64 + 8)) == k:
+        b = _ma_load_acquire(<long long*>(arrive + j * 64 + 8)) == k
+        bad_out[j] = b
+        if b:
             bad = 1
     if not bad and dst != 0:
         _reduce_dispatch(code, <void*>dst, ptrs, <int>size, count, opc)
@@ -409,7 +414,7 @@ cdef Py_ssize_t _small_round(uintptr_t flags, Py_ssize_t size, Py_ssize_t rank, 
 
 def small_round(uintptr_t flags, Py_ssize_t size, Py_ssize_t rank, long long k, uintptr_t src,
                 Py_ssize_t nbytes, uintptr_t dst, slots, Py_ssize_t count, str dtype, str op,
-                bint failed, int start, double seconds):
+                bint failed, int start, double seconds, uint8_t[::1] bad not None):
     """Round ``k`` of a small allreduce among the ``size`` members of a shared-memory group.
 
     ``flags`` is the address of the group's first flag line (64-byte lines: arrival
@@ -422,11 +427,12 @@ def small_round(uintptr_t flags, Py_ssize_t size, Py_ssize_t rank, long long k, 
 
     ``start``: 0 from the beginning, 1 after the wait for round ``k - 1``, 2 after the
     wait for the arrivals (a caller resuming after a wait it finished itself).
+    ``bad`` (``size`` bytes) gets 1 for each member whose input failed this round.
 
     Returns
     -------
     int
-        0: reduced; 1: some member's input failed (nothing reduced, "done" set);
+        0: reduced; 1: some member's input failed (nothing reduced, ``bad`` says who, "done" set);
         ``-(1 + j)``: member ``j`` was not done with round ``k - 1`` after ``seconds``;
         ``-(1 + size + j)``: member ``j`` had not arrived after ``seconds`` (resume with
         ``start`` 1 or 2 once the wait is over).
@@ -438,8 +444,9 @@ def small_round(uintptr_t flags, Py_ssize_t size, Py_ssize_t rank, long long k, 
     cdef void** ptrs = stack_ptrs
     if dtype not in _KERNEL_DTYPE_NAMES:
         raise TypeError(f"reduction kernels support {', '.join(_KERNEL_DTYPE_NAMES)}; got {dtype!r}")
-    if not 0 <= rank < size or len(slots) != size:
-        raise ValueError(f"rank {rank} and {len(slots)} slots do not fit a group of size {size}")
+    if not 0 <= rank < size or len(slots) != size or bad.shape[0] != size:
+        raise ValueError(f"rank {rank}, {len(slots)} slots and {bad.shape[0]} status bytes do not fit a group "
+                         f"of size {size}")
     code = _KERNEL_DTYPE_NAMES.index(dtype)
     if size > 64:
         ptrs = <void**>malloc(size * sizeof(void*))
@@ -449,7 +456,8 @@ def small_round(uintptr_t flags, Py_ssize_t size, Py_ssize_t rank, long long k, 
         for j in range(size):
             ptrs[j] = <void*><uintptr_t>slots[j]
         with nogil:
-            r = _small_round(flags, size, rank, k, src, nbytes, dst, ptrs, count, code, opc, failed, start, seconds)
+            r = _small_round(flags, size, rank, k, src, nbytes, dst, ptrs, count, code, opc, failed, start, seconds,
+                             &bad[0])
         return r
     finally:
         if ptrs != stack_ptrs:

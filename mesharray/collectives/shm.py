@@ -227,6 +227,7 @@ class ShmCollective:
         self._res_addr = self._base + self._slot_off(self.size)
         self._all = list(range(self.size))
         self._flags_at = self._flag(_ARRIVE, 0)  # the first flag line (small_round's ``flags``)
+        self._bad: np.ndarray | None = None  # small_round's failed-member bytes (made on first use)
         if self.rank == 0:
             atomic_store(self._base, _MAGIC)
         else:
@@ -454,17 +455,30 @@ class ShmCollective:
 
     def small_allreduce_checked(self, send: np.ndarray, out: np.ndarray, op: str) -> list[int]:
         """:meth:`allreduce_checked` of a C-contiguous ``send`` of at most :attr:`small_bytes` bytes
-        into a C-contiguous ``out`` of its shape and dtype, as one compiled call (``_core.small_round``).
+        into a writable C-contiguous ``out`` of its shape and dtype, as one compiled call
+        (``_core.small_round``).
 
-        For a caller that checked those conditions once for many rounds (a reduction
-        plan run in a loop); members on this path and on :meth:`allreduce_checked`
-        take part in the same rounds.
+        For a caller that runs one reduction plan in a loop (the workers of a distributed
+        array); members on this path and on :meth:`allreduce_checked` take part in the same
+        rounds.
         """
         kdt = self._kernel_dtype(send.dtype, op)
-        k = self._begin_small()
+        if out.dtype != send.dtype or out.shape != send.shape or not (
+                send.flags.c_contiguous and out.flags.c_contiguous):
+            raise ValueError(f"out must be a C-contiguous array of send's shape {send.shape} and dtype "
+                             f"{send.dtype}, and so must send; got out {out.shape} {out.dtype}")
+        if send.nbytes > self.small_bytes:
+            raise ValueError(f"small_allreduce_checked takes at most {self.small_bytes} bytes, got {send.nbytes}")
+        # every check and both addresses (a read-only out raises here) before the round is taken
         src, nb = buffer_address(send)
-        code = small_round(self._flags_at, self.size, self.rank, k, src, nb, buffer_address(out, True)[0],
-                           self._slot_addr, send.size, kdt, "sum" if op == "mean" else op, False, 0, _POLL)
+        dst = buffer_address(out, True)[0]
+        bad = self._bad
+        if bad is None:
+            bad = self._bad = np.zeros(self.size, dtype=np.uint8)
+        kop = "sum" if op == "mean" else op
+        k = self._begin_small()
+        code = small_round(self._flags_at, self.size, self.rank, k, src, nb, dst, self._slot_addr, send.size, kdt,
+                           kop, False, 0, _POLL, bad)
         while code < 0:  # a wait ran past _POLL: check that the member waited for lives, then go on
             j = -code - 1
             if j < self.size:
@@ -473,10 +487,10 @@ class ShmCollective:
             else:
                 self._wait(_ARRIVE, k, self._all[j - self.size:], "reduction")
                 start = 2
-            code = small_round(self._flags_at, self.size, self.rank, k, src, nb, buffer_address(out, True)[0],
-                               self._slot_addr, send.size, kdt, "sum" if op == "mean" else op, False, start, _POLL)
+            code = small_round(self._flags_at, self.size, self.rank, k, src, nb, dst, self._slot_addr, send.size,
+                               kdt, kop, False, start, _POLL, bad)
         if code:
-            return [self.global_ranks[j] for j in self._all if atomic_load(self._flag(_ARRIVE, j) + 8) == k]
+            return [self.global_ranks[j] for j in self._all if bad[j]]
         if op == "mean":
             np.divide(out, self.size, out=out)
         return []
@@ -489,7 +503,7 @@ class ShmCollective:
     def _begin_small(self) -> int:
         # _begin without its wait for the previous round (small_round waits for it)
         if self._closed or self._broken is not None:
-            return self._begin("reduction")
+            self._begin("reduction")  # raises the group's error
         k = self._seq = self._seq + 1
         return k
 

@@ -63,6 +63,13 @@ class _FreeTimer:
             self._due.pop(id(ctx), None)
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        finally:  # (nothing should end it; if anything does, the next schedule starts a new one)
+            with self._cond:
+                self._thread = None
+
+    def _serve(self) -> None:
         while True:
             with self._cond:
                 while not self._due:

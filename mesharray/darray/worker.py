@@ -487,12 +487,13 @@ class DataActor(Actor):
         """Run instructions in order; returns the result of the last :class:`Fetch`, if any."""
         me = self._me()
         result = None
+        fetch = None
         for raw in program:
             if raw[0] == "plan":  # (the one instruction of a reduction in a loop: first, undecoded)
-                _, out, src, plan, fetch = raw
+                _, out, src, plan, ranks = raw
                 self._planned(me, out, src, plan)
-                if me in fetch:
-                    result = pack_small(_host(STORE.engine(out), STORE.get(out)))
+                if me in ranks:
+                    fetch = out  # after the rest of the program (its frees), which a failed out must not skip
                 continue
             ins = I.decode(raw)
             t = type(ins)
@@ -518,6 +519,8 @@ class DataActor(Actor):
                 _setitem(ins, me)
             else:
                 raise TypeError(f"not a distributed-array instruction: {ins!r}")
+        if fetch is not None:
+            result = pack_small(_host(STORE.engine(fetch), STORE.get(fetch)))
         return result
 
     def _collective(self, me: int, ins: I.Collective) -> None:

@@ -403,6 +403,25 @@ def test_a_tiny_reduction_in_a_loop_whose_input_fails_on_one_rank_raises_the_ori
         np.testing.assert_array_equal(_np((r * i).mean(axis="procs")), [0.5 * i, 2.5 * i])
 
 
+def test_failing_tiny_reductions_free_their_intermediate_blocks(procs):
+    # the failure of a tiny result is raised on its holder after the rest of its program
+    # ran: the frees that come after the collective (the local reduction's intermediate)
+    from _dist_actors import BlockProbe
+
+    probes = procs.spawn("tiny_fail", BlockProbe)
+    x = procs.rank_array().astype("float64") + procs.zeros((3,))
+    bad = procs.apply(_fail_on_rank_one, x)
+    gc.collect()
+    data_context(procs).flush_frees()
+    before = _np(probes.count.call().get()).tolist()
+    for _ in range(20):
+        with pytest.raises(ma.ActorError):
+            bad.sum().fetch()  # a local sum (an intermediate block), then a collective
+    gc.collect()
+    data_context(procs).flush_frees()
+    assert _np(probes.count.call().get()).tolist() == before
+
+
 @pytest.mark.timeout(60)
 def test_worker_death_before_fire_and_forget_reduction_raises_at_fetch():
     with ma.proc_mesh(procs=2) as procs:

@@ -128,21 +128,72 @@ def test_a_member_killed_before_its_small_round_fails_the_others_quickly():
     for r in (0, 2):
         kind, ranks, took = res[r]
         # (the other survivor may have reported and exited by the time this one looks)
-        assert kind == "died" and 1 in ranks
+        assert kind == "died" and 1 in ranks and set(ranks) <= {0, 1, 2} - {r}
         assert took < 2.0
 
 
+def _failed_then_plain(rank, size, name, iters):
+    # rank 1's input fails every other round and it goes straight on to the next round,
+    # which rewrites its status word: rank 0 (on the compiled path, with another thread
+    # holding the GIL as a worker's do) must still learn who failed in the round before
+    import threading
+
+    g = ShmCollective(name, rank, size, timeout=30)
+    stop = []
+    if rank == 0:
+        def hog():
+            while not stop:
+                pass
+
+        threading.Thread(target=hog, daemon=True).start()
+    missed = 0
+    try:
+        for _ in range(iters):
+            if rank == 0:
+                if g.small_allreduce_checked(np.ones(4), np.full(4, -7.0), "sum") != [1]:
+                    missed += 1
+                out = np.empty(4)
+                assert g.small_allreduce_checked(np.ones(4), out, "sum") == [] and out.tolist() == [2.0] * 4
+            else:
+                g.allreduce_checked(np.zeros(1), None, failed=True)
+                g.allreduce_checked(np.ones(4), np.empty(4))
+    finally:
+        stop.append(True)
+        g.close()
+    return missed
+
+
+def test_a_failed_member_is_reported_even_when_it_is_already_in_the_next_round():
+    res = run_ranks(_failed_then_plain, 2, unique_segment_name("test"), 200)
+    assert res[0] == 0
+
+
 def test_one_member_group_and_argument_errors():
-    with ShmCollective(unique_segment_name("test"), 0, 1) as g:
+    with ShmCollective(unique_segment_name("test"), 0, 1, capacity=4096) as g:
         out = np.empty(3)
         assert g.small_allreduce_checked(np.arange(3.0), out, "max") == []
         assert out.tolist() == [0.0, 1.0, 2.0]
-        assert g.small_bytes == 64 * 1024
+        assert g.small_bytes == 4096
         with pytest.raises(ValueError, match="unknown reduction op 'avg'"):
             g.small_allreduce_checked(np.arange(3.0), out, "avg")
-        # the group is still usable after a refused call
+        with pytest.raises(ValueError, match="takes at most 4096 bytes, got 8192"):
+            g.small_allreduce_checked(np.ones(1024), np.empty(1024), "sum")
+        with pytest.raises(ValueError, match=r"send's shape \(3,\) and dtype float64.*got out \(3,\) float32"):
+            g.small_allreduce_checked(np.arange(3.0), np.empty(3, "float32"), "sum")
+        with pytest.raises(ValueError, match="C-contiguous"):
+            g.small_allreduce_checked(np.ones((2, 2)), np.empty((2, 2), order="F"), "sum")
+        ro = np.empty(3)
+        ro.flags.writeable = False
+        with pytest.raises((ValueError, BufferError)):
+            g.small_allreduce_checked(np.arange(3.0), ro, "sum")
+        # nothing was taken by a refused call: the group goes on at once (a round taken and
+        # never finished would make this wait for the group's timeout)
+        t0 = time.monotonic()
         assert g.allreduce(np.ones(2)).tolist() == [1.0, 1.0]
+        assert g.small_allreduce_checked(np.arange(3.0), out, "sum") == [] and out.tolist() == [0.0, 1.0, 2.0]
+        assert time.monotonic() - t0 < 1.0
+    bad = np.zeros(2, np.uint8)
     with pytest.raises(TypeError, match="reduction kernels support .*got 'complex128'"):
-        small_round(0, 1, 0, 1, 0, 0, 0, [0], 0, "complex128", "sum", False, 0, 0.0)
-    with pytest.raises(ValueError, match="rank 2 and 1 slots do not fit a group of size 2"):
-        small_round(0, 2, 2, 1, 0, 0, 0, [0], 0, "float64", "sum", False, 0, 0.0)
+        small_round(0, 1, 0, 1, 0, 0, 0, [0], 0, "complex128", "sum", False, 0, 0.0, bad[:1])
+    with pytest.raises(ValueError, match="rank 2, 1 slots and 2 status bytes do not fit a group of size 2"):
+        small_round(0, 2, 2, 1, 0, 0, 0, [0], 0, "float64", "sum", False, 0, 0.0, bad)
