@@ -16,6 +16,45 @@ from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t, uint16_t, u
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy
 
+cdef extern from *:
+    """
+    #include <errno.h>
+    #include <stddef.h>
+    #include <stdint.h>
+    #if defined(__linux__)
+    #include <sys/uio.h>
+    #endif
+    /* Copy n bytes between `local` here and `remote` in process `pid` (process_vm_writev
+       when `write`, else process_vm_readv), looping over partial transfers. 0 or an errno;
+       ENOSYS off Linux. */
+    static int _ma_vm_copy(int write, int pid, char *local, uintptr_t remote, size_t n) {
+    #if defined(__linux__)
+        while (n > 0) {
+            struct iovec l, r;
+            ssize_t got;
+            l.iov_base = local;
+            l.iov_len = n;
+            r.iov_base = (void *)remote;
+            r.iov_len = n;
+            got = write ? process_vm_writev(pid, &l, 1, &r, 1, 0) : process_vm_readv(pid, &l, 1, &r, 1, 0);
+            if (got < 0) {
+                if (errno == EINTR) continue;
+                return errno;
+            }
+            if (got == 0) return EIO;
+            local += got;
+            remote += (uintptr_t)got;
+            n -= (size_t)got;
+        }
+        return 0;
+    #else
+        (void)write; (void)pid; (void)local; (void)remote; (void)n;
+        return ENOSYS;
+    #endif
+    }
+    """
+    int _ma_vm_copy(int write, int pid, char *local, uintptr_t remote, size_t n) nogil
+
 cdef extern from "<sched.h>" nogil:
     int sched_yield()
 
@@ -353,3 +392,134 @@ def copy_bytes(uintptr_t dst, uintptr_t src, Py_ssize_t nbytes):
     else:
         with nogil:
             memcpy(<void*>dst, <const void*>src, nbytes)
+
+
+# --- single-copy reductions between processes (cross-memory attach) -----------
+
+
+def vm_copy(bint write, int pid, uintptr_t local, uintptr_t remote, Py_ssize_t nbytes):
+    """Copy ``nbytes`` between ``local`` here and ``remote`` in process ``pid``, without the GIL.
+
+    ``process_vm_writev`` (local -> remote) when ``write``, else
+    ``process_vm_readv``; no shared mapping and no code of ``pid`` runs.
+
+    Returns
+    -------
+    int
+        0, or the ``errno`` of the failure (``ENOSYS`` off Linux): the caller
+        decides what a refusal means, this kernel has no policy.
+    """
+    cdef int err
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    with nogil:
+        err = _ma_vm_copy(write, pid, <char*>local, remote, <size_t>nbytes)
+    return err
+
+
+def reduce_remote(uintptr_t out, srcs, pids, dests, Py_ssize_t count, str dtype, str op,
+                  uintptr_t scratch, Py_ssize_t chunk, Py_ssize_t first=0, Py_ssize_t every=1):
+    """Reduce elements read from several processes into ``out``, pushing the result back out.
+
+    The ``count`` elements are cut into chunks of ``chunk`` bytes; this call
+    does chunks ``first``, ``first + every``, ``first + 2 * every``, ... (so
+    ``every`` members calling it with ``first`` = 0, 1, ... share the work,
+    each member's chunks spread over the whole buffer: parts of a buffer that
+    cost more, such as pages that are not huge, fall on every member alike).
+    Source ``j`` lies at address ``srcs[j]`` of process ``pids[j]`` (0: this
+    process). Chunk by chunk, without the GIL: the remote sources are read
+    into ``scratch`` (``process_vm_readv``, one copy), reduced in the order
+    of ``srcs`` (``out = srcs[0] op srcs[1] op ...``, so floats match NumPy bit
+    for bit), and the reduced chunk, still in cache, is written to
+    ``dests[j]`` of every remote process whose ``dests[j]`` is not 0
+    (``process_vm_writev``). A chunk is small enough for its sources and its
+    result to stay in cache between the read, the reduction and the write.
+
+    The caller guarantees the addresses span ``count`` elements of ``dtype``
+    and stay valid for the call, and that ``scratch`` holds ``len(srcs) *
+    chunk`` bytes. A local source may be ``out`` itself (in place).
+
+    Returns
+    -------
+    tuple of int
+        ``(-1, 0)`` when done, else ``(j, errno)``: the first member whose
+        memory could not be read or written, and why; the chunks before it
+        are done, the rest not.
+    """
+    cdef int opc = _op_code(op)
+    cdef int nsrc = len(srcs), j, code, err = 0, bad = -1
+    cdef Py_ssize_t isz, step, start, m, cb
+    cdef void** ptrs = NULL
+    cdef uintptr_t* rsrc = NULL
+    cdef uintptr_t* rdst = NULL
+    cdef int* rpid = NULL
+    cdef char* tmp
+    cdef uintptr_t p, o
+    if dtype not in _KERNEL_DTYPE_NAMES:
+        raise TypeError(f"reduction kernels support {', '.join(_KERNEL_DTYPE_NAMES)}; got {dtype!r}")
+    if nsrc == 0:
+        raise ValueError("reduce_remote needs at least one source address")
+    if len(pids) != nsrc or len(dests) != nsrc:
+        raise ValueError(f"reduce_remote needs one pid and one destination per source; got {nsrc} sources, "
+                         f"{len(pids)} pids, {len(dests)} destinations")
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    code = _KERNEL_DTYPE_NAMES.index(dtype)
+    isz = (4, 8, 1, 2, 4, 8, 1, 2, 4, 8)[code]
+    if chunk < isz:
+        raise ValueError(f"chunk must be >= the item size {isz}, got {chunk}")
+    if first < 0 or every < 1:
+        raise ValueError(f"first must be >= 0 and every >= 1, got first={first}, every={every}")
+    step = chunk // isz
+    cb = step * isz
+    ptrs = <void**>malloc(nsrc * sizeof(void*))
+    rsrc = <uintptr_t*>malloc(nsrc * sizeof(uintptr_t))
+    rdst = <uintptr_t*>malloc(nsrc * sizeof(uintptr_t))
+    rpid = <int*>malloc(nsrc * sizeof(int))
+    try:
+        if ptrs == NULL or rsrc == NULL or rdst == NULL or rpid == NULL:
+            raise MemoryError()
+        for j in range(nsrc):
+            rsrc[j] = srcs[j]
+            rdst[j] = dests[j]
+            rpid[j] = pids[j]
+        with nogil:
+            start = first * step
+            while start < count and bad < 0:
+                m = count - start
+                if m > step:
+                    m = step
+                o = out + start * isz
+                for j in range(nsrc):
+                    tmp = <char*>scratch + j * cb
+                    p = rsrc[j] + start * isz
+                    if rpid[j] != 0:
+                        err = _ma_vm_copy(0, rpid[j], tmp, p, m * isz)
+                        if err != 0:
+                            bad = j
+                            break
+                        ptrs[j] = tmp
+                    elif j > 0 and p == o:
+                        # in place: the kernel first copies source 0 over out, which is this source
+                        memcpy(tmp, <void*>p, m * isz)
+                        ptrs[j] = tmp
+                    else:
+                        ptrs[j] = <void*>p
+                if bad >= 0:
+                    break
+                _reduce_dispatch(code, <void*>o, ptrs, nsrc, m, opc)
+                for j in range(nsrc):
+                    if rpid[j] != 0 and rdst[j] != 0:
+                        err = _ma_vm_copy(1, rpid[j], <char*>o, rdst[j] + start * isz, m * isz)
+                        if err != 0:
+                            bad = j
+                            break
+                start += every * step
+        if bad >= 0:
+            return (bad, err)
+        return (-1, 0)
+    finally:
+        free(ptrs)
+        free(rsrc)
+        free(rdst)
+        free(rpid)

@@ -18,6 +18,27 @@ with the nogil kernels of ``_core``) followed by an allgather of the result
 area — two barriers per round; small messages skip the second barrier (every
 rank reduces everything itself).
 
+Large allreduces (``single_copy_min`` bytes per member and more, 256 KiB by
+default) skip the segment's slots: each member publishes the addresses of
+its ``send`` and ``out`` with its arrival, and the data moves straight
+between the members' own buffers with cross-memory attach
+(``process_vm_readv``/``writev``, :func:`mesharray._core.reduce_remote`).
+Member r takes chunks r, r+N, r+2N, ... of the message; for each it reads
+the peers' chunk (one copy), reduces it with its own into its ``out``, and
+writes the reduced chunk, still in cache, into every peer's ``out`` (one
+copy). Then ``done[r] = k`` and every member waits for every other's ``done``:
+until then a peer may still read our ``send`` or write our ``out``, which the
+caller owns again once we return. That is two barriers and about 4 bytes of
+memory traffic per byte of the message on each member of two, against
+fourteen through the slots. Whether a group may do it is settled once, at the
+join: every member reads a probe word out of every peer and the group takes
+the single-copy path only if all reads worked everywhere (none under
+``MESHARRAY_PORTABLE=1``, off Linux, or where Yama/seccomp refuse), so that
+members never disagree on the algorithm. A member whose input failed
+(``allreduce_checked(..., failed=True)``) takes the slot path with a stand-in
+of one element; both paths open with the same arrival and status word, so the
+group still agrees that nothing is reduced.
+
 Waiting spins, then yields the core (ranks may outnumber cores), and returns
 to Python every few milliseconds to check that the peers it waits for are
 alive: a dead peer fails the operation on every survivor with
@@ -26,6 +47,7 @@ alive: a dead peer fails the operation on every survivor with
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import secrets
@@ -35,8 +57,18 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import _platform, _proc_stat
-from .._core import atomic_load, atomic_store, buffer_address, copy_bytes, reduce_addresses, wait_flags
+from .._core import (
+    atomic_load,
+    atomic_store,
+    buffer_address,
+    copy_bytes,
+    reduce_addresses,
+    reduce_remote,
+    vm_copy,
+    wait_flags,
+)
 from ..errors import ActorDiedError, MeshArrayError, SupervisionError
+from ..transport import cma
 from ._args import as_contiguous, check_out
 
 __all__ = ["ShmCollective", "unique_segment_name", "REDUCE_OPS"]
@@ -46,10 +78,17 @@ REDUCE_OPS = ("sum", "prod", "min", "max", "mean")
 _MAGIC = 0x4D41534852454431  # "MASHRED1"
 _PAGE = 4096
 _LINE = 64
-# control lines per rank: arrive, reduced, done, pid
-_ARRIVE, _REDUCED, _DONE, _PID = 0, 1, 2, 3
-_NFLAGS = 4
+# control lines per rank: arrive, reduced, done, pid, single-copy verdict
+_ARRIVE, _REDUCED, _DONE, _PID, _CMA = 0, 1, 2, 3, 4
+_NFLAGS = 5
 _SMALL = 64 * 1024  # bytes under which every rank reduces the whole round itself
+#: bytes per member from which allreduce copies straight between the members'
+#: buffers (measured: below it the slot path's cost is mostly its barriers)
+SINGLE_COPY_MIN = 256 * 1024
+# scratch of the single-copy path, all sources together: a step of reduce_remote (read the
+# peers' chunks, reduce, push the result) stays in L2, and its system calls are few and
+# long (each costs microseconds; measured best at 512 KiB per source for 2 members)
+_SCRATCH = 1 << 20
 _POLL = 0.005  # seconds between liveness checks while waiting
 
 _DTYPES = {np.dtype(t): np.dtype(t).name for t in (
@@ -109,6 +148,12 @@ class ShmCollective:
         The members' process ids when the caller knows them (a runtime does):
         a member that dies before it even attaches is then detected during
         the join too, instead of after ``timeout``.
+    single_copy_min : int or None
+        Bytes per member from which :meth:`allreduce` reads and writes the
+        peers' own buffers (cross-memory attach) instead of staging through
+        the segment; ``None`` never does. The members agree on it at the
+        join (the largest wins; ``None`` anywhere, a refusal of the kernel,
+        or ``MESHARRAY_PORTABLE=1`` turn it off for the whole group).
 
     Examples
     --------
@@ -123,7 +168,7 @@ class ShmCollective:
 
     def __init__(self, name: str, rank: int, size: int, capacity: int = 4 << 20,
                  timeout: float = 60.0, global_ranks: Sequence[int] | None = None,
-                 peer_pids: Sequence[int] | None = None) -> None:
+                 peer_pids: Sequence[int] | None = None, single_copy_min: int | None = SINGLE_COPY_MIN) -> None:
         if not isinstance(name, str) or not name or "/" in name:
             raise ValueError(f"segment name must be a non-empty str without '/', got {name!r}")
         for label, v in (("rank", rank), ("size", size), ("capacity", capacity)):
@@ -135,6 +180,11 @@ class ShmCollective:
             raise ValueError(f"rank must be in [0, {size}), got {rank}")
         if capacity < _LINE:
             raise ValueError(f"capacity must be >= {_LINE} bytes, got {capacity}")
+        if single_copy_min is not None:
+            if not isinstance(single_copy_min, (int, np.integer)) or isinstance(single_copy_min, bool):
+                raise TypeError(f"single_copy_min must be an int or None, got {type(single_copy_min).__name__}")
+            if single_copy_min < 0:
+                raise ValueError(f"single_copy_min must be >= 0 bytes or None, got {single_copy_min}")
         self.name = name
         self.rank = int(rank)
         self.size = int(size)
@@ -157,6 +207,9 @@ class ShmCollective:
         self._path = f"/dev/shm/{name}" if _platform.LINUX_NATIVE else f"shm_open('/{name}')"
         self._mm: mmap.mmap | None = None
         self._arr: np.ndarray | None = None
+        # what this member offers; after the join, what the group agreed (None: slots only)
+        self.single_copy_min: int | None = None if single_copy_min is None else int(single_copy_min)
+        self._scratch: np.ndarray | None = None
         self._open()
         self._join()
 
@@ -251,15 +304,53 @@ class ShmCollective:
         return self._base + _PAGE + (kind * self.size + j) * _LINE
 
     def _join(self) -> None:
-        atomic_store(self._flag(_PID, self.rank), os.getpid())
+        # what this member offers for single-copy reductions rides on the pid's line:
+        # +8 the threshold (-1: none), +16 the address of a probe word to read
+        offer = -1
+        if self.single_copy_min is not None and self.size > 1 and _platform.LINUX_NATIVE:
+            cma.allow_attach()
+            offer = self.single_copy_min
+        self._probe = np.array([_MAGIC], dtype=np.int64)
+        line = self._flag(_PID, self.rank)
+        atomic_store(line + 8, offer)
+        atomic_store(line + 16, int(self._probe.ctypes.data))
+        atomic_store(line, os.getpid())
         try:
             self._wait(_PID, 1, range(self.size), "join")
+            self.single_copy_min = self._agree_single_copy(offer)
         except BaseException:
             # a failed join leaves nothing behind: no name in /dev/shm, no mapping
             self.close()
             raise
         if self.rank == 0:
             self._unlink()
+
+    def _agree_single_copy(self, offer: int) -> int | None:
+        """The group's single-copy threshold, the same on every member (None: slots only).
+
+        Every member reads a word out of every peer (the kernel may refuse:
+        Yama, seccomp, another user) and publishes whether all reads worked;
+        single copy is on only if every member offered it and every read
+        worked. One more barrier, once per group.
+        """
+        offers = [atomic_load(self._flag(_PID, j) + 8) for j in range(self.size)]
+        ok = offer >= 0 and min(offers) >= 0
+        if ok:
+            word = np.zeros(1, dtype=np.int64)
+            for j in range(self.size):
+                if j != self.rank:
+                    err = vm_copy(False, self._pid(j), int(word.ctypes.data),
+                                  atomic_load(self._flag(_PID, j) + 16), 8)
+                    if err or int(word[0]) != _MAGIC:
+                        ok = False
+                        break
+        line = self._flag(_CMA, self.rank)
+        atomic_store(line + 8, 1 if ok else 2)
+        atomic_store(line, 1)
+        self._wait(_CMA, 1, range(self.size), "join")
+        if all(atomic_load(self._flag(_CMA, j) + 8) == 1 for j in range(self.size)):
+            return max(offers)
+        return None
 
     def _unlink(self) -> None:
         if not self._created:
@@ -276,6 +367,7 @@ class ShmCollective:
         self._closed = True
         self._unlink()
         self._slots = []
+        self._scratch = None
         self._result = None  # type: ignore[assignment]  # closed: the views go with the mapping
         self._arr = None
         if self._mm is not None:
@@ -456,6 +548,11 @@ class ShmCollective:
         isz = send.dtype.itemsize
         src, total_bytes = buffer_address(send)
         dst = buffer_address(out, True)[0] if out is not None else 0
+        if (root is None and not failed and self.single_copy_min is not None
+                and total_bytes >= max(self.single_copy_min, 1)):
+            # a member whose input failed takes the slot path with a 1-element send: both
+            # paths start with the same arrival (flag and status word), so it stays in step
+            return self._reduce_single_copy(send, out, src, dst, op, kdt, checked=failed is not None)
         total = send.size
         per_round = max(1, self.capacity // isz)
         slot_addrs = self._slot_addr
@@ -499,6 +596,81 @@ class ShmCollective:
             start += count
             if start >= total:
                 return []
+
+    def _reduce_single_copy(self, send: np.ndarray, out: np.ndarray | None, src: int, dst: int, op: str,
+                            kdt: str, checked: bool) -> list[int]:
+        """Allreduce by cross-memory attach: one barrier in, one out, no staging in the segment.
+
+        Each member publishes its buffers' addresses with its arrival; member r
+        then reads the r-th share of every peer's ``send`` straight out of the
+        peer (``process_vm_readv``), reduces it with its own into its ``out`` and
+        writes the reduced share straight into every peer's ``out``
+        (``process_vm_writev``), chunk by chunk in cache. Then ``done``: every
+        member waits for every other's, since a peer may still read our
+        ``send`` or write our ``out`` until it says so.
+        """
+        assert out is not None
+        if dst != src and dst < src + send.nbytes and src < dst + out.nbytes:
+            # a partial overlap: the peers would read what this member already overwrote
+            send = send.copy()
+            src = buffer_address(send)[0]
+        k = self._begin("reduction")
+        line = self._flag(_ARRIVE, self.rank)
+        atomic_store(line + 8, 0)  # the status word of allreduce_checked: this input is fine
+        atomic_store(line + 16, src)
+        atomic_store(line + 24, dst)
+        atomic_store(line, k)
+        everyone = self._all
+        self._wait(_ARRIVE, k, everyone, "reduction")
+        if checked:
+            bad = [j for j in everyone if atomic_load(self._flag(_ARRIVE, j) + 8) == k]
+            if bad:
+                self._end(k)
+                return bad
+        me = self.rank
+        srcs, pids, dests = [], [], []
+        for j in everyone:
+            peer = self._flag(_ARRIVE, j)
+            srcs.append(src if j == me else atomic_load(peer + 16))
+            pids.append(0 if j == me else self._pid(j))
+            dests.append(0 if j == me else atomic_load(peer + 24))
+        # member r reduces chunks r, r + size, ...: cyclic, so that what costs more in
+        # some parts of the buffers (pages that are not huge) is shared out evenly;
+        # chunks of whole cache lines, and at least one per member
+        most = max(64 << 10, _SCRATCH // self.size // _PAGE * _PAGE)
+        chunk = min(most, _round_up(-(-send.nbytes // self.size), _LINE))
+        if self._scratch is None:
+            self._scratch = np.zeros(self.size * most, dtype=np.uint8)  # zeros: touched, no faults later
+        failed, err = reduce_remote(dst, srcs, pids, dests, send.size, kdt, op,
+                                    buffer_address(self._scratch, True)[0], chunk, me, self.size)
+        done = self._flag(_DONE, self.rank)
+        # +8: this member's copy failed in round k (its peers must not use their result)
+        atomic_store(done + 8, k if failed >= 0 else 0)
+        atomic_store(done, k)
+        if failed >= 0 and err == errno.ESRCH:
+            gone = ActorDiedError(ranks=[self.global_ranks[failed]], pid=pids[failed],
+                                  reason=f"died during shared-memory reduction of group {self.name!r}")
+            self._broken = gone
+            raise gone
+        self._wait(_DONE, k, everyone, "reduction")
+        bad = [j for j in everyone if atomic_load(self._flag(_DONE, j) + 8) == k]
+        if bad:
+            dead = [j for j in everyone if j != me and not _pid_alive(self._pid(j))]
+            if dead:
+                # a peer died after its own copies but before ours
+                died = ActorDiedError(ranks=[self.global_ranks[j] for j in dead], pid=self._pid(dead[0]),
+                                      reason=f"died during shared-memory reduction of group {self.name!r}")
+                self._broken = died
+                raise died
+            if failed >= 0:
+                why = (f"rank {self.global_ranks[me]} could not copy to or from rank "
+                       f"{self.global_ranks[failed]}: {os.strerror(err)} (errno {err})")
+            else:
+                why = f"rank {self.global_ranks[bad[0]]} could not copy its share"
+            broken = MeshArrayError(f"single-copy reduction of shared-memory group {self.name!r} failed: {why}")
+            self._broken = broken
+            raise broken
+        return []
 
     def broadcast(self, buf: Any, root: int = 0) -> np.ndarray:
         """Copy ``buf`` of ``root`` into ``buf`` of every member (in place); returns ``buf``."""

@@ -1,11 +1,25 @@
 """The nogil reduction kernels of _core against NumPy as the oracle."""
 
+import errno
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mesharray._core import REDUCE_OPS, buffer_address, copy_bytes, reduce_addresses, reduce_buffers
+from mesharray import _platform
+from mesharray._core import (
+    REDUCE_OPS,
+    buffer_address,
+    copy_bytes,
+    reduce_addresses,
+    reduce_buffers,
+    reduce_remote,
+    vm_copy,
+)
 
 DTYPES = ["float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
 NP_OPS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
@@ -93,3 +107,77 @@ def test_bad_arguments():
         reduce_buffers(ro, [a])
     with pytest.raises(TypeError, match="got 'float16'"):
         reduce_addresses(0, [0], 0, "float16")
+
+
+# --- cross-memory attach kernels (this process plays the peers: its own pid) ------------
+
+def _cma_works() -> bool:
+    word = np.zeros(2, dtype=np.int64)
+    return vm_copy(False, os.getpid(), buffer_address(word, True)[0], buffer_address(word)[0] + 8, 8) == 0
+
+
+needs_cma = pytest.mark.skipif(not _platform.LINUX_NATIVE or not _cma_works(),
+                               reason="cross-memory attach needs Linux (and not MESHARRAY_PORTABLE), and the kernel's leave")
+
+
+@needs_cma
+def test_vm_copy_both_ways_and_errors():
+    src = np.arange(300_000, dtype="uint8")
+    dst = np.zeros_like(src)
+    me = os.getpid()
+    assert vm_copy(False, me, buffer_address(dst, True)[0], buffer_address(src)[0], src.nbytes) == 0
+    np.testing.assert_array_equal(dst, src)
+    dst[:] = 0
+    assert vm_copy(True, me, buffer_address(src)[0], buffer_address(dst, True)[0], src.nbytes) == 0
+    np.testing.assert_array_equal(dst, src)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert vm_copy(False, gone.pid, buffer_address(dst, True)[0], buffer_address(src)[0], 8) == errno.ESRCH
+    assert vm_copy(False, me, buffer_address(dst, True)[0], 8, 8) == errno.EFAULT
+    with pytest.raises(ValueError, match="nbytes must be >= 0, got -1"):
+        vm_copy(False, me, 0, 0, -1)
+
+
+@needs_cma
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int8", "uint64"])
+@pytest.mark.parametrize("op", REDUCE_OPS)
+@pytest.mark.parametrize("members", [1, 2, 3])
+def test_reduce_remote_shares_out_the_chunks_and_pushes_them(dtype, op, members):
+    # members calls, one per member: chunk i goes to member i % members; the "remote"
+    # sources and destinations are this process's own memory, read and written by pid
+    n, chunk = 10_007, 1024  # a last chunk that is not full
+    srcs = _inputs(dtype, 3, n, seed=members)
+    outs = [np.zeros(n, dtype) for _ in range(3)]
+    scratch = np.zeros(3 * chunk, np.uint8)
+    me = os.getpid()
+    for first in range(members):
+        # member 1 of 3 owns source 1 and outs[1]; the others are "peers"
+        got = reduce_remote(buffer_address(outs[1], True)[0], [buffer_address(s)[0] for s in srcs],
+                            [me, 0, me], [buffer_address(outs[0], True)[0], 0, buffer_address(outs[2], True)[0]],
+                            n, dtype, op, buffer_address(scratch, True)[0], chunk, first, members)
+        assert got == (-1, 0)
+    expected = NP_OPS[op].reduce(np.stack(srcs), axis=0, dtype=np.dtype(dtype))
+    for out in outs:
+        np.testing.assert_array_equal(out, expected)
+
+
+@needs_cma
+def test_reduce_remote_in_place_and_errors():
+    a, b = np.arange(5000.0), np.ones(5000)
+    want = a + b
+    scratch = np.zeros(2 * 4096, np.uint8)
+    addr = [buffer_address(a, True)[0], buffer_address(b)[0]]
+    # out is source 1: it must be read before the kernel copies source 0 over it
+    assert reduce_remote(addr[0], [addr[1], addr[0]], [os.getpid(), 0], [0, 0], 5000, "float64", "sum",
+                         buffer_address(scratch, True)[0], 4096) == (-1, 0)
+    np.testing.assert_array_equal(a, want)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert reduce_remote(addr[0], addr, [0, gone.pid], [0, 0], 5000, "float64", "sum",
+                         buffer_address(scratch, True)[0], 4096) == (1, errno.ESRCH)
+    with pytest.raises(ValueError, match="one pid and one destination per source; got 2 sources, 1 pids"):
+        reduce_remote(0, [0, 0], [0], [0, 0], 1, "float64", "sum", 0, 4096)
+    with pytest.raises(ValueError, match="chunk must be >= the item size 8, got 4"):
+        reduce_remote(0, [0], [0], [0], 1, "float64", "sum", 0, 4)
+    with pytest.raises(ValueError, match="first must be >= 0 and every >= 1, got first=0, every=0"):
+        reduce_remote(0, [0], [0], [0], 1, "float64", "sum", 0, 4096, 0, 0)
