@@ -18,8 +18,9 @@ with the nogil kernels of ``_core``) followed by an allgather of the result
 area — two barriers per round; small messages skip the second barrier (every
 rank reduces everything itself).
 
-Large allreduces (``single_copy_min`` bytes per member and more, 256 KiB by
-default) skip the segment's slots: each member publishes the addresses of
+Large allreduces (``single_copy_min`` bytes per member and more: by default
+1 MiB when every member can have a core of its own, 8 MiB when they share
+cores) skip the segment's slots: each member publishes the addresses of
 its ``send`` and ``out`` with its arrival, and the data moves straight
 between the members' own buffers with cross-memory attach
 (``process_vm_readv``/``writev``, :func:`mesharray._core.reduce_remote`).
@@ -71,7 +72,7 @@ from ..errors import ActorDiedError, MeshArrayError, SupervisionError
 from ..transport import cma
 from ._args import as_contiguous, check_out
 
-__all__ = ["ShmCollective", "unique_segment_name", "REDUCE_OPS"]
+__all__ = ["ShmCollective", "unique_segment_name", "REDUCE_OPS", "SINGLE_COPY_MIN", "SINGLE_COPY_MIN_SHARED_CORES"]
 
 REDUCE_OPS = ("sum", "prod", "min", "max", "mean")
 
@@ -82,9 +83,15 @@ _LINE = 64
 _ARRIVE, _REDUCED, _DONE, _PID, _CMA = 0, 1, 2, 3, 4
 _NFLAGS = 5
 _SMALL = 64 * 1024  # bytes under which every rank reduces the whole round itself
-#: bytes per member from which allreduce copies straight between the members'
-#: buffers (measured: below it the slot path's cost is mostly its barriers)
-SINGLE_COPY_MIN = 256 * 1024
+#: Bytes per member from which allreduce copies straight between the members' buffers,
+#: when each member can have a core (measured on 2 members: even with the slots from
+#: 256 KiB to 512 KiB, 0.8x at 1 MiB, 0.7x at 4 MiB).
+SINGLE_COPY_MIN = 1 << 20
+#: The same when members outnumber the cores. Cross-memory attach pins every page it
+#: copies, which costs several times the CPU of a memcpy: while the data fits in cache
+#: and members queue for cores, the slots win (measured on 4 members, 2 cores: 1.2-1.3x
+#: slower single copy at 0.5-4 MiB, 0.9x at 8 MiB, 0.6-0.8x at 16-64 MiB).
+SINGLE_COPY_MIN_SHARED_CORES = 8 << 20
 # scratch of the single-copy path, all sources together: a step of reduce_remote (read the
 # peers' chunks, reduce, push the result) stays in L2, and its system calls are few and
 # long (each costs microseconds; measured best at 512 KiB per source for 2 members)
@@ -108,6 +115,13 @@ def unique_segment_name(prefix: str = "mesharray") -> str:
 
 def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _pid_alive(pid: int) -> bool:
@@ -148,12 +162,14 @@ class ShmCollective:
         The members' process ids when the caller knows them (a runtime does):
         a member that dies before it even attaches is then detected during
         the join too, instead of after ``timeout``.
-    single_copy_min : int or None
+    single_copy_min : int, "auto" or None
         Bytes per member from which :meth:`allreduce` reads and writes the
         peers' own buffers (cross-memory attach) instead of staging through
-        the segment; ``None`` never does. The members agree on it at the
-        join (the largest wins; ``None`` anywhere, a refusal of the kernel,
-        or ``MESHARRAY_PORTABLE=1`` turn it off for the whole group).
+        the segment; ``None`` never does; ``"auto"``: :data:`SINGLE_COPY_MIN`,
+        or :data:`SINGLE_COPY_MIN_SHARED_CORES` when the members outnumber
+        this process's cores. The members agree on it at the join (the
+        largest wins; ``None`` anywhere, a refusal of the kernel, or
+        ``MESHARRAY_PORTABLE=1`` turn it off for the whole group).
 
     Examples
     --------
@@ -168,7 +184,7 @@ class ShmCollective:
 
     def __init__(self, name: str, rank: int, size: int, capacity: int = 4 << 20,
                  timeout: float = 60.0, global_ranks: Sequence[int] | None = None,
-                 peer_pids: Sequence[int] | None = None, single_copy_min: int | None = SINGLE_COPY_MIN) -> None:
+                 peer_pids: Sequence[int] | None = None, single_copy_min: int | str | None = "auto") -> None:
         if not isinstance(name, str) or not name or "/" in name:
             raise ValueError(f"segment name must be a non-empty str without '/', got {name!r}")
         for label, v in (("rank", rank), ("size", size), ("capacity", capacity)):
@@ -180,11 +196,13 @@ class ShmCollective:
             raise ValueError(f"rank must be in [0, {size}), got {rank}")
         if capacity < _LINE:
             raise ValueError(f"capacity must be >= {_LINE} bytes, got {capacity}")
-        if single_copy_min is not None:
+        if single_copy_min == "auto":
+            single_copy_min = SINGLE_COPY_MIN if size <= _cores() else SINGLE_COPY_MIN_SHARED_CORES
+        elif single_copy_min is not None:
             if not isinstance(single_copy_min, (int, np.integer)) or isinstance(single_copy_min, bool):
-                raise TypeError(f"single_copy_min must be an int or None, got {type(single_copy_min).__name__}")
+                raise TypeError(f"single_copy_min must be an int, 'auto' or None, got {single_copy_min!r}")
             if single_copy_min < 0:
-                raise ValueError(f"single_copy_min must be >= 0 bytes or None, got {single_copy_min}")
+                raise ValueError(f"single_copy_min must be >= 0 bytes, 'auto' or None, got {single_copy_min}")
         self.name = name
         self.rank = int(rank)
         self.size = int(size)

@@ -15,7 +15,7 @@ import pytest
 
 from mesharray import _platform
 from mesharray.collectives import ShmCollective, unique_segment_name
-from mesharray.collectives.shm import SINGLE_COPY_MIN
+from mesharray.collectives.shm import SINGLE_COPY_MIN, SINGLE_COPY_MIN_SHARED_CORES
 from mesharray.errors import ActorDiedError, SupervisionError
 from tests.collectives._procs import run_ranks
 
@@ -86,6 +86,10 @@ def test_single_copy_allreduce_matches_numpy(size):
             assert res[r][(n, "checked")] == []
 
 
+def _auto(size):
+    return SINGLE_COPY_MIN if size <= len(os.sched_getaffinity(0)) else SINGLE_COPY_MIN_SHARED_CORES
+
+
 def _many_rounds(rank, size, name):
     # default threshold: large messages take the single-copy path, small ones the slots,
     # one after the other on the same group, with different buffers every time
@@ -93,7 +97,7 @@ def _many_rounds(rank, size, name):
     sums = []
     try:
         for i in range(12):
-            n = (SINGLE_COPY_MIN // 4 + 12_345) if i % 3 else 1000  # float32: above and below it
+            n = (_auto(size) // 4 + 12_345) if i % 3 else 1000  # float32: above and below it
             x = np.full(n, float(rank + i), dtype="float32")
             out = g.allreduce(x)
             sums.append((n, float(out[0]), float(out[-1])))
@@ -106,7 +110,7 @@ def _many_rounds(rank, size, name):
 def test_many_operations_alternating_paths(size):
     res = run_ranks(_many_rounds, size, unique_segment_name("test"))
     for agreed, sums in res:
-        assert agreed == (None if _platform.PORTABLE else SINGLE_COPY_MIN)
+        assert agreed == (None if _platform.PORTABLE else _auto(size))
         for i, (n, first, last) in enumerate(sums):
             want = float(sum(r + i for r in range(size)))
             assert first == last == want, (i, n)
@@ -206,7 +210,7 @@ def test_single_member_and_argument_checks():
     with ShmCollective(unique_segment_name("test"), 0, 1, single_copy_min=0) as g:
         assert g.single_copy_min is None  # nobody to copy from
         np.testing.assert_array_equal(g.allreduce(np.arange(5.0)), np.arange(5.0))
-    with pytest.raises(TypeError, match="single_copy_min must be an int or None, got float"):
+    with pytest.raises(TypeError, match="single_copy_min must be an int, 'auto' or None, got 1.5"):
         ShmCollective(unique_segment_name("test"), 0, 1, single_copy_min=1.5)
-    with pytest.raises(ValueError, match="single_copy_min must be >= 0 bytes or None, got -1"):
+    with pytest.raises(ValueError, match="single_copy_min must be >= 0 bytes, 'auto' or None, got -1"):
         ShmCollective(unique_segment_name("test"), 0, 1, single_copy_min=-1)
