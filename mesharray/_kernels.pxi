@@ -74,9 +74,23 @@ cdef extern from *:
     static inline void _ma_store_release(long long *p, long long v) {
         __atomic_store_n(p, v, __ATOMIC_RELEASE);
     }
+    /* claim the next of the chunks [.., end) of a shared counter: its value, or -1 when none is left */
+    static inline long long _ma_claim(long long *p, long long end) {
+        long long c = __atomic_load_n(p, __ATOMIC_ACQUIRE);
+        while (c < end) {
+            if (__atomic_compare_exchange_n(p, &c, c + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+                return c;
+        }
+        return -1;
+    }
+    static inline void _ma_add_release(long long *p, long long v) {
+        __atomic_fetch_add(p, v, __ATOMIC_RELEASE);
+    }
     """
     long long _ma_load_acquire(const long long *p) nogil
     void _ma_store_release(long long *p, long long v) nogil
+    long long _ma_claim(long long *p, long long end) nogil
+    void _ma_add_release(long long *p, long long v) nogil
 
 ctypedef fused _num_t:
     float
@@ -418,15 +432,23 @@ def vm_copy(bint write, int pid, uintptr_t local, uintptr_t remote, Py_ssize_t n
 
 
 def reduce_remote(uintptr_t out, srcs, pids, dests, Py_ssize_t count, str dtype, str op,
-                  uintptr_t scratch, Py_ssize_t chunk, Py_ssize_t first=0, Py_ssize_t every=1):
+                  uintptr_t scratch, Py_ssize_t chunk, uintptr_t counters=0, long long base=0,
+                  long long mark=1):
     """Reduce elements read from several processes into ``out``, pushing the result back out.
 
-    The ``count`` elements are cut into chunks of ``chunk`` bytes; this call
-    does chunks ``first``, ``first + every``, ``first + 2 * every``, ... (so
-    ``every`` members calling it with ``first`` = 0, 1, ... share the work,
-    each member's chunks spread over the whole buffer: parts of a buffer that
-    cost more, such as pages that are not huge, fall on every member alike).
-    Source ``j`` lies at address ``srcs[j]`` of process ``pids[j]`` (0: this
+    The ``count`` elements are cut into chunks of ``chunk`` bytes. Without
+    ``counters`` this call does them all. With it, ``counters`` is the
+    address of three shared 8-byte words, 64 bytes apart: *claimed* and
+    *finished*, which start at ``base``, and *fault*. The call takes chunk
+    after chunk by raising *claimed* (compare and swap, so it never passes
+    ``base`` + the number of chunks) and raises *finished* (release) once a
+    chunk is reduced and pushed. Every member calling it with the same
+    counters shares the work as it comes: a member that got no core, or hit
+    costlier pages (pages that are not huge cost twice as much to attach),
+    simply does fewer chunks. A chunk that fails stores ``mark`` into
+    *fault* and is counted as finished all the same, so that nobody waits
+    for it forever; the chunks this call takes after a failure are counted,
+    not done. Source ``j`` lies at address ``srcs[j]`` of process ``pids[j]`` (0: this
     process). Chunk by chunk, without the GIL: the remote sources are read
     into ``scratch`` (``process_vm_readv``, one copy), reduced in the order
     of ``srcs`` (``out = srcs[0] op srcs[1] op ...``, so floats match NumPy bit
@@ -449,6 +471,10 @@ def reduce_remote(uintptr_t out, srcs, pids, dests, Py_ssize_t count, str dtype,
     cdef int opc = _op_code(op)
     cdef int nsrc = len(srcs), j, code, err = 0, bad = -1
     cdef Py_ssize_t isz, step, start, m, cb
+    cdef long long nchunks, c
+    cdef long long* claim = <long long*>counters
+    cdef long long* finished = <long long*>(counters + 64)
+    cdef long long* fault = <long long*>(counters + 128)
     cdef void** ptrs = NULL
     cdef uintptr_t* rsrc = NULL
     cdef uintptr_t* rdst = NULL
@@ -468,8 +494,6 @@ def reduce_remote(uintptr_t out, srcs, pids, dests, Py_ssize_t count, str dtype,
     isz = (4, 8, 1, 2, 4, 8, 1, 2, 4, 8)[code]
     if chunk < isz:
         raise ValueError(f"chunk must be >= the item size {isz}, got {chunk}")
-    if first < 0 or every < 1:
-        raise ValueError(f"first must be >= 0 and every >= 1, got first={first}, every={every}")
     step = chunk // isz
     cb = step * isz
     ptrs = <void**>malloc(nsrc * sizeof(void*))
@@ -483,9 +507,24 @@ def reduce_remote(uintptr_t out, srcs, pids, dests, Py_ssize_t count, str dtype,
             rsrc[j] = srcs[j]
             rdst[j] = dests[j]
             rpid[j] = pids[j]
+        nchunks = (count + step - 1) // step
+        c = -1
         with nogil:
-            start = first * step
-            while start < count and bad < 0:
+            while True:
+                if counters:
+                    c = _ma_claim(claim, base + nchunks)
+                    if c < 0:
+                        break
+                    c -= base
+                else:
+                    c += 1
+                    if c >= nchunks:
+                        break
+                start = c * step
+                if bad >= 0:
+                    # this member failed already: the chunks it takes are counted, not done
+                    _ma_add_release(finished, 1)
+                    continue
                 m = count - start
                 if m > step:
                     m = step
@@ -505,16 +544,20 @@ def reduce_remote(uintptr_t out, srcs, pids, dests, Py_ssize_t count, str dtype,
                         ptrs[j] = tmp
                     else:
                         ptrs[j] = <void*>p
-                if bad >= 0:
+                if bad < 0:
+                    _reduce_dispatch(code, <void*>o, ptrs, nsrc, m, opc)
+                    for j in range(nsrc):
+                        if rpid[j] != 0 and rdst[j] != 0:
+                            err = _ma_vm_copy(1, rpid[j], <char*>o, rdst[j] + start * isz, m * isz)
+                            if err != 0:
+                                bad = j
+                                break
+                if counters:
+                    if bad >= 0:
+                        _ma_store_release(fault, mark)
+                    _ma_add_release(finished, 1)
+                elif bad >= 0:
                     break
-                _reduce_dispatch(code, <void*>o, ptrs, nsrc, m, opc)
-                for j in range(nsrc):
-                    if rpid[j] != 0 and rdst[j] != 0:
-                        err = _ma_vm_copy(1, rpid[j], <char*>o, rdst[j] + start * isz, m * isz)
-                        if err != 0:
-                            bad = j
-                            break
-                start += every * step
         if bad >= 0:
             return (bad, err)
         return (-1, 0)

@@ -20,22 +20,33 @@ rank reduces everything itself).
 
 Large allreduces (``single_copy_min`` bytes per member and more: by default
 1 MiB when every member can have a core of its own, 8 MiB when they share
-cores) skip the segment's slots: each member publishes the addresses of
-its ``send`` and ``out`` with its arrival, and the data moves straight
-between the members' own buffers with cross-memory attach
+cores) skip the segment's slots: each member publishes the addresses of its
+``send`` and ``out`` with its arrival, and the data moves straight between
+the members' own buffers with cross-memory attach
 (``process_vm_readv``/``writev``, :func:`mesharray._core.reduce_remote`).
-Member r takes chunks r, r+N, r+2N, ... of the message; for each it reads
-the peers' chunk (one copy), reduces it with its own into its ``out``, and
-writes the reduced chunk, still in cache, into every peer's ``out`` (one
-copy). Then ``done[r] = k`` and every member waits for every other's ``done``:
-until then a peer may still read our ``send`` or write our ``out``, which the
-caller owns again once we return. That is two barriers and about 4 bytes of
-memory traffic per byte of the message on each member of two, against
-fourteen through the slots. Whether a group may do it is settled once, at the
-join: every member reads a probe word out of every peer and the group takes
-the single-copy path only if all reads worked everywhere (none under
-``MESHARRAY_PORTABLE=1``, off Linux, or where Yama/seccomp refuse), so that
-members never disagree on the algorithm. A member whose input failed
+The message is cut into chunks that the members take one at a time from a
+shared counter (compare and swap: the group's three counters are the one
+place where several members write one word, always with atomic
+read-modify-writes, still without locks): for a chunk it took, a member reads that
+chunk of every peer's ``send`` (one copy), reduces it with its own into its
+``out`` in rank order, and writes the reduced chunk, still in cache, into
+every peer's ``out`` (one copy), then raises a shared *finished* counter. A
+member returns once every chunk is finished: nobody reads its ``send`` or
+writes its ``out`` after that, so there is no barrier at the end. Taking
+chunks as they come rather than a fixed share means a member waiting for a
+core, or one whose share would lie on costlier pages (a page that is not
+huge costs twice as much to attach), holds nobody up. That is one barrier
+and about 4 bytes of memory traffic per byte of the message on each of two
+members, against two barriers and fourteen bytes through the slots. A chunk
+that fails (a peer died: ``ESRCH``) is still counted, marks the round in a
+shared *fault* word, and every member raises; before raising, a member waits
+until no live peer still copies to or from its buffers.
+
+Whether a group may do this is settled once, at the join: every member reads
+a probe word out of every peer and the group takes the single-copy path only
+if all reads worked everywhere (none under ``MESHARRAY_PORTABLE=1``, off
+Linux, or where Yama/seccomp refuse), and at the largest threshold offered,
+so that members never disagree on the algorithm. A member whose input failed
 (``allreduce_checked(..., failed=True)``) takes the slot path with a stand-in
 of one element; both paths open with the same arrival and status word, so the
 group still agrees that nothing is reduced.
@@ -218,7 +229,9 @@ class ShmCollective:
         self._seq = 0
         self._broken: BaseException | None = None
         self._closed = False
-        self._ctrl = _round_up(_PAGE + self.size * _NFLAGS * _LINE, _PAGE)
+        # the per-rank flags, then the group's three counters of single-copy reductions
+        self._ctrl = _round_up(_PAGE + (self.size * _NFLAGS + 3) * _LINE, _PAGE)
+        self._chunks = 0  # chunks of single-copy reductions so far: where the counters start
         self._slot_bytes = _round_up(self.capacity, _PAGE)
         self._nbytes = self._ctrl + (self.size + 1) * self._slot_bytes
         # where the name lives, for messages: a file in /dev/shm on Linux, a shm_open name elsewhere
@@ -321,6 +334,24 @@ class ShmCollective:
     def _flag(self, kind: int, j: int) -> int:
         return self._base + _PAGE + (kind * self.size + j) * _LINE
 
+    def _counter(self, i: int) -> int:
+        # 0: chunks claimed, 1: chunks finished, 2: the last round a chunk failed in (each
+        # on its own line: claims must not bounce the line the waiters poll)
+        return self._base + _PAGE + (self.size * _NFLAGS + i) * _LINE
+
+    def _quiesce(self, k: int) -> None:
+        """Before an error leaves round k: wait until no live peer touches our buffers any more.
+
+        A peer may still be reading our ``send`` or writing our ``out`` in a
+        chunk it took; the caller may free them once we raise. Each member
+        sets ``done`` once its copies are over; dead peers copy nothing.
+        """
+        deadline = time.monotonic() + self.timeout
+        while True:
+            live = [j for j in self._all if j != self.rank and _pid_alive(self._pid(j))]
+            if wait_flags(self._flag(_DONE, 0), _LINE, live, k, _POLL) < 0 or time.monotonic() > deadline:
+                return
+
     def _join(self) -> None:
         # what this member offers for single-copy reductions rides on the pid's line:
         # +8 the threshold (-1: none), +16 the address of a probe word to read
@@ -413,15 +444,23 @@ class ShmCollective:
 
     # --- synchronisation ---------------------------------------------------------------
 
-    def _wait(self, kind: int, target: int, ranks, what: str) -> None:
-        base = self._flag(kind, 0)
-        pending = wait_flags(base, _LINE, ranks, target, _POLL)
+    def _wait(self, kind: int, target: int, ranks, what: str, base: int = 0) -> None:
+        """Wait until flag ``kind`` of every rank in ``ranks`` is ``>= target``, checking the peers' lives.
+
+        With ``base``, wait for the one word at that address instead (``ranks`` is ``[0]``).
+        """
+        stride = _LINE
+        if base:
+            stride = 0
+        else:
+            base = self._flag(kind, 0)
+        pending = wait_flags(base, stride, ranks, target, _POLL)
         if pending < 0:
             return
         ranks = list(ranks)
         deadline = time.monotonic() + self.timeout
         while True:
-            pending = wait_flags(base, _LINE, ranks, target, _POLL)
+            pending = wait_flags(base, stride, ranks, target, _POLL)
             if pending < 0:
                 return
             dead = [j for j in range(self.size) if j != self.rank and not _pid_alive(self._pid(j))]
@@ -434,9 +473,10 @@ class ShmCollective:
                 self._broken = err
                 raise err
             if time.monotonic() > deadline:
+                whom = "the other members" if stride == 0 else f"rank {self.global_ranks[pending]}"
                 timeout = TimeoutError(
-                    f"shared-memory {what} timed out after {self.timeout} s waiting for rank "
-                    f"{self.global_ranks[pending]} of group {self.name!r}"
+                    f"shared-memory {what} timed out after {self.timeout} s waiting for {whom} "
+                    f"of group {self.name!r}"
                 )
                 self._broken = timeout
                 raise timeout
@@ -617,15 +657,18 @@ class ShmCollective:
 
     def _reduce_single_copy(self, send: np.ndarray, out: np.ndarray | None, src: int, dst: int, op: str,
                             kdt: str, checked: bool) -> list[int]:
-        """Allreduce by cross-memory attach: one barrier in, one out, no staging in the segment.
+        """Allreduce by cross-memory attach: one barrier in, a shared count of chunks out, no staging.
 
-        Each member publishes its buffers' addresses with its arrival; member r
-        then reads the r-th share of every peer's ``send`` straight out of the
-        peer (``process_vm_readv``), reduces it with its own into its ``out`` and
-        writes the reduced share straight into every peer's ``out``
-        (``process_vm_writev``), chunk by chunk in cache. Then ``done``: every
-        member waits for every other's, since a peer may still read our
-        ``send`` or write our ``out`` until it says so.
+        Each member publishes its buffers' addresses with its arrival. Then the
+        members take the message's chunks one at a time from a shared counter;
+        for a chunk it took, a member reads the chunk of every peer's ``send``
+        straight out of the peer (``process_vm_readv``), reduces it with its own
+        into its ``out`` and writes the reduced chunk, still in cache, into every
+        peer's ``out`` (``process_vm_writev``), then counts it finished. Taking
+        chunks as they come, not a fixed share, is what keeps a member that is
+        waiting for a core (members may outnumber cores) from holding up the
+        rest. A member returns once every chunk is finished: nobody reads its
+        ``send`` or writes its ``out`` after that.
         """
         assert out is not None
         if dst != src and dst < src + send.nbytes and src < dst + out.nbytes:
@@ -652,42 +695,45 @@ class ShmCollective:
             srcs.append(src if j == me else atomic_load(peer + 16))
             pids.append(0 if j == me else self._pid(j))
             dests.append(0 if j == me else atomic_load(peer + 24))
-        # member r reduces chunks r, r + size, ...: cyclic, so that what costs more in
-        # some parts of the buffers (pages that are not huge) is shared out evenly;
-        # chunks of whole cache lines, and at least one per member
+        # chunks of whole cache lines, at least one per member
         most = max(64 << 10, _SCRATCH // self.size // _PAGE * _PAGE)
         chunk = min(most, _round_up(-(-send.nbytes // self.size), _LINE))
+        nchunks = -(-send.nbytes // chunk)
+        base = self._chunks
+        self._chunks = base + nchunks  # the same on every member: same sizes, same order
         if self._scratch is None:
             self._scratch = np.zeros(self.size * most, dtype=np.uint8)  # zeros: touched, no faults later
         failed, err = reduce_remote(dst, srcs, pids, dests, send.size, kdt, op,
-                                    buffer_address(self._scratch, True)[0], chunk, me, self.size)
-        done = self._flag(_DONE, self.rank)
-        # +8: this member's copy failed in round k (its peers must not use their result)
-        atomic_store(done + 8, k if failed >= 0 else 0)
-        atomic_store(done, k)
-        if failed >= 0 and err == errno.ESRCH:
-            gone = ActorDiedError(ranks=[self.global_ranks[failed]], pid=pids[failed],
-                                  reason=f"died during shared-memory reduction of group {self.name!r}")
-            self._broken = gone
-            raise gone
-        self._wait(_DONE, k, everyone, "reduction")
-        bad = [j for j in everyone if atomic_load(self._flag(_DONE, j) + 8) == k]
-        if bad:
-            dead = [j for j in everyone if j != me and not _pid_alive(self._pid(j))]
-            if dead:
-                # a peer died after its own copies but before ours
-                died = ActorDiedError(ranks=[self.global_ranks[j] for j in dead], pid=self._pid(dead[0]),
-                                      reason=f"died during shared-memory reduction of group {self.name!r}")
-                self._broken = died
-                raise died
-            if failed >= 0:
-                why = (f"rank {self.global_ranks[me]} could not copy to or from rank "
-                       f"{self.global_ranks[failed]}: {os.strerror(err)} (errno {err})")
-            else:
-                why = f"rank {self.global_ranks[bad[0]]} could not copy its share"
-            broken = MeshArrayError(f"single-copy reduction of shared-memory group {self.name!r} failed: {why}")
-            self._broken = broken
-            raise broken
+                                    buffer_address(self._scratch, True)[0], chunk, self._counter(0), base, k)
+        if failed >= 0:
+            # who failed, for the peers' message (before done's release store)
+            atomic_store(self._flag(_DONE, me) + 8, k)
+        self._end(k)  # done: this member no longer touches anybody's buffers
+        try:
+            if failed >= 0 and err == errno.ESRCH:
+                raise ActorDiedError(ranks=[self.global_ranks[failed]], pid=pids[failed],
+                                     reason=f"died during shared-memory reduction of group {self.name!r}")
+            # every chunk finished: nobody reads our send or writes our out any more
+            self._wait(0, base + nchunks, [0], "reduction", base=self._counter(1))
+            if atomic_load(self._counter(2)) == k:
+                self._quiesce(k)
+                dead = [j for j in everyone if j != me and not _pid_alive(self._pid(j))]
+                if dead:
+                    # a peer died while another took chunks from it
+                    raise ActorDiedError(ranks=[self.global_ranks[j] for j in dead], pid=self._pid(dead[0]),
+                                         reason=f"died during shared-memory reduction of group {self.name!r}")
+                if failed >= 0:
+                    why = (f"rank {self.global_ranks[me]} could not copy to or from rank "
+                           f"{self.global_ranks[failed]}: {os.strerror(err)} (errno {err})")
+                else:
+                    who = [self.global_ranks[j] for j in everyone if atomic_load(self._flag(_DONE, j) + 8) == k]
+                    why = f"rank(s) {who} could not copy their chunks"
+                raise MeshArrayError(f"single-copy reduction of shared-memory group {self.name!r} failed: {why}")
+        except BaseException as exc:
+            self._quiesce(k)
+            if self._broken is None:
+                self._broken = exc
+            raise
         return []
 
     def broadcast(self, buf: Any, root: int = 0) -> np.ndarray:

@@ -141,24 +141,48 @@ def test_vm_copy_both_ways_and_errors():
 @needs_cma
 @pytest.mark.parametrize("dtype", ["float32", "float64", "int8", "uint64"])
 @pytest.mark.parametrize("op", REDUCE_OPS)
-@pytest.mark.parametrize("members", [1, 2, 3])
-def test_reduce_remote_shares_out_the_chunks_and_pushes_them(dtype, op, members):
-    # members calls, one per member: chunk i goes to member i % members; the "remote"
-    # sources and destinations are this process's own memory, read and written by pid
+def test_reduce_remote_pulls_reduces_and_pushes(dtype, op):
+    # member 1 of 3 owns source 1 and outs[1]; the "peers" are this process's own memory,
+    # read and written by pid through cross-memory attach
     n, chunk = 10_007, 1024  # a last chunk that is not full
-    srcs = _inputs(dtype, 3, n, seed=members)
+    srcs = _inputs(dtype, 3, n, seed=7)
     outs = [np.zeros(n, dtype) for _ in range(3)]
     scratch = np.zeros(3 * chunk, np.uint8)
     me = os.getpid()
-    for first in range(members):
-        # member 1 of 3 owns source 1 and outs[1]; the others are "peers"
-        got = reduce_remote(buffer_address(outs[1], True)[0], [buffer_address(s)[0] for s in srcs],
-                            [me, 0, me], [buffer_address(outs[0], True)[0], 0, buffer_address(outs[2], True)[0]],
-                            n, dtype, op, buffer_address(scratch, True)[0], chunk, first, members)
-        assert got == (-1, 0)
+    got = reduce_remote(buffer_address(outs[1], True)[0], [buffer_address(s)[0] for s in srcs], [me, 0, me],
+                        [buffer_address(outs[0], True)[0], 0, buffer_address(outs[2], True)[0]],
+                        n, dtype, op, buffer_address(scratch, True)[0], chunk)
+    assert got == (-1, 0)
     expected = NP_OPS[op].reduce(np.stack(srcs), axis=0, dtype=np.dtype(dtype))
     for out in outs:
         np.testing.assert_array_equal(out, expected)
+
+
+@needs_cma
+def test_reduce_remote_takes_chunks_from_shared_counters():
+    n, chunk, base = 10_000, 800, 1000  # 100 float64 per chunk: 100 chunks
+    a, b = np.arange(n, dtype="float64"), np.ones(n)
+    out = np.zeros(n)
+    counters = np.zeros(3 * 8, dtype=np.int64)  # claimed, finished, fault: 64 bytes apart
+    counters[[0, 8]] = base
+    counters[0] += 30  # another member took chunks 0..29 (and is still at them)
+    scratch = np.zeros(2 * chunk, np.uint8)
+    got = reduce_remote(buffer_address(out, True)[0], [buffer_address(a)[0], buffer_address(b)[0]],
+                        [0, os.getpid()], [0, 0], n, "float64", "sum", buffer_address(scratch, True)[0],
+                        chunk, buffer_address(counters, True)[0], base, 5)
+    assert got == (-1, 0)
+    assert counters[0] == base + 100 and counters[8] == base + 70 and counters[16] == 0
+    np.testing.assert_array_equal(out[:3000], 0)  # not this call's chunks
+    np.testing.assert_array_equal(out[3000:], a[3000:] + 1)
+    # a failing source: the chunks are counted all the same, and the fault word is marked
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    counters[[0, 8]] = base
+    got = reduce_remote(buffer_address(out, True)[0], [buffer_address(a)[0], buffer_address(b)[0]],
+                        [0, gone.pid], [0, 0], n, "float64", "sum", buffer_address(scratch, True)[0],
+                        chunk, buffer_address(counters, True)[0], base, 5)
+    assert got == (1, errno.ESRCH)
+    assert counters[0] == counters[8] == base + 100 and counters[16] == 5
 
 
 @needs_cma
@@ -179,5 +203,3 @@ def test_reduce_remote_in_place_and_errors():
         reduce_remote(0, [0, 0], [0], [0, 0], 1, "float64", "sum", 0, 4096)
     with pytest.raises(ValueError, match="chunk must be >= the item size 8, got 4"):
         reduce_remote(0, [0], [0], [0], 1, "float64", "sum", 0, 4)
-    with pytest.raises(ValueError, match="first must be >= 0 and every >= 1, got first=0, every=0"):
-        reduce_remote(0, [0], [0], [0], 1, "float64", "sum", 0, 4096, 0, 0)
