@@ -6,6 +6,8 @@ processes itself)::
     python bench/bench_collectives.py                 # 2 and 4 ranks, 4 MiB and 64 MiB
     python bench/bench_collectives.py --ranks 2 --reps 5
     python bench/bench_collectives.py --tiny          # only the 8-byte table (~1 min)
+    python bench/bench_collectives.py --interleave --ranks 2 --sizes 4 --rounds 7
+                                                      # shm, mpi4py, shm slots in turn, ratios per round
 
 Rows (float32 sum across ranks, per rank ``size`` bytes, median of ``reps``):
 
@@ -264,7 +266,12 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of shm and shm slots")
     ap.add_argument("--tiny", action="store_true", help="only the 8-byte table")
+    ap.add_argument("--interleave", action="store_true",
+                    help="only the shm collective against MPI, taken in turn round after round")
     args = ap.parse_args(argv)
+    if args.interleave:
+        interleave(args.ranks, [s * MiB for s in args.sizes], args.rounds, args.reps)
+        return
     sizes = [] if args.tiny else [s * MiB for s in args.sizes]
     if sizes:
         print("| ranks | MiB/rank | shm (ms) | shm slots (ms) | mesharray e2e (ms) | mpi4py Allreduce (ms) "
@@ -301,6 +308,31 @@ def main(argv=None) -> None:
     print(f"Buffer.read_into 64 MiB between two processes: {gbs:.2f} GB/s (one-sided; "
           f"destination first-touch adds {copies:.2f} copies of RSS)")
     print(f"peak RSS growth of fetching a 64 MiB block to the controller: {bench_fetch_rss(64 * MiB):.2f} copies")
+
+
+def interleave(ranks: list[int], sizes: list[int], rounds: int, reps: int) -> None:
+    """Each round: the shm collective, mpi4py's Allreduce, the shm collective through its slots.
+
+    On a shared machine the load moves between two runs taken a minute apart;
+    taking the three in turn and dividing within each round is what makes
+    ``shm / mpi`` comparable.
+    """
+    print(f"{rounds} rounds of (shm, mpi4py Allreduce, shm slots), {reps} repetitions each, median of "
+          f"the rounds; ratios per round")
+    print("| ranks | MiB/rank | shm (ms) | shm slots (ms) | mpi4py (ms) | shm / mpi per round | median | slots / mpi |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n in ranks:
+        for nb in sizes:
+            rows = []
+            for _ in range(rounds):
+                a = bench_shm(n, nb, reps)
+                m = (bench_mpi(n, [nb], reps) or {}).get(nb, float("nan"))
+                b = bench_shm(n, nb, reps, single_copy=False)
+                rows.append((a, b, m))
+            x = np.array(rows) * 1e3
+            per = x[:, 0] / x[:, 2]
+            print(f"| {n} | {nb // MiB} | {np.median(x[:, 0]):.2f} | {np.median(x[:, 1]):.2f} | {np.median(x[:, 2]):.2f} "
+                  f"| {' '.join(f'{v:.2f}' for v in per)} | {np.median(per):.2f} | {np.median(x[:, 1] / x[:, 2]):.2f} |")
 
 
 # --- pytest-benchmark cases (make bench) ---------------------------------------------------------
