@@ -100,8 +100,8 @@ _SMALL = 64 * 1024  # bytes under which every rank reduces the whole round itsel
 SINGLE_COPY_MIN = 1 << 20
 #: The same when members outnumber the cores. Cross-memory attach pins every page it
 #: copies, which costs several times the CPU of a memcpy: while the data fits in cache
-#: and members queue for cores, the slots win (measured on 4 members, 2 cores: 1.2-1.3x
-#: slower single copy at 0.5-4 MiB, 0.9x at 8 MiB, 0.6-0.8x at 16-64 MiB).
+#: and members queue for cores, the slots win (measured on 4 members, 2 cores: 1.2-1.6x
+#: slower single copy at 0.5-4 MiB, 0.9-1.06x at 8 MiB, 0.6-0.8x at 16-64 MiB).
 SINGLE_COPY_MIN_SHARED_CORES = 8 << 20
 # scratch of the single-copy path, all sources together: a step of reduce_remote (read the
 # peers' chunks, reduce, push the result) stays in L2, and its system calls are few and
