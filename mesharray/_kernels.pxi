@@ -448,8 +448,8 @@ def reduce_remote(uintptr_t out, srcs, pids, dests, Py_ssize_t count, str dtype,
     simply does fewer chunks. A chunk that fails stores ``mark`` into
     *fault* and is counted as finished all the same, so that nobody waits
     for it forever; the chunks this call takes after a failure are counted,
-    not done. Source ``j`` lies at address ``srcs[j]`` of process ``pids[j]`` (0: this
-    process). Chunk by chunk, without the GIL: the remote sources are read
+    not done. Source ``j`` lies at address ``srcs[j]`` of process
+    ``pids[j]`` (0: this process). Chunk by chunk, without the GIL: the remote sources are read
     into ``scratch`` (``process_vm_readv``, one copy), reduced in the order
     of ``srcs`` (``out = srcs[0] op srcs[1] op ...``, so floats match NumPy bit
     for bit), and the reduced chunk, still in cache, is written to
@@ -465,8 +465,9 @@ def reduce_remote(uintptr_t out, srcs, pids, dests, Py_ssize_t count, str dtype,
     -------
     tuple of int
         ``(-1, 0)`` when done, else ``(j, errno)``: the first member whose
-        memory could not be read or written, and why; the chunks before it
-        are done, the rest not.
+        memory could not be read or written, and why. Without ``counters``
+        the chunks before the failing one are done and the rest not; with
+        them, the failure is in *fault* for the peers to see.
     """
     cdef int opc = _op_code(op)
     cdef int nsrc = len(srcs), j, code, err = 0, bad = -1
