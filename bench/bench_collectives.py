@@ -6,11 +6,18 @@ processes itself)::
     python bench/bench_collectives.py                 # 2 and 4 ranks, 4 MiB and 64 MiB
     python bench/bench_collectives.py --ranks 2 --reps 5
     python bench/bench_collectives.py --tiny          # only the 8-byte table (~1 min)
+    python bench/bench_collectives.py --interleave --ranks 2 --sizes 4 --rounds 7
+                                                      # shm, mpi4py, shm slots in turn, ratios per round
 
 Rows (float32 sum across ranks, per rank ``size`` bytes, median of ``reps``):
 
 - ``shm``: mesharray's shared-memory backend alone (``ShmCollective.allreduce``
-  in N spawned processes);
+  in N spawned processes), as it runs by default (single copy, by
+  cross-memory attach, from 256 KiB per rank);
+- ``shm slots``: the same with ``single_copy_min=None``: every byte staged
+  through the segment's slots (copy in, reduce, copy out), the algorithm
+  before single copy. The two alternate in fresh processes, ``--rounds``
+  times, and each is the median of its rounds;
 - ``mesharray``: ``x.sum(axis="procs")`` on a distributed array issued from
   the controller, end to end (fire-and-forget to every rank, the shm
   collective in the workers, then a call to every rank to wait for it);
@@ -52,10 +59,10 @@ MiB = 1 << 20
 # --- shm backend alone ---------------------------------------------------------------
 
 
-def _shm_rank(rank, size, name, nbytes, reps, q):
+def _shm_rank(rank, size, name, nbytes, reps, q, single_copy=True):
     from mesharray.collectives import ShmCollective
 
-    g = ShmCollective(name, rank, size, timeout=120)
+    g = ShmCollective(name, rank, size, timeout=120, **({} if single_copy else {"single_copy_min": None}))
     x = np.ones(nbytes // 4, dtype="float32")
     out = np.empty_like(x)
     g.allreduce(x, out)
@@ -69,13 +76,13 @@ def _shm_rank(rank, size, name, nbytes, reps, q):
     q.put((rank, times))
 
 
-def bench_shm(size: int, nbytes: int, reps: int) -> float:
+def bench_shm(size: int, nbytes: int, reps: int, single_copy: bool = True) -> float:
     from mesharray.collectives import unique_segment_name
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     name = unique_segment_name("bench")
-    ps = [ctx.Process(target=_shm_rank, args=(r, size, name, nbytes, reps, q)) for r in range(size)]
+    ps = [ctx.Process(target=_shm_rank, args=(r, size, name, nbytes, reps, q, single_copy)) for r in range(size)]
     for p in ps:
         p.start()
     res = [q.get(timeout=300) for _ in ps]
@@ -257,12 +264,19 @@ def main(argv=None) -> None:
     ap.add_argument("--ranks", type=int, nargs="*", default=[2, 4])
     ap.add_argument("--sizes", type=int, nargs="*", default=[4, 64], help="MiB per rank")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of shm and shm slots")
     ap.add_argument("--tiny", action="store_true", help="only the 8-byte table")
+    ap.add_argument("--interleave", action="store_true",
+                    help="only the shm collective against MPI, taken in turn round after round")
     args = ap.parse_args(argv)
+    if args.interleave:
+        interleave(args.ranks, [s * MiB for s in args.sizes], args.rounds, args.reps)
+        return
     sizes = [] if args.tiny else [s * MiB for s in args.sizes]
     if sizes:
-        print("| ranks | MiB/rank | shm (ms) | mesharray e2e (ms) | mpi4py Allreduce (ms) | gloo all_reduce (ms) | mesharray / mpi | mesharray / gloo |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| ranks | MiB/rank | shm (ms) | shm slots (ms) | mesharray e2e (ms) | mpi4py Allreduce (ms) "
+              "| gloo all_reduce (ms) | shm / mpi | mesharray / mpi | mesharray / gloo |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
     tiny = {}
     for n in args.ranks:
         ma_t = bench_mesharray(n, sizes, args.reps)
@@ -271,11 +285,15 @@ def main(argv=None) -> None:
         gloo_t = bench_gloo(n, sizes + [8], args.reps) or {}
         tiny[n] = (ma_tiny, mpi_t.get(8), gloo_t.get(8))
         for nb in sizes:
-            shm_t = bench_shm(n, nb, args.reps)
+            pairs = [(bench_shm(n, nb, args.reps), bench_shm(n, nb, args.reps, single_copy=False))
+                     for _ in range(args.rounds)]
+            shm_t = float(np.median([a for a, _ in pairs]))
+            slot_t = float(np.median([b for _, b in pairs]))
             m, g = mpi_t.get(nb), gloo_t.get(nb)
-            print(f"| {n} | {nb // MiB} | {shm_t * 1e3:.2f} | {ma_t[nb] * 1e3:.2f} | "
-                  f"{m * 1e3 if m else float('nan'):.2f} | {g * 1e3 if g else float('nan'):.2f} | "
-                  f"{ma_t[nb] / m if m else float('nan'):.2f} | {ma_t[nb] / g if g else float('nan'):.2f} |")
+            nan = float("nan")
+            print(f"| {n} | {nb // MiB} | {shm_t * 1e3:.2f} | {slot_t * 1e3:.2f} | {ma_t[nb] * 1e3:.2f} | "
+                  f"{m * 1e3 if m else nan:.2f} | {g * 1e3 if g else nan:.2f} | {shm_t / m if m else nan:.2f} | "
+                  f"{ma_t[nb] / m if m else nan:.2f} | {ma_t[nb] / g if g else nan:.2f} |")
     print()
     print("| ranks | 8 B: x.sum(axis='procs').fetch() from the controller (µs) | control messages / op "
           "(awaiting a reply) | mpi4py Allreduce (µs) | gloo all_reduce (µs) |")
@@ -290,6 +308,31 @@ def main(argv=None) -> None:
     print(f"Buffer.read_into 64 MiB between two processes: {gbs:.2f} GB/s (one-sided; "
           f"destination first-touch adds {copies:.2f} copies of RSS)")
     print(f"peak RSS growth of fetching a 64 MiB block to the controller: {bench_fetch_rss(64 * MiB):.2f} copies")
+
+
+def interleave(ranks: list[int], sizes: list[int], rounds: int, reps: int) -> None:
+    """Each round: the shm collective, mpi4py's Allreduce, the shm collective through its slots.
+
+    On a shared machine the load moves between two runs taken a minute apart;
+    taking the three in turn and dividing within each round is what makes
+    ``shm / mpi`` comparable.
+    """
+    print(f"{rounds} rounds of (shm, mpi4py Allreduce, shm slots), {reps} repetitions each, median of "
+          f"the rounds; ratios per round")
+    print("| ranks | MiB/rank | shm (ms) | shm slots (ms) | mpi4py (ms) | shm / mpi per round | median | slots / mpi |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n in ranks:
+        for nb in sizes:
+            rows = []
+            for _ in range(rounds):
+                a = bench_shm(n, nb, reps)
+                m = (bench_mpi(n, [nb], reps) or {}).get(nb, float("nan"))
+                b = bench_shm(n, nb, reps, single_copy=False)
+                rows.append((a, b, m))
+            x = np.array(rows) * 1e3
+            per = x[:, 0] / x[:, 2]
+            print(f"| {n} | {nb // MiB} | {np.median(x[:, 0]):.2f} | {np.median(x[:, 1]):.2f} | {np.median(x[:, 2]):.2f} "
+                  f"| {' '.join(f'{v:.2f}' for v in per)} | {np.median(per):.2f} | {np.median(x[:, 1] / x[:, 2]):.2f} |")
 
 
 # --- pytest-benchmark cases (make bench) ---------------------------------------------------------

@@ -16,6 +16,45 @@ from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t, uint16_t, u
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy
 
+cdef extern from *:
+    """
+    #include <errno.h>
+    #include <stddef.h>
+    #include <stdint.h>
+    #if defined(__linux__)
+    #include <sys/uio.h>
+    #endif
+    /* Copy n bytes between `local` here and `remote` in process `pid` (process_vm_writev
+       when `write`, else process_vm_readv), looping over partial transfers. 0 or an errno;
+       ENOSYS off Linux. */
+    static int _ma_vm_copy(int write, int pid, char *local, uintptr_t remote, size_t n) {
+    #if defined(__linux__)
+        while (n > 0) {
+            struct iovec l, r;
+            ssize_t got;
+            l.iov_base = local;
+            l.iov_len = n;
+            r.iov_base = (void *)remote;
+            r.iov_len = n;
+            got = write ? process_vm_writev(pid, &l, 1, &r, 1, 0) : process_vm_readv(pid, &l, 1, &r, 1, 0);
+            if (got < 0) {
+                if (errno == EINTR) continue;
+                return errno;
+            }
+            if (got == 0) return EIO;
+            local += got;
+            remote += (uintptr_t)got;
+            n -= (size_t)got;
+        }
+        return 0;
+    #else
+        (void)write; (void)pid; (void)local; (void)remote; (void)n;
+        return ENOSYS;
+    #endif
+    }
+    """
+    int _ma_vm_copy(int write, int pid, char *local, uintptr_t remote, size_t n) nogil
+
 cdef extern from "<sched.h>" nogil:
     int sched_yield()
 
@@ -35,9 +74,23 @@ cdef extern from *:
     static inline void _ma_store_release(long long *p, long long v) {
         __atomic_store_n(p, v, __ATOMIC_RELEASE);
     }
+    /* claim the next of the chunks [.., end) of a shared counter: its value, or -1 when none is left */
+    static inline long long _ma_claim(long long *p, long long end) {
+        long long c = __atomic_load_n(p, __ATOMIC_ACQUIRE);
+        while (c < end) {
+            if (__atomic_compare_exchange_n(p, &c, c + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+                return c;
+        }
+        return -1;
+    }
+    static inline void _ma_add_release(long long *p, long long v) {
+        __atomic_fetch_add(p, v, __ATOMIC_RELEASE);
+    }
     """
     long long _ma_load_acquire(const long long *p) nogil
     void _ma_store_release(long long *p, long long v) nogil
+    long long _ma_claim(long long *p, long long end) nogil
+    void _ma_add_release(long long *p, long long v) nogil
 
 ctypedef fused _num_t:
     float
@@ -353,6 +406,167 @@ def copy_bytes(uintptr_t dst, uintptr_t src, Py_ssize_t nbytes):
     else:
         with nogil:
             memcpy(<void*>dst, <const void*>src, nbytes)
+
+
+# --- single-copy reductions between processes (cross-memory attach) -----------
+
+
+def vm_copy(bint write, int pid, uintptr_t local, uintptr_t remote, Py_ssize_t nbytes):
+    """Copy ``nbytes`` between ``local`` here and ``remote`` in process ``pid``, without the GIL.
+
+    ``process_vm_writev`` (local -> remote) when ``write``, else
+    ``process_vm_readv``; no shared mapping and no code of ``pid`` runs.
+
+    Returns
+    -------
+    int
+        0, or the ``errno`` of the failure (``ENOSYS`` off Linux): the caller
+        decides what a refusal means, this kernel has no policy.
+    """
+    cdef int err
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    with nogil:
+        err = _ma_vm_copy(write, pid, <char*>local, remote, <size_t>nbytes)
+    return err
+
+
+def reduce_remote(uintptr_t out, srcs, pids, dests, Py_ssize_t count, str dtype, str op,
+                  uintptr_t scratch, Py_ssize_t chunk, uintptr_t counters=0, long long base=0,
+                  long long mark=1):
+    """Reduce elements read from several processes into ``out``, pushing the result back out.
+
+    The ``count`` elements are cut into chunks of ``chunk`` bytes. Without
+    ``counters`` this call does them all. With it, ``counters`` is the
+    address of three shared 8-byte words, 64 bytes apart: *claimed* and
+    *finished*, which start at ``base``, and *fault*. The call takes chunk
+    after chunk by raising *claimed* (compare and swap, so it never passes
+    ``base`` + the number of chunks) and raises *finished* (release) once a
+    chunk is reduced and pushed. Every member calling it with the same
+    counters shares the work as it comes: a member that got no core, or hit
+    costlier pages (pages that are not huge cost twice as much to attach),
+    simply does fewer chunks. A chunk that fails stores ``mark`` into
+    *fault* and is counted as finished all the same, so that nobody waits
+    for it forever; the chunks this call takes after a failure are counted,
+    not done. Source ``j`` lies at address ``srcs[j]`` of process
+    ``pids[j]`` (0: this process). Chunk by chunk, without the GIL: the remote sources are read
+    into ``scratch`` (``process_vm_readv``, one copy), reduced in the order
+    of ``srcs`` (``out = srcs[0] op srcs[1] op ...``, so floats match NumPy bit
+    for bit), and the reduced chunk, still in cache, is written to
+    ``dests[j]`` of every remote process whose ``dests[j]`` is not 0
+    (``process_vm_writev``). A chunk is small enough for its sources and its
+    result to stay in cache between the read, the reduction and the write.
+
+    The caller guarantees the addresses span ``count`` elements of ``dtype``
+    and stay valid for the call, and that ``scratch`` holds ``len(srcs) *
+    chunk`` bytes. A local source may be ``out`` itself (in place).
+
+    Returns
+    -------
+    tuple of int
+        ``(-1, 0)`` when done, else ``(j, errno)``: the first member whose
+        memory could not be read or written, and why. Without ``counters``
+        the chunks before the failing one are done and the rest not; with
+        them, the failure is in *fault* for the peers to see.
+    """
+    cdef int opc = _op_code(op)
+    cdef int nsrc = len(srcs), j, code, err = 0, bad = -1
+    cdef Py_ssize_t isz, step, start, m, cb
+    cdef long long nchunks, c
+    cdef long long* claim = <long long*>counters
+    cdef long long* finished = <long long*>(counters + 64)
+    cdef long long* fault = <long long*>(counters + 128)
+    cdef void** ptrs = NULL
+    cdef uintptr_t* rsrc = NULL
+    cdef uintptr_t* rdst = NULL
+    cdef int* rpid = NULL
+    cdef char* tmp
+    cdef uintptr_t p, o
+    if dtype not in _KERNEL_DTYPE_NAMES:
+        raise TypeError(f"reduction kernels support {', '.join(_KERNEL_DTYPE_NAMES)}; got {dtype!r}")
+    if nsrc == 0:
+        raise ValueError("reduce_remote needs at least one source address")
+    if len(pids) != nsrc or len(dests) != nsrc:
+        raise ValueError(f"reduce_remote needs one pid and one destination per source; got {nsrc} sources, "
+                         f"{len(pids)} pids, {len(dests)} destinations")
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    code = _KERNEL_DTYPE_NAMES.index(dtype)
+    isz = (4, 8, 1, 2, 4, 8, 1, 2, 4, 8)[code]
+    if chunk < isz:
+        raise ValueError(f"chunk must be >= the item size {isz}, got {chunk}")
+    step = chunk // isz
+    cb = step * isz
+    ptrs = <void**>malloc(nsrc * sizeof(void*))
+    rsrc = <uintptr_t*>malloc(nsrc * sizeof(uintptr_t))
+    rdst = <uintptr_t*>malloc(nsrc * sizeof(uintptr_t))
+    rpid = <int*>malloc(nsrc * sizeof(int))
+    try:
+        if ptrs == NULL or rsrc == NULL or rdst == NULL or rpid == NULL:
+            raise MemoryError()
+        for j in range(nsrc):
+            rsrc[j] = srcs[j]
+            rdst[j] = dests[j]
+            rpid[j] = pids[j]
+        nchunks = (count + step - 1) // step
+        c = -1
+        with nogil:
+            while True:
+                if counters:
+                    c = _ma_claim(claim, base + nchunks)
+                    if c < 0:
+                        break
+                    c -= base
+                else:
+                    c += 1
+                    if c >= nchunks:
+                        break
+                start = c * step
+                if bad >= 0:
+                    # this member failed already: the chunks it takes are counted, not done
+                    _ma_add_release(finished, 1)
+                    continue
+                m = count - start
+                if m > step:
+                    m = step
+                o = out + start * isz
+                for j in range(nsrc):
+                    tmp = <char*>scratch + j * cb
+                    p = rsrc[j] + start * isz
+                    if rpid[j] != 0:
+                        err = _ma_vm_copy(0, rpid[j], tmp, p, m * isz)
+                        if err != 0:
+                            bad = j
+                            break
+                        ptrs[j] = tmp
+                    elif j > 0 and p == o:
+                        # in place: the kernel first copies source 0 over out, which is this source
+                        memcpy(tmp, <void*>p, m * isz)
+                        ptrs[j] = tmp
+                    else:
+                        ptrs[j] = <void*>p
+                if bad < 0:
+                    _reduce_dispatch(code, <void*>o, ptrs, nsrc, m, opc)
+                    for j in range(nsrc):
+                        if rpid[j] != 0 and rdst[j] != 0:
+                            err = _ma_vm_copy(1, rpid[j], <char*>o, rdst[j] + start * isz, m * isz)
+                            if err != 0:
+                                bad = j
+                                break
+                if counters:
+                    if bad >= 0:
+                        _ma_store_release(fault, mark)
+                    _ma_add_release(finished, 1)
+                elif bad >= 0:
+                    break
+        if bad >= 0:
+            return (bad, err)
+        return (-1, 0)
+    finally:
+        free(ptrs)
+        free(rsrc)
+        free(rdst)
+        free(rpid)
 
 
 # --- one small round of a shared-memory allreduce, in one call --------------------
