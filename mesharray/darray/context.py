@@ -43,7 +43,9 @@ class _FreeTimer:
     """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        # re-entrant: schedule() is reached from finalizers (a dropped array's decref), which a
+        # garbage collection may run inside any locked section of this thread, this one's too
+        self._cond = threading.Condition(threading.RLock())
         self._due: dict[int, tuple[float, weakref.ref]] = {}  # id(context) -> (deadline, context)
         self._thread: threading.Thread | None = None
 
@@ -75,11 +77,15 @@ class _FreeTimer:
                 while not self._due:
                     self._cond.wait()
                 now = time.monotonic()
-                ready = [k for k, (t, _) in self._due.items() if t <= now]
-                if not ready:
-                    self._cond.wait(min(t for t, _ in self._due.values()) - now)
+                try:
+                    due = list(self._due.items())
+                except RuntimeError:  # a finalizer scheduled a context while this copied: again
                     continue
-                refs = [self._due.pop(k)[1] for k in ready]
+                ready = [k for k, (t, _) in due if t <= now]
+                if not ready:
+                    self._cond.wait(min(t for _, (t, _) in due) - now)
+                    continue
+                refs = [e[1] for e in (self._due.pop(k, None) for k in ready) if e is not None]
             for ref in refs:
                 ctx = ref()
                 if ctx is not None:
@@ -90,7 +96,7 @@ class _FreeTimer:
 
     def _after_fork(self) -> None:
         # threads do not survive fork: a child starts its own on first use
-        self._cond = threading.Condition(threading.Lock())
+        self._cond = threading.Condition(threading.RLock())
         self._due = {}
         self._thread = None
 

@@ -484,7 +484,8 @@ class DataActor(Actor):
 
     @endpoint
     def run(self, program: list) -> Any:
-        """Run instructions in order; returns the result of the last :class:`Fetch`, if any."""
+        """Run instructions in order; returns the result of the last :class:`Fetch`, or of a
+        :class:`Planned`'s fetch (taken after the rest of the program), if any."""
         me = self._me()
         result = None
         fetch = None

@@ -59,6 +59,25 @@ def test_cancelled_and_collected_contexts_are_not_flushed():
     assert not timer._due
 
 
+def test_a_finalizer_may_schedule_while_the_timer_lock_is_held_by_its_thread():
+    # a garbage collection inside a locked section runs finalizers in that thread: a dropped
+    # array's decref schedules its context's frees from there (a plain lock deadlocks here)
+    timer = _FreeTimer()
+    a, b = _Ctx(), _Ctx()
+    done = threading.Event()
+
+    def inside():
+        with timer._cond:
+            timer.schedule(a, 0.01)
+            timer.cancel(a)
+            timer.schedule(b, 0.01)
+        done.set()
+
+    threading.Thread(target=inside, daemon=True).start()
+    assert done.wait(5), "schedule() deadlocked under the timer's own lock"
+    assert b.flushed.wait(5) and a.flushes == []
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
 def test_a_forked_child_starts_its_own_thread():
     from mesharray.darray import context
