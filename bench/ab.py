@@ -59,24 +59,32 @@ def p50(f, n):
         t = time.perf_counter(); f(); ts.append(time.perf_counter() - t)
     return statistics.median(ts) * 1e6
 
-def socket_floor(k=1, n=3000):
-    # k forked children, one socketpair each: send 64 bytes to all, poll until all k
-    # answered (k=1: plain send/recv). The floor of a call() to k processes in Python.
+def fork_children(k, serve):
+    # k forked children, one socketpair each; child j runs serve(j, its socket) and exits
     socks, pids = [], []
-    for _ in range(k):
+    for j in range(k):
         a, b = socket.socketpair()
         pid = os.fork()
         if pid == 0:
             a.close()
             for s in socks:
                 s.close()
-            buf = bytearray(256)
-            while b.recv_into(buf):
-                b.send(buf[:64])
+            serve(j, b)
             os._exit(0)
         b.close()
         socks.append(a)
         pids.append(pid)
+    return socks, pids
+
+def _echo(j, b):
+    buf = bytearray(256)
+    while b.recv_into(buf):
+        b.send(buf[:64])
+
+def socket_floor(k=1, n=3000):
+    # k forked children, one socketpair each: send 64 bytes to all, poll until all k
+    # answered (k=1: plain send/recv). The floor of a call() to k processes in Python.
+    socks, pids = fork_children(k, _echo)
     p = select.poll()
     for s in socks:
         p.register(s.fileno(), select.POLLIN)
@@ -132,35 +140,26 @@ def pyrt_floor(k, n=3000, sum_pattern=False):
     seg = mmap.mmap(-1, 4096 * 4)
     base = np.frombuffer(seg, dtype=np.uint8).ctypes.data
     flags_at, slots = base, [base + 4096 + 64 * j for j in range(k)]
-    socks, pids = [], []
-    for j in range(k):
-        a, b = socket.socketpair()
-        pid = os.fork()
-        if pid == 0:
-            a.close()
-            for s in socks:
-                s.close()
-            if sum_pattern:
-                seq = [0]
-                mine = np.frombuffer(seg, dtype=np.float64, count=1, offset=4096 + 64 * j)
-                res = np.empty(1)
-                rbuf = res.ctypes.data
+    def serve(j, b):
+        if sum_pattern:
+            seq = [0]
+            mine = np.frombuffer(seg, dtype=np.float64, count=1, offset=4096 + 64 * j)
+            res = np.empty(1)
+            rbuf = res.ctypes.data
 
-                def body(value, j=j, mine=mine, res=res, rbuf=rbuf, seq=seq):
-                    seq[0] += 1
-                    mine[0] = value
-                    atomic_store(flags_at + 64 * j, seq[0])
-                    wait_flags(flags_at, 64, range(k), seq[0], 1.0)
-                    reduce_addresses(rbuf, slots, 1, "float64", "sum")
-                    return float(res[0]) if j == 0 else _NO_REPLY
-            else:
-                def body():
-                    return None
-            _child_loop(b, body)
-            os._exit(0)
-        b.close()
-        socks.append(a)
-        pids.append(pid)
+            def body(value, j=j, mine=mine, res=res, rbuf=rbuf, seq=seq):  # (locals: the floor's speed)
+                seq[0] += 1
+                mine[0] = value
+                atomic_store(flags_at + 64 * j, seq[0])
+                wait_flags(flags_at, 64, range(k), seq[0], 1.0)
+                reduce_addresses(rbuf, slots, 1, "float64", "sum")
+                return float(res[0]) if j == 0 else _NO_REPLY
+        else:
+            def body():
+                return None
+        _child_loop(b, body)
+
+    socks, pids = fork_children(k, serve)
     p = select.poll()
     for s in socks:
         p.register(s.fileno(), select.POLLIN)
