@@ -737,6 +737,8 @@ class ShmCollective:
         atomic_store(line + 8, 0)  # the status word of allreduce_checked: this input is fine
         atomic_store(line + 16, src)
         atomic_store(line + 24, dst)
+        atomic_store(line + 32, send.nbytes)  # (with +40, the round: see below)
+        atomic_store(line + 40, k)
         atomic_store(line, k)
         everyone = self._all
         self._wait(_ARRIVE, k, everyone, "reduction")
@@ -745,6 +747,21 @@ class ShmCollective:
             if bad:
                 self._end(k)
                 return bad
+        # Every peer must have published this round's buffers of this size: a member that
+        # passed another size (or took the slot path with it) would have its own memory
+        # written past its buffer. Everyone reads the same words after the arrival: all the
+        # members on this path refuse alike, and the group stays in step.
+        sizes = [atomic_load(self._flag(_ARRIVE, j) + 32) if atomic_load(self._flag(_ARRIVE, j) + 40) == k
+                 else -1 for j in everyone]
+        if any(n != send.nbytes for n in sizes):
+            self._end(k)
+            # (a member that published nothing this round took the slots: its message was smaller)
+            said = [f"{n} bytes" if n >= 0 else f"under {self.single_copy_min} bytes" for n in sizes]
+            raise ValueError(
+                f"members of shared-memory group {self.name!r} passed different sizes to one allreduce ("
+                + ", ".join(f"rank {self.global_ranks[j]}: {w}" for j, w in zip(everyone, said))
+                + "); every member must pass the same shape and dtype"
+            )
         me = self.rank
         srcs, pids, dests = [], [], []
         for j in everyone:

@@ -214,3 +214,34 @@ def test_single_member_and_argument_checks():
         ShmCollective(unique_segment_name("test"), 0, 1, single_copy_min=1.5)
     with pytest.raises(ValueError, match="single_copy_min must be >= 0 bytes, 'auto' or None, got -1"):
         ShmCollective(unique_segment_name("test"), 0, 1, single_copy_min=-1)
+
+
+def _mismatched_sizes(rank, size, name):
+    # rank 1 passes half the bytes of rank 0: a peer writing the reduced chunks into rank
+    # 1's buffer by rank 0's size would go past its end; both must refuse instead
+    g = ShmCollective(name, rank, size, timeout=30, single_copy_min=0)
+    try:
+        n = 1 << 18 if rank == 0 else 1 << 17
+        send = np.ones(n)
+        guard = np.full(1 << 17, 7.0)  # memory around the smaller buffer must stay as it was
+        out = np.full(n, -1.0)
+        try:
+            g.allreduce(send, out)
+            said = None
+        except ValueError as exc:
+            said = str(exc)
+        untouched = bool((out == -1.0).all()) and bool((guard == 7.0).all())
+        after = g.allreduce(np.ones(4)).tolist()  # the group is still in step
+        return said, untouched, after
+    finally:
+        g.close()
+
+
+@pytest.mark.skipif(not _platform.LINUX_NATIVE, reason="cross-memory attach is Linux only")
+def test_members_passing_different_sizes_are_refused_without_writing_each_other():
+    res = run_ranks(_mismatched_sizes, 2, unique_segment_name("test"))
+    for r in range(2):
+        said, untouched, after = res[r]
+        assert said is not None and "passed different sizes to one allreduce" in said
+        assert "rank 0: 2097152 bytes" in said and "rank 1: 1048576 bytes" in said
+        assert untouched and after == [2.0] * 4
