@@ -66,6 +66,9 @@ FRAME_MAGIC: int
 def pack_header(
     kind: int, flags: int, length: int, msg_id: int = 0, target: int = 0, view: int = 0
 ) -> bytes: ...
+def pack_frame(
+    kind: int, flags: int, msg_id: int, target: int, view: int, parts: Sequence[Any], small: int, limit: int
+) -> tuple[int, bytes | None]: ...
 def unpack_header(
     data: bytes | bytearray | memoryview, limit: int, offset: int = 0
 ) -> tuple[int, int, int, int, int, int]: ...

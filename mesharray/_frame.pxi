@@ -18,6 +18,8 @@
 # payload. Policy (what a kind means, what to do on a bad frame) is Python's.
 
 from libc.string cimport memcpy
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
+from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 
 FRAME_HEADER_SIZE = 24
@@ -33,15 +35,8 @@ cdef packed struct _FrameHeader:
     uint32_t view
 
 
-def pack_header(unsigned int kind, unsigned int flags, unsigned long long length,
-                unsigned long long msg_id=0, unsigned long long target=0,
-                unsigned long long view=0):
-    """Pack a frame header into 24 bytes.
-
-    >>> from mesharray._core import pack_header, unpack_header
-    >>> unpack_header(pack_header(1, 0, 5, 7, 2, 3), 1 << 20)
-    (1, 0, 5, 7, 2, 3)
-    """
+cdef inline bytes _header(unsigned int kind, unsigned int flags, unsigned long long length,
+                          unsigned long long msg_id, unsigned long long target, unsigned long long view):
     cdef _FrameHeader h
     if kind == 0 or kind > 255:
         raise ValueError(f"frame kind must be in 1..255, got {kind}")
@@ -59,6 +54,76 @@ def pack_header(unsigned int kind, unsigned int flags, unsigned long long length
     h.target = <uint32_t>target
     h.view = <uint32_t>view
     return (<char*>&h)[:24]
+
+
+def pack_header(unsigned int kind, unsigned int flags, unsigned long long length,
+                unsigned long long msg_id=0, unsigned long long target=0,
+                unsigned long long view=0):
+    """Pack a frame header into 24 bytes.
+
+    >>> from mesharray._core import pack_header, unpack_header
+    >>> unpack_header(pack_header(1, 0, 5, 7, 2, 3), 1 << 20)
+    (1, 0, 5, 7, 2, 3)
+    """
+    return _header(kind, flags, length, msg_id, target, view)
+
+
+def pack_frame(unsigned int kind, unsigned int flags, unsigned long long msg_id, unsigned long long target,
+               unsigned long long view, parts, Py_ssize_t small, unsigned long long limit):
+    """Size a frame's payload and pack its header, in one call (the per-message path of every send).
+
+    ``parts`` is the payload: a sequence of bytes-like objects. Returns ``(n, frame)``
+    with ``n`` the payload's size in bytes and ``frame``:
+
+    - ``None`` when ``n > limit`` (nothing packed: the caller reports it);
+    - the header followed by the payload, joined, when ``n <= small``;
+    - else the 24-byte header alone (the caller writes the parts after it).
+
+    >>> from mesharray._core import pack_frame, unpack_header
+    >>> n, frame = pack_frame(1, 0, 7, 2, 3, [b"ab", memoryview(b"cde")], 64, 1 << 20)
+    >>> n, unpack_header(frame, 1 << 20), frame[24:]
+    (5, (1, 0, 5, 7, 2, 3), b'abcde')
+    >>> pack_frame(1, 0, 7, 2, 3, [b"ab", b"cde"], 4, 1 << 20)[1][24:]
+    b''
+    >>> pack_frame(1, 0, 7, 2, 3, [b"abcde"], 64, 4)
+    (5, None)
+    """
+    cdef Py_ssize_t n = 0, i, m = len(parts), pos = 24
+    cdef Py_buffer buf
+    cdef bytes hdr, out
+    cdef char* dst
+    for i in range(m):
+        p = parts[i]
+        if type(p) is bytes:
+            n += PyBytes_GET_SIZE(p)
+        else:
+            PyObject_GetBuffer(p, &buf, PyBUF_SIMPLE)
+            n += buf.len
+            PyBuffer_Release(&buf)
+    if <unsigned long long>n > limit:
+        return n, None
+    hdr = _header(kind, flags, n, msg_id, target, view)
+    if n > small:
+        return n, hdr
+    out = PyBytes_FromStringAndSize(NULL, 24 + n)
+    dst = PyBytes_AS_STRING(out)
+    memcpy(dst, PyBytes_AS_STRING(hdr), 24)
+    for i in range(m):
+        p = parts[i]
+        if type(p) is bytes:
+            memcpy(dst + pos, PyBytes_AS_STRING(p), PyBytes_GET_SIZE(p))
+            pos += PyBytes_GET_SIZE(p)
+        else:
+            PyObject_GetBuffer(p, &buf, PyBUF_SIMPLE)
+            if pos + buf.len > 24 + n:  # (a part that grew since it was sized)
+                PyBuffer_Release(&buf)
+                raise ValueError("a frame part changed size while it was packed")
+            memcpy(dst + pos, buf.buf, buf.len)
+            pos += buf.len
+            PyBuffer_Release(&buf)
+    if pos != 24 + n:
+        raise ValueError("a frame part changed size while it was packed")
+    return n, out
 
 
 def unpack_header(const unsigned char[::1] data not None, unsigned long long limit,

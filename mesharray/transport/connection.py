@@ -60,7 +60,7 @@ import threading
 import time
 
 from .. import _platform
-from .._core import pack_header, unpack_header
+from .._core import pack_frame, unpack_header
 from ..errors import (
     AuthenticationError,
     BrokenTransportError,
@@ -211,19 +211,16 @@ class Connection:
         that the caller can arrange the next :meth:`flush` (the runtime's
         channel does: it flushes before anyone blocks waiting for a reply).
         """
-        n = 0
-        for p in parts:
-            n += p.nbytes if isinstance(p, memoryview) else len(p)
-        if n > self.limit:
+        # the payload's size and header, and for a small frame the frame itself, in one compiled call
+        n, data = pack_frame(kind, flags, msg_id, target, view, parts, _SMALL, self.limit)
+        if data is None:
             raise SerializationError(framing.too_large(n, self.limit))
-        hdr = pack_header(kind, flags, n, msg_id, target, view)
         if self._closed:
             raise ClosedTransportError(f"connection {self.name} is closed")
         self.bytes_out += n + 24
         self.frames_out += 1
         try:
             if n <= _SMALL:
-                data = hdr + b"".join(parts) if parts else hdr
                 with self._send_lock:
                     out = self._out
                     if cork:
@@ -244,7 +241,7 @@ class Connection:
                 with self._send_lock:
                     if self._out:
                         self._flush_locked()
-                    self._write_parts_locked([hdr, *parts])
+                    self._write_parts_locked([data, *parts])
                 return False
         except TransportError:
             raise
