@@ -415,10 +415,8 @@ class Worker:
             return 0  # the caller is gone
         if parts is _EMPTY_OK:
             return _EMPTY_OK_BYTES
-        n = 24
-        for p in parts:
-            n += p.nbytes if isinstance(p, memoryview) else len(p)
-        return n
+        # (framing's parts are bytes and 1-d byte memoryviews: len is their size)
+        return 24 + sum(map(len, parts))
 
     def _fail(self, conn, msg_id, reply, slot, exc, method: str = "?") -> None:
         if RECORD:

@@ -173,7 +173,8 @@ def dumps(obj) -> Payload:
         first: bytes | None = _pickle5(obj, buffers)
     except Exception:
         first = None
-    if first is not None and b"__main__" not in first:
+    # (find, not "in": bytes.__contains__ first tries its argument as an int and formats that error)
+    if first is not None and first.find(b"__main__") < 0:
         if len(first) > max_frame_size:
             raise SerializationError(too_large(len(first), max_frame_size))
         return Payload(first, buffers)
