@@ -246,11 +246,18 @@ class DataContext:
                 self.raise_failure(exc, bid)
         return out
 
-    def call_some(self, members: list, reply: list, program: list) -> dict:
-        """Run ``program`` on ``members`` (sorted, unique), sent once for all (pending frees of
+    def call_some(self, members: list, reply: Sequence[int], wire: list) -> dict:
+        """Run a program on ``members`` (sorted, unique), sent once for all (pending frees of
         any member go with it): a future of its result per rank of ``reply`` (those ranks
-        answer; the others get it as a broadcast, a dead one skipped, as :meth:`post`)."""
-        return self.view(members).run._call_some(reply, I.encode(self.with_frees(members, program)))
+        answer; the others get it as a broadcast, a dead one skipped, as :meth:`post`).
+
+        ``wire``: the program in its wire form (:func:`~.instructions.encode`'s tuples).
+        """
+        if self._pending:
+            frees = self._take_frees(members)
+            if frees:
+                wire = [("free", frees), *wire]
+        return self.view(members).run._call_some(reply, wire)
 
     def call_one(self, rank: int, program: list) -> Any:
         """Run ``program`` on ``rank``; a future of its result (a :class:`~.instructions.Fetch`'s block)."""
@@ -305,6 +312,11 @@ class DataContext:
         """``program`` preceded by the pending frees of blocks on ``ranks`` (taken off the pending set)."""
         if not self._pending:
             return program
+        frees = self._take_frees(ranks)
+        return [I.Free(frees)] + program if frees else program
+
+    def _take_frees(self, ranks: list) -> list:
+        """The pending frees of blocks on ``ranks``, taken off the pending set for those ranks."""
         mine = set(ranks)
         frees = []
         with self._lock:
@@ -316,7 +328,7 @@ class DataContext:
                         del self._pending[bid]
             if not self._pending:
                 self._pending_bytes = 0
-        return [I.Free(frees)] + program if frees else program
+        return frees
 
     def flush_frees(self) -> None:
         """Send every pending free now."""

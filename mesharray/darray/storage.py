@@ -37,7 +37,6 @@ import math
 import operator
 import os
 import pickle
-import weakref
 from typing import Any
 
 import numpy as np
@@ -111,7 +110,7 @@ class DistributedStorage:
 
     kind = "distributed"
     __slots__ = ("ctx", "bid", "ranks", "holders", "_local", "_dtype", "engine", "collective", "announced",
-                 "__weakref__")
+                 "_all", "_nbytes", "__weakref__")
 
     def __init__(self, ctx: DataContext, bid: int, ranks: np.ndarray, local_shape: tuple, dtype: Any,
                  engine: str, holders: np.ndarray | None = None, collective: str | None = None,
@@ -130,11 +129,41 @@ class DistributedStorage:
         ctx.incref(bid)
         all_ranks = _all_ranks if _all_ranks is not None else tuple(sorted(
             set(self.ranks.ravel().tolist()) | (set(holders.ravel().tolist()) if holders is not None else set())))
-        nbytes = math.prod(self._local) * self._dtype.itemsize * max(1, len(all_ranks))
-        # the finalizer holds its context weakly: the registry of finalizers is a
-        # root, and a context reaches its arrays back (through the mesh, a stored
-        # error's traceback, a frame), which would keep the array and its mesh alive
-        weakref.finalize(self, _decref, weakref.ref(ctx), bid, all_ranks, nbytes)
+        self._nbytes = math.prod(self._local) * self._dtype.itemsize * max(1, len(all_ranks))
+        self._all = all_ranks  # (set last: __del__ gives back the reference only once it was taken)
+
+    @classmethod
+    def _made(cls, ctx: DataContext, bid: int, ranks: np.ndarray, local: tuple, dtype: np.dtype, engine: str,
+              holders: np.ndarray | None, collective: str | None, all_ranks: tuple,
+              nbytes: int) -> "DistributedStorage":
+        """A storage from fields already in their types and counted (a reduction plan's, the
+        per-op path of a reduction in a loop): what ``__init__`` makes, without converting them."""
+        self = object.__new__(cls)
+        self.ctx = ctx
+        self.bid = bid
+        self.ranks = ranks
+        self.holders = holders
+        self._local = local
+        self._dtype = dtype
+        self.engine = engine
+        self.collective = collective
+        self.announced = None
+        ctx.incref(bid)
+        self._nbytes = nbytes
+        self._all = all_ranks
+        return self
+
+    def __del__(self) -> None:
+        # the controller's reference to the block, given back when the last array over it goes
+        # (a method, not a weakref.finalize: no registry entry per array, ~2 µs a small op)
+        try:
+            all_ranks = self._all
+        except AttributeError:  # __init__ failed before it took the reference
+            return
+        try:
+            self.ctx.decref(self.bid, all_ranks, self._nbytes)
+        except Exception:  # (interpreter shutdown: the mesh is gone, nothing to free)
+            pass
 
     def _derive(self, bid: int, ranks: np.ndarray | None = None, local: tuple | None = None, dtype: Any = None,
                 holders: Any = False) -> "DistributedStorage":
@@ -284,21 +313,27 @@ class DistributedStorage:
         if coll is None:
             ctx.send(self._unique(), program)
             return self._derive(cur, local=new_local, dtype=rdt_work)
-        members, ranks, holders, all_ranks, roots, planned = coll
+        members, ranks, holders, all_ranks, roots, planned, tiny, nbytes = coll
         out = ctx.new_id()
-        tiny = rdt_work == rdt and math.prod(new_local) * rdt.itemsize <= ANNOUNCE_BYTES
-        # the collective's fields but the block ids are the plan's, pickled once (Planned)
-        program.append(I.Planned(out, cur, planned, roots if tiny else ()))
+        if tiny:
+            # a tiny result (a loss, a norm): the ranks holding it send it back with the
+            # program's reply, so fetching it costs no further message (one program for
+            # all members, pickled once: only the holders fetch). The program goes in its
+            # wire form (instructions.encode's), the collective's fields but the block ids
+            # pickled once in the plan (Planned)
+            wire = I.encode(program) if program else []
+            wire.append(("plan", out, cur, planned, roots))
+            if cur != self.bid:
+                wire.append(("free", [cur]))
+            res = DistributedStorage._made(ctx, out, ranks, new_local, rdt_work, self.engine, holders,
+                                           self.collective, all_ranks, nbytes)
+            res.announced = ctx.call_some(members, roots, wire)
+            return res
+        program.append(I.Planned(out, cur, planned, ()))
         if cur != self.bid:
             program.append(I.Free([cur]))
         res = DistributedStorage(ctx, out, ranks, new_local, rdt_work, self.engine, holders, self.collective,
                                  _all_ranks=all_ranks)
-        if tiny:
-            # a tiny result (a loss, a norm): the ranks holding it send it back with the
-            # program's reply, so fetching it costs no further message
-            # (one program for all members, pickled once: only the holders fetch)
-            res.announced = ctx.call_some(members, list(roots), program)
-            return res
         # fire-and-forget (see _send_collective); members are sorted and unique
         ctx.post(members, ctx.with_frees(members, program))
         if rdt_work != rdt:  # any/all computed as uint8 max/min
@@ -361,7 +396,9 @@ class DistributedStorage:
                                 (ctx.torch_init_method(), ctx.shape.size) if backend == "torch" else (),
                                 ctx.pids(groups), ctx.hosts(groups_l)), protocol=5)
         roots = tuple(sorted(set(ranks.ravel().tolist())))
-        coll = (members, ranks, holders, tuple(members), roots, planned)
+        tiny = rdt_work == rdt and math.prod(new_local) * rdt.itemsize <= ANNOUNCE_BYTES
+        nbytes = math.prod(new_local) * rdt_work.itemsize * len(members)  # (the result's, as __init__ counts it)
+        coll = (members, ranks, holders, tuple(members), roots, planned, tiny, nbytes)
         return first, rdt_work, rdt, new_local, coll
 
     def _backend(self, groups: list) -> str | None:
@@ -852,12 +889,6 @@ def _host_or_array(shape: Shape, st: DistributedStorage) -> Any:
             return None
         return values
     return a
-
-
-def _decref(ctx_ref: weakref.ref, bid: int, ranks: tuple, nbytes: int) -> None:
-    ctx = ctx_ref()
-    if ctx is not None:
-        ctx.decref(bid, ranks, nbytes)
 
 
 def _truth(out: int, src: int) -> I.Elementwise:
