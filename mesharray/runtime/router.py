@@ -144,32 +144,36 @@ class Router:
         chans: list[Channel | None] = []
         dead = None
         table = self.channels if current.get() is None else self.peer_channels  # (as in channel())
+        get = table.get
+        polled = park
         for i, r in enumerate(ranks):
-            try:
-                chans.append(table.get(addresses[r]) or self.channel(addresses[r]))
-            except Exception as exc:
-                chans.append(None)
-                cb = None if cbs is None else cbs[i]
-                if cb is not None:
-                    cb(P.DIED, exc)
-                elif not isinstance(exc, ActorDiedError):
-                    raise
-                elif cbs is None:
-                    dead = dead or exc
+            a = addresses[r]
+            c = get(a)
+            if c is None:
+                try:
+                    c = self.channel(a)
+                except Exception as exc:
+                    chans.append(None)
+                    polled = False
+                    cb = None if cbs is None else cbs[i]
+                    if cb is not None:
+                        cb(P.DIED, exc)
+                    elif not isinstance(exc, ActorDiedError):
+                        raise
+                    elif cbs is None:
+                        dead = dead or exc
+                    continue
+            chans.append(c)
+            if polled and not c.polled:
+                polled = False
+        # park: the caller reads the replies itself, when every channel is a polled one
+        now = time.monotonic() if polled else 0.0
         seg = placed = None
-        if plain is None and p.big and all(c is not None and c.conn.same_host for c in chans):
-            if shm.available():
+        if plain is None:
+            if not p.big:
+                plain = [head, *framing.encode(p)] if head else framing.encode(p)
+            elif shm.available() and all(c is not None and c.conn.same_host for c in chans):
                 seg, placed = framing.write_shm(p, len(chans), tuple(addresses[r] for r in ranks))
-        if plain is None and not p.big:
-            plain = [head, *framing.encode(p)] if head else framing.encode(p)
-        now = 0.0
-        if park:
-            for c in chans:
-                if c is None or not c.polled:
-                    park = False
-                    break
-            else:
-                now = time.monotonic()
         for i, chan in enumerate(chans):
             if chan is None:
                 continue
@@ -185,7 +189,7 @@ class Router:
                 if cb is None:
                     chan.post(kind, target, vid, parts)
                 else:
-                    chan.call(kind, target, vid, parts, cb, park, now)
+                    chan.call(kind, target, vid, parts, cb, polled, now)
             except ActorDiedError as exc:  # the peer died under us (a call's fails its callback)
                 if cbs is None:
                     dead = dead or exc
