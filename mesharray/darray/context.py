@@ -246,18 +246,19 @@ class DataContext:
                 self.raise_failure(exc, bid)
         return out
 
-    def call_some(self, members: list, reply: Sequence[int], wire: list) -> dict:
+    def call_some(self, run: Any, members: list, reply: Sequence[int], wire: list) -> dict:
         """Run a program on ``members`` (sorted, unique), sent once for all (pending frees of
         any member go with it): a future of its result per rank of ``reply`` (those ranks
         answer; the others get it as a broadcast, a dead one skipped, as :meth:`post`).
 
+        ``run``: the ``run`` endpoint of ``view(members)`` (a caller in a loop keeps it);
         ``wire``: the program in its wire form (:func:`~.instructions.encode`'s tuples).
         """
         if self._pending:
             frees = self._take_frees(members)
             if frees:
                 wire = [("free", frees), *wire]
-        return self.view(members).run._call_some(reply, wire)
+        return (run or self.view(members).run)._call_some(reply, wire)
 
     def call_one(self, rank: int, program: list) -> Any:
         """Run ``program`` on ``rank``; a future of its result (a :class:`~.instructions.Fetch`'s block)."""

@@ -200,7 +200,10 @@ class DistributedStorage:
                 value = unpack_small(next(iter(ann.values())).get())
             except BaseException as exc:
                 ctx.raise_failure(exc, self.bid)
-            return np.asarray(value, dtype=self._dtype).reshape(self.ranks.shape + self._local)
+            shape = self.ranks.shape + self._local
+            if value.shape != shape or value.dtype != self._dtype:
+                value = np.asarray(value, dtype=self._dtype).reshape(shape)
+            return value
         by_rank = self.ctx.fetch(self._unique(), self.bid, self.announced)
         if self.ranks.size == 1:
             # one block: hand it over as it arrived (no second copy at the controller)
@@ -313,7 +316,7 @@ class DistributedStorage:
         if coll is None:
             ctx.send(self._unique(), program)
             return self._derive(cur, local=new_local, dtype=rdt_work)
-        members, ranks, holders, all_ranks, roots, planned, tiny, nbytes = coll
+        members, ranks, holders, all_ranks, roots, planned, tiny, nbytes, run = coll
         out = ctx.new_id()
         if tiny:
             # a tiny result (a loss, a norm): the ranks holding it send it back with the
@@ -327,7 +330,7 @@ class DistributedStorage:
                 wire.append(("free", [cur]))
             res = DistributedStorage._made(ctx, out, ranks, new_local, rdt_work, self.engine, holders,
                                            self.collective, all_ranks, nbytes)
-            res.announced = ctx.call_some(members, roots, wire)
+            res.announced = ctx.call_some(run, members, roots, wire)
             return res
         program.append(I.Planned(out, cur, planned, ()))
         if cur != self.bid:
@@ -398,7 +401,8 @@ class DistributedStorage:
         roots = tuple(sorted(set(ranks.ravel().tolist())))
         tiny = rdt_work == rdt and math.prod(new_local) * rdt.itemsize <= ANNOUNCE_BYTES
         nbytes = math.prod(new_local) * rdt_work.itemsize * len(members)  # (the result's, as __init__ counts it)
-        coll = (members, ranks, holders, tuple(members), roots, planned, tiny, nbytes)
+        run = ctx.view(members).run if tiny else None  # (the endpoint a tiny one's program goes to)
+        coll = (members, ranks, holders, tuple(members), roots, planned, tiny, nbytes, run)
         return first, rdt_work, rdt, new_local, coll
 
     def _backend(self, groups: list) -> str | None:

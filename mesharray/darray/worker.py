@@ -176,7 +176,7 @@ def unpack_small(v: Any) -> np.ndarray:
         d = _DTYPES.get(dt)
         if d is None:  # (parsing a dtype string costs more than the rest of a tiny fetch)
             d = _DTYPES[dt] = np.dtype(dt)
-        return np.frombuffer(raw, dtype=d).reshape(shape).copy()
+        return np.ndarray(shape, d, bytearray(raw))  # (one copy, into a buffer of its own: ~4x faster)
     return np.asarray(v)
 
 
@@ -490,11 +490,15 @@ class DataActor(Actor):
         result = None
         fetch = None
         for raw in program:
-            if raw[0] == "plan":  # (the one instruction of a reduction in a loop: first, undecoded)
+            code = raw[0]
+            if code == "plan":  # (the instructions of a reduction in a loop: first, undecoded)
                 _, out, src, plan, ranks = raw
                 self._planned(me, out, src, plan)
                 if me in ranks:
                     fetch = out  # after the rest of the program (its frees), which a failed out must not skip
+                continue
+            if code == "free":
+                STORE.free(raw[1])
                 continue
             ins = I.decode(raw)
             t = type(ins)
@@ -544,9 +548,9 @@ class DataActor(Actor):
             if len(_PLANS) >= 256:
                 _PLANS.clear()
             st = _PLANS[plan] = [pickle.loads(plan), None]
-        fast: tuple[ShmCollective, str, np.dtype, Engine] | None = st[1]
+        fast: tuple[ShmCollective, str, np.dtype, Engine, int] | None = st[1]
         if fast is not None:
-            g, op, dtype, eng = fast
+            g, op, dtype, eng, small = fast
             blocks = STORE.blocks
             blocks.pop(out, None)
             block = blocks.get(src)
@@ -554,7 +558,7 @@ class DataActor(Actor):
                     and STORE.engines.get(src) is eng):
                 res = STORE.take(block.shape, dtype)
                 try:
-                    if block.nbytes <= g.small_bytes:
+                    if block.nbytes <= small:
                         failed = g.small_allreduce_checked(block, res, op)
                     else:
                         failed = g.allreduce_checked(block, out=res, op=op)
@@ -573,7 +577,7 @@ class DataActor(Actor):
             members = next(tuple(m) for m in ins.groups if me in m)
             grp = STORE.groups.get((members, None))
             if isinstance(grp, ShmCollective) and grp.size > 1:
-                st[1] = (grp, ins.op, np.dtype(ins.dtype), get_engine("numpy"))
+                st[1] = (grp, ins.op, np.dtype(ins.dtype), get_engine("numpy"), grp.small_bytes)
 
     def _move(self, me: int, ins: I.Move) -> None:
         """This process's part of a move: its sends and its receive, in the move's order."""

@@ -124,6 +124,20 @@ class Router:
             if chan is not None:
                 chan.close(join=False)
 
+    def polled_channels(self, addresses, ranks) -> list | None:
+        """The open channels to ``ranks`` when each one has a polled connection (its replies can be
+        read by the caller), else ``None``: the fast path of a call's per-op loop, which falls back
+        to :meth:`send_many` for anything else (a first contact, a dead peer, thread mode)."""
+        table = self.channels if current.get() is None else self.peer_channels  # (as in channel())
+        get = table.get
+        chans = []
+        for r in ranks:
+            c = get(addresses[r])
+            if c is None or not c.polled:
+                return None
+            chans.append(c)
+        return chans
+
     # -- the send loop --------------------------------------------------------------
     def send_many(self, addresses, ranks, kind: int, target: int, shape, p, head: bytes = b"",
                   plain=None, cbs=None, park: bool = False) -> list:

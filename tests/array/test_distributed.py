@@ -187,6 +187,24 @@ def test_worker_death_during_reduction_raises_actor_died():
         assert time.monotonic() - t0 < 10
 
 
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("victim", [0, 2], ids=["root", "member"])
+def test_death_in_a_loop_of_tiny_reductions_raises_actor_died(victim):
+    # a loss in a training loop: the plan, the channels and the per-op fast path are warm when a rank
+    # dies; the result's root (rank 0, which answers) or a member that only takes part
+    with ma.proc_mesh(hosts=1, procs=3) as procs:
+        x = procs.full((), 1.0)
+        for _ in range(30):
+            assert _np(x.sum(axis="procs")).tolist() == [3.0]
+        os.kill(procs.pids[victim], signal.SIGKILL)
+        t0 = time.monotonic()
+        for _ in range(3):  # and every later op, without hanging
+            with pytest.raises(ActorDiedError) as info:
+                x.sum(axis="procs").fetch()
+            assert victim in info.value.ranks
+        assert time.monotonic() - t0 < 15
+
 def test_fetch_returns_gathered(procs):
     a = procs.arange((3,))
     f = a.fetch()
