@@ -110,7 +110,7 @@ class DistributedStorage:
 
     kind = "distributed"
     __slots__ = ("ctx", "bid", "ranks", "holders", "_local", "_dtype", "engine", "collective", "announced",
-                 "_all", "_nbytes", "__weakref__")
+                 "_all", "_nbytes", "_last_plan", "__weakref__")
 
     def __init__(self, ctx: DataContext, bid: int, ranks: np.ndarray, local_shape: tuple, dtype: Any,
                  engine: str, holders: np.ndarray | None = None, collective: str | None = None,
@@ -126,6 +126,7 @@ class DistributedStorage:
         #: futures of this block's value per rank, when the program that made it sent it back
         #: already (a tiny reduction: fetching it then costs no message)
         self.announced: dict | None = None
+        self._last_plan: tuple | None = None  # (op, axes, keepdims, plan) of its last reduce
         ctx.incref(bid)
         all_ranks = _all_ranks if _all_ranks is not None else tuple(sorted(
             set(self.ranks.ravel().tolist()) | (set(holders.ravel().tolist()) if holders is not None else set())))
@@ -148,6 +149,7 @@ class DistributedStorage:
         self.engine = engine
         self.collective = collective
         self.announced = None
+        self._last_plan = None
         ctx.incref(bid)
         self._nbytes = nbytes
         self._all = all_ranks
@@ -196,11 +198,11 @@ class DistributedStorage:
             # (what ctx.fetch does for it, without the general case's bookkeeping)
             ctx = self.ctx
             ctx.check_live()
+            shape = self.ranks.shape + self._local
             try:
-                value = unpack_small(next(iter(ann.values())).get())
+                value = unpack_small(next(iter(ann.values())).get(), self._local, shape)
             except BaseException as exc:
                 ctx.raise_failure(exc, self.bid)
-            shape = self.ranks.shape + self._local
             if value.shape != shape or value.dtype != self._dtype:
                 value = np.asarray(value, dtype=self._dtype).reshape(shape)
             return value
@@ -292,16 +294,22 @@ class DistributedStorage:
         if kwargs:
             return self._gathered_reduce(op, func, axes, keepdims, kwargs)
         # Everything but the block ids depends only on the layout and the request:
-        # planned once, so that a tiny reduction in a loop costs only its messages.
-        key = (op, axes, keepdims, self.ranks.shape, self.ranks.tobytes(), self._local, self._dtype,
-               self.collective, self.engine)
-        plans = self.ctx.plans
-        plan = plans.get(key)
-        if plan is None:
-            plan = self._reduce_plan(op, func, axes, keepdims)
-            if len(plans) > 256:
-                plans.clear()
-            plans[key] = plan
+        # planned once, so that a tiny reduction in a loop costs only its messages
+        # (this storage keeps its last plan: a loss reduces the same array each step)
+        last = self._last_plan
+        if last is not None and last[0] == op and last[1] == axes and last[2] == keepdims:
+            plan = last[3]
+        else:
+            key = (op, axes, keepdims, self.ranks.shape, self.ranks.tobytes(), self._local, self._dtype,
+                   self.collective, self.engine)
+            plans = self.ctx.plans
+            plan = plans.get(key)
+            if plan is None:
+                plan = self._reduce_plan(op, func, axes, keepdims)
+                if len(plans) > 256:
+                    plans.clear()
+                plans[key] = plan
+            self._last_plan = (op, axes, keepdims, plan)
         if plan is None:
             return self._gathered_reduce(op, func, axes, keepdims, kwargs)
         first, rdt_work, rdt, new_local, coll = plan

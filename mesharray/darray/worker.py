@@ -169,13 +169,19 @@ def pack_small(a: np.ndarray) -> Any:
 _DTYPES: dict[str, np.dtype] = {}
 
 
-def unpack_small(v: Any) -> np.ndarray:
-    """The inverse of :func:`pack_small` (a writable array, like an unpickled one)."""
+def unpack_small(v: Any, block_shape: tuple | None = None, as_shape: tuple | None = None) -> np.ndarray:
+    """The inverse of :func:`pack_small` (a writable array, like an unpickled one).
+
+    ``as_shape``: the caller's shape for it, used when the block has ``block_shape`` (the
+    same elements: a fetched block with the mesh's axes of one position added).
+    """
     if type(v) is tuple:
         dt, shape, raw = v
         d = _DTYPES.get(dt)
         if d is None:  # (parsing a dtype string costs more than the rest of a tiny fetch)
             d = _DTYPES[dt] = np.dtype(dt)
+        if as_shape is not None and shape == block_shape:
+            shape = as_shape
         return np.ndarray(shape, d, bytearray(raw))  # (one copy, into a buffer of its own: ~4x faster)
     return np.asarray(v)
 
