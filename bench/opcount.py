@@ -1,0 +1,79 @@
+"""Interpreter instructions per op of the 8-byte sum, in each process (load-independent).
+
+``x.sum(axis="procs").fetch()`` of a 0-d float64 block on 2 ranks, in a loop: a
+``sys.settrace`` opcode counter in the controller's thread, and in each worker's
+reader thread (where the system actors' calls run) through a probe actor that
+installs the same counter there. The counts do not depend on the machine's load,
+so a change to the control path can be judged by them where timings are noisy.
+
+Usage::
+
+    python bench/opcount.py [--ops 500] [--top 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+
+import numpy as np
+
+import mesharray as ma
+
+
+def _counter(ops: collections.Counter):
+    def trace(frame, event, arg):
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            code = frame.f_code
+            ops[f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}"] += 1
+        return trace
+    return trace
+
+
+class Probe(ma.Actor):
+    """Counts the bytecodes its worker's reader thread runs between install and report."""
+
+    @ma.endpoint
+    def install(self) -> None:
+        self.ops: collections.Counter = collections.Counter()
+        sys.settrace(_counter(self.ops))  # this thread: the one that runs the system actors' calls too
+
+    @ma.endpoint
+    def report(self) -> dict:
+        sys.settrace(None)
+        return dict(self.ops)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ops", type=int, default=500)
+    ap.add_argument("--top", type=int, default=0, help="also list each process's N costliest functions")
+    args = ap.parse_args(argv)
+    n = args.ops
+    with ma.proc_mesh(procs=2) as procs:
+        x = procs.full((), 2.0)
+        for _ in range(300):  # plans, groups, channels: warm
+            x.sum(axis="procs").fetch()
+        probe = procs.spawn("opcount_probe", Probe)
+        probe.install.call().get()
+        mine: collections.Counter = collections.Counter()
+        sys.settrace(_counter(mine))
+        for _ in range(n):
+            x.sum(axis="procs").fetch()
+        sys.settrace(None)
+        theirs = np.asarray(probe.report.call().get().tolist(), dtype=object).reshape(-1)
+    rows = [("controller", mine), ("root worker (rank 0, answers)", theirs[0]), ("other worker (rank 1)", theirs[1])]
+    print("| process | bytecodes / op |")
+    print("|---|---|")
+    for name, ops in rows:
+        print(f"| {name} | {sum(ops.values()) / n:,.0f} |")
+    for name, ops in rows if args.top else ():
+        print(f"\n{name}:")
+        for k, v in collections.Counter(ops).most_common(args.top):
+            print(f"  {v / n:7.1f}  {k}")
+
+
+if __name__ == "__main__":
+    main()
