@@ -476,7 +476,7 @@ class Endpoint(Generic[_P, _R]):
         self._name = name
         self._method = P.encode_method(name)
         self._noargs = [self._method + _NO_ARGS_BYTES]  # the whole payload of a call without arguments
-        self._some: tuple | None = None  # _call_some's ranks for its last (shape, reply)
+        self._some: list | None = None  # _call_some's ranks (and channels) for its last (shape, reply)
 
     def _send(self, ranks: Any, shape: Shape, args: tuple[Any, ...], kwargs: dict[str, Any],
               cbs: Any, park: bool = False) -> list[Channel | None]:
@@ -624,10 +624,18 @@ class Endpoint(Generic[_P, _R]):
             if missing:
                 raise ValueError(f"ranks {sorted(missing)} to answer are not among the actors' ranks {ranks}")
             want = set(reply)
-            some = self._some = (shape, reply, ranks, [r in want for r in ranks])
-        ranks, wants = some[2], some[3]
+            some = self._some = [shape, reply, ranks, [r in want for r in ranks], None]
+        ranks, wants, kept = some[2], some[3], some[4]
         p = framing.dumps((args, {}))
-        chans = None if p.big else get_router().polled_channels(mesh._addresses, ranks)
+        router = get_router()
+        if p.big:
+            chans = None
+        elif kept is not None and kept[0] is router and kept[1] == router.gen and current.get() is None:
+            chans = kept[2]  # the channels of the last op: no table changed since
+        else:
+            gen = router.gen  # (read first: a change while we look makes the next op look again)
+            chans = router.polled_channels(mesh._addresses, ranks)
+            some[4] = (router, gen, chans) if chans is not None and current.get() is None else None
         futs: dict[int, Future[Any]] = {}
         if chans is None:  # the general path: a first contact, a dead peer, a large program
             cbs: list[Callable[[int, Any], None] | None] = []

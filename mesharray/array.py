@@ -262,7 +262,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
     [2.0, 2.0, 2.0]
     """
 
-    __slots__ = ("_shape", "_storage", "__weakref__")
+    __slots__ = ("_shape", "_storage", "_last_reduce", "__weakref__")
     # ndarray operands defer to us (ndarray + MeshArray -> MeshArray.__radd__)
     __array_priority__ = 20
 
@@ -293,6 +293,8 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
             shape = Shape(dict(_unique_names(names, array.shape)))
         self._shape = shape
         self._storage = GatheredStorage(array)
+        #: (axis, keepdims, (axes, result Shape)) of its last reduction (its Shape never changes)
+        self._last_reduce: tuple | None = None
 
     # -- construction ---------------------------------------------------------------
 
@@ -307,6 +309,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         self = object.__new__(cls)
         self._shape = shape
         self._storage = storage
+        self._last_reduce = None
         return self
 
     _from_parts = from_storage
@@ -794,22 +797,28 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
 
     def _reduce(self, op: str, func: Any, axis: Any, keepdims: bool, kwargs: dict) -> Any:
         keepdims = bool(keepdims)
-        # the axes and the result's mesh Shape depend only on the Shape, ndim and the request:
-        # a reduction in a loop (a loss) looks them up (an axis of exactly str, int or a tuple
-        # of those: True == 1 must still be refused, and lists are not hashable)
-        t = type(axis)
-        key = (self._shape, self.ndim, axis, keepdims) if axis is None or t is str or t is int or (
-            t is tuple and all(type(a) is str or type(a) is int for a in axis)) else None
-        hit = _REDUCED.get(key) if key is not None else None
-        if hit is None:
-            axes = _normalize_axes(axis, self)
-            m = self._shape.ndim
-            reduced_mesh = range(m) if axes is None else [i for i in axes if i < m]
-            hit = (axes, self._reduced_shape(set(reduced_mesh), keepdims))
+        last = self._last_reduce
+        if last is not None and last[0] is axis and last[1] is keepdims:
+            hit = last[2]  # the same request on the same array (a loss in a loop; the same axis object)
+        else:
+            # the axes and the result's mesh Shape depend only on the Shape, ndim and the request:
+            # a reduction in a loop (a loss) looks them up (an axis of exactly str, int or a tuple
+            # of those: True == 1 must still be refused, and lists are not hashable)
+            t = type(axis)
+            key = (self._shape, self.ndim, axis, keepdims) if axis is None or t is str or t is int or (
+                t is tuple and all(type(a) is str or type(a) is int for a in axis)) else None
+            hit = _REDUCED.get(key) if key is not None else None
+            if hit is None:
+                axes = _normalize_axes(axis, self)
+                m = self._shape.ndim
+                reduced_mesh = range(m) if axes is None else [i for i in axes if i < m]
+                hit = (axes, self._reduced_shape(set(reduced_mesh), keepdims))
+                if key is not None:
+                    if len(_REDUCED) >= 512:
+                        _REDUCED.clear()
+                    _REDUCED[key] = hit
             if key is not None:
-                if len(_REDUCED) >= 512:
-                    _REDUCED.clear()
-                _REDUCED[key] = hit
+                self._last_reduce = (axis, keepdims, hit)
         storage = self._storage.reduce(op, func, hit[0], keepdims, kwargs)
         return _wrap(hit[1], storage)
 
@@ -837,17 +846,17 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         ([6, 22], np.int64(28))
         """
         _no_out(out, "sum")
-        return self._reduce("sum", np.sum, axis, keepdims, _kw(kwargs, dtype=dtype))
+        return self._reduce("sum", np.sum, axis, keepdims, kwargs if dtype is None else _kw(kwargs, dtype=dtype))
 
     def prod(self, axis: Any = None, dtype: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> Any:
         """Product over ``axis`` (see :meth:`sum`)."""
         _no_out(out, "prod")
-        return self._reduce("prod", np.prod, axis, keepdims, _kw(kwargs, dtype=dtype))
+        return self._reduce("prod", np.prod, axis, keepdims, kwargs if dtype is None else _kw(kwargs, dtype=dtype))
 
     def mean(self, axis: Any = None, dtype: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> Any:
         """Arithmetic mean over ``axis`` (see :meth:`sum`)."""
         _no_out(out, "mean")
-        return self._reduce("mean", np.mean, axis, keepdims, _kw(kwargs, dtype=dtype))
+        return self._reduce("mean", np.mean, axis, keepdims, kwargs if dtype is None else _kw(kwargs, dtype=dtype))
 
     def std(self, axis: Any = None, dtype: Any = None, out: Any = None, ddof: float = 0, keepdims: bool = False, **kwargs: Any) -> Any:
         """Standard deviation over ``axis`` (``ddof`` as NumPy; see :meth:`var`)."""

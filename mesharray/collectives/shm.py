@@ -620,7 +620,13 @@ class ShmCollective:
                              f"{send.dtype}, and so must send; got out {out.shape} {out.dtype}")
         if send.nbytes > self.small_bytes:
             raise ValueError(f"small_allreduce_checked takes at most {self.small_bytes} bytes, got {send.nbytes}")
-        # every check and both addresses (a read-only out raises here) before the round is taken
+        return self.small_allreduce_prechecked(send, out, op, kdt)
+
+    def small_allreduce_prechecked(self, send: np.ndarray, out: np.ndarray, op: str, kdt: str) -> list[int]:
+        """:meth:`small_allreduce_checked` for a caller that made its checks itself, once for many
+        calls (a reduction plan): ``send`` and ``out`` C-contiguous, of one shape and dtype, at most
+        :attr:`small_bytes`; ``kdt`` the dtype's kernel name (``_kernel_dtype``, which checked ``op``)."""
+        # both addresses (a read-only out raises here) before the round is taken
         src, nb = buffer_address(send)
         dst = buffer_address(out, True)[0]
         bad = self._bad

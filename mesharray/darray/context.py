@@ -118,6 +118,7 @@ class DataContext:
 
     def __init__(self, root: ProcMesh) -> None:
         self.mesh = root
+        self._state = root._root  # the root mesh's shared state (stopped, stopping)
         self.shape = root.mesh_shape
         self.token = secrets.token_hex(4)
         # spawn is typed as returning the actor class (its endpoints, for the checker); it is an ActorMesh
@@ -185,6 +186,9 @@ class DataContext:
 
     def check_live(self) -> None:
         """Raise :class:`~mesharray.MeshStoppedError` once the process mesh was stopped."""
+        state = self._state
+        if not (state.stopped or state.stopping):  # (what ProcMesh.check_live tests, per op of a loop)
+            return
         try:
             self.mesh.check_live()
         except MeshStoppedError as exc:
@@ -293,12 +297,11 @@ class DataContext:
 
     def decref(self, bid: int, ranks: tuple, nbytes: int = 0) -> None:
         with self._lock:
-            n = self._refs.get(bid, 0) - 1
+            n = self._refs.pop(bid, 0) - 1
             if n > 0:
                 self._refs[bid] = n
                 return
-            self._refs.pop(bid, None)
-            if self.mesh.stopped or not ranks:
+            if self._state.stopped or not ranks:
                 return
             self._pending[bid] = set(ranks)
             self._pending_bytes += nbytes

@@ -150,7 +150,7 @@ class DistributedStorage:
         self.collective = collective
         self.announced = None
         self._last_plan = None
-        ctx.incref(bid)
+        ctx._refs[bid] = 1  # (incref of a block id just minted: nobody else can hold it yet)
         self._nbytes = nbytes
         self._all = all_ranks
         return self

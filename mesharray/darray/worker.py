@@ -495,11 +495,12 @@ class DataActor(Actor):
         me = self._me()
         result = None
         fetch = None
+        made: np.ndarray | None = None  # the fast path's block (a Planned's result, when it ran there)
         for raw in program:
             code = raw[0]
             if code == "plan":  # (the instructions of a reduction in a loop: first, undecoded)
                 _, out, src, plan, ranks = raw
-                self._planned(me, out, src, plan)
+                made = self._planned(me, out, src, plan)
                 if me in ranks:
                     fetch = out  # after the rest of the program (its frees), which a failed out must not skip
                 continue
@@ -531,6 +532,8 @@ class DataActor(Actor):
             else:
                 raise TypeError(f"not a distributed-array instruction: {ins!r}")
         if fetch is not None:
+            if made is not None and STORE.blocks.get(fetch) is made:
+                return pack_small(STORE.blocks[fetch])  # the host block the fast path just made and stored
             result = pack_small(_host(STORE.engine(fetch), STORE.get(fetch)))
         return result
 
@@ -545,7 +548,7 @@ class DataActor(Actor):
         else:
             STORE.put(ins.out, block, eng)
 
-    def _planned(self, me: int, out: int, src: int, plan: bytes) -> None:
+    def _planned(self, me: int, out: int, src: int, plan: bytes) -> np.ndarray | None:
         """A :class:`~.instructions.Planned` collective: the plan's bytes are unpickled once; once
         its group is known to be shared memory, an allreduce of a contiguous NumPy block goes
         straight to the group (what :meth:`_collective_inner` would do, without deciding it again)."""
@@ -554,28 +557,29 @@ class DataActor(Actor):
             if len(_PLANS) >= 256:
                 _PLANS.clear()
             st = _PLANS[plan] = [pickle.loads(plan), None]
-        fast: tuple[ShmCollective, str, np.dtype, Engine, int] | None = st[1]
+        fast: tuple[ShmCollective, str, np.dtype, Engine, int, str] | None = st[1]
         if fast is not None:
-            g, op, dtype, eng, small = fast
+            g, op, dtype, eng, small, kdt = fast
             blocks = STORE.blocks
             blocks.pop(out, None)
             block = blocks.get(src)
             if (type(block) is np.ndarray and block.dtype == dtype and block.flags.c_contiguous
                     and STORE.engines.get(src) is eng):
-                res = STORE.take(block.shape, dtype)
                 try:
-                    if block.nbytes <= small:
-                        failed = g.small_allreduce_checked(block, res, op)
+                    if block.nbytes <= small:  # (checked here: the plan's dtype and op, a contiguous block)
+                        res = np.empty(block.shape, dtype)  # (far below the pool's sizes)
+                        failed = g.small_allreduce_prechecked(block, res, op, kdt)
                     else:
+                        res = STORE.take(block.shape, dtype)
                         failed = g.allreduce_checked(block, out=res, op=op)
                 except BaseException as exc:
                     STORE.fail(out, exc)
-                    return
+                    return None
                 if failed:
                     STORE.fail(out, InputFailed(failed, out))
-                else:
-                    STORE.put(out, res, eng)
-                return
+                    return None
+                STORE.put(out, res, eng)
+                return res  # (a NumPy block: the caller may send it back as it is)
         ins = I.Collective(out, src, *st[0])
         self._collective(me, ins)
         if fast is None and ins.op in _SHM_OPS and ins.backend is None:
@@ -583,7 +587,13 @@ class DataActor(Actor):
             members = next(tuple(m) for m in ins.groups if me in m)
             grp = STORE.groups.get((members, None))
             if isinstance(grp, ShmCollective) and grp.size > 1:
-                st[1] = (grp, ins.op, np.dtype(ins.dtype), get_engine("numpy"), grp.small_bytes)
+                dtype = np.dtype(ins.dtype)
+                try:
+                    kdt = grp._kernel_dtype(dtype, ins.op)
+                except (TypeError, ValueError):  # no kernel for it: the general path, which says so
+                    return None
+                st[1] = (grp, ins.op, dtype, get_engine("numpy"), grp.small_bytes, kdt)
+        return None
 
     def _move(self, me: int, ins: I.Move) -> None:
         """This process's part of a move: its sends and its receive, in the move's order."""

@@ -139,9 +139,12 @@ class Future(Generic[T]):
                 read = Channel.wait_all(chan, self._done, deadline)
             else:
                 read = chan.wait(self._done, deadline)
-            if read and self._value is _PENDING and deadline is not None:
-                timeout = max(0.0, deadline - _monotonic())
-            if not read:
+            if read:
+                if self._value is not _PENDING:
+                    return  # read here and done (the completion released the lock: nothing to wait on)
+                if deadline is not None:
+                    timeout = max(0.0, deadline - _monotonic())
+            else:
                 self._unpark()  # another thread reads: make sure the poller does too
         if timeout is None:
             ok = self._lock.acquire()

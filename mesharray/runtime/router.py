@@ -44,6 +44,9 @@ class Router:
         self.stopped: set[str] = set()  # addresses of stopped meshes' workers (never reused: pid + random)
         self._lock = threading.Lock()
         self.identity: dict = {"role": "peer", "pid": os.getpid()}
+        #: bumped (under the lock) whenever a channel is added to or dropped from the tables: a
+        #: caller that keeps channels it looked up (a call in a loop) knows them still current
+        self.gen = 0
 
     @property
     def sent_calls(self) -> int:
@@ -61,6 +64,7 @@ class Router:
         with self._lock:
             self.channels[address] = chan
             self.dead.pop(address, None)
+            self.gen += 1
 
     def channel(self, address: str) -> Channel:
         """The channel to send on to ``address``, opened on first use.
@@ -92,6 +96,7 @@ class Router:
             chan.send(P.HELLO, parts=[pickle.dumps(self.identity)])
             chan.start(polled=True)
             table[address] = chan
+            self.gen += 1
             return chan
 
     def _on_close(self, chan: Channel, exc) -> None:
@@ -103,6 +108,7 @@ class Router:
             self.dead[address] = err
             chans = {c for c in (chan, self.channels.pop(address, None), self.peer_channels.pop(address, None))
                      if c is not None}
+            self.gen += 1
         for c in chans:
             c.fail(err)
             if c is not chan:
@@ -120,6 +126,7 @@ class Router:
             self.dead.pop(address, None)
             self.stopped.add(address)
             chans = [self.channels.pop(address, None), self.peer_channels.pop(address, None)]
+            self.gen += 1
         for chan in chans:
             if chan is not None:
                 chan.close(join=False)

@@ -391,8 +391,9 @@ class Worker:
         return fn
 
     def _reply(self, chan, msg_id, slot, method, result, cork=False) -> int:
-        # cork=True in a reader thread: the reader flushes before it blocks again (so the
-        # frame goes to the connection itself, not through the channel's flusher)
+        # cork=True in a reader thread: queued while more frames of the same read follow (the
+        # reader flushes before it blocks again, so the frame goes to the connection itself,
+        # not through the channel's flusher); the reply to the last one is written at once
         conn = chan.conn
         if result is None:
             parts = _EMPTY_OK
@@ -405,7 +406,7 @@ class Worker:
                 self._fail(chan, msg_id, True, slot, err, method)
                 return 0
         try:
-            conn.send(P.REPLY, 0, msg_id, P.OK, 0, parts, cork=cork)
+            conn.send(P.REPLY, 0, msg_id, P.OK, 0, parts, cork=cork and conn.more)
         except SerializationError as exc:  # over the frame limit, nothing sent: the caller must hear of it
             self._fail(chan, msg_id, True, slot, TypeError(
                 f"endpoint {method!r} returned a value of type {type(result).__name__} that cannot be sent: "

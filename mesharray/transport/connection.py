@@ -187,6 +187,8 @@ class Connection:
         self._out: list = []  # corked frames
         self.corked_bytes = 0  # bytes of corked frames not written yet (read-only outside)
         self._out_t0 = 0.0
+        #: set by the reader before each frame it hands over: more frames of the same read follow
+        self.more = False
         # written frames the socket has not taken yet (memoryviews, in order), drained
         # by the process's Writer; positions count every byte ever handed to the socket
         self._backlog: collections.deque = collections.deque()
@@ -652,6 +654,9 @@ class Connection:
                     if end - start >= total:
                         data = bytearray(view[start + 24:start + total]) if length else b""
                         start += total
+                        # whether more of this read follows: a handler that replies corks only
+                        # then (a lone call's reply is written at once, not queued then flushed)
+                        self.more = end - start >= 24
                         handler(self, kind, flags_, msg_id, target, vw, data)
                         if self._out and time.perf_counter() - self._out_t0 > _CORK_AGE:
                             self.flush()  # frames corked while handling a long batch

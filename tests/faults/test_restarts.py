@@ -27,6 +27,10 @@ class Counter(ma.Actor):
     def pid(self) -> int:
         return os.getpid()
 
+    @ma.endpoint
+    def stall(self, seconds: float) -> None:
+        time.sleep(seconds)
+
 
 def _call_when_back(ep, timeout: float = 30.0):
     # calls made while the rank is being restarted fail with ActorDiedError
@@ -115,7 +119,9 @@ def test_F20_a_restarted_rank_dying_again_is_named_like_any_rank():
         one = c.slice(procs=1)
         os.kill(one.pid.call_one().get(timeout=10), signal.SIGKILL)
         pid2 = _call_when_back(one.pid)
-        pending = one.incr.call_one()  # in flight at the second death
+        # in flight at the second death (an endpoint that cannot answer first: a quick one's
+        # reply can beat the SIGKILL, now that a lone reply is written at once)
+        pending = one.stall.call_one(60.0)
         os.kill(pid2, signal.SIGKILL)
         with pytest.raises(ma.ActorDiedError) as info:
             pending.get(timeout=10)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mesharray import SerializationError
-from mesharray._core import FRAME_HEADER_SIZE, pack_header, unpack_header
+from mesharray._core import FRAME_HEADER_SIZE, pack_frame, pack_header, unpack_header
 from mesharray.transport import framing
 
 
@@ -31,6 +31,33 @@ def test_pack_rejects_bad_fields(kwargs, match):
     with pytest.raises(ValueError, match=match):
         pack_header(**kwargs)
 
+
+
+def test_pack_frame_sizes_every_kind_of_part_and_joins_a_small_frame():
+    # what Connection.send hands it: bytes, byte memoryviews (framing's inline buffers), and
+    # any other buffer (a NumPy array: its size is its bytes, not its len)
+    parts = [b"head", memoryview(b"abcdef")[2:], np.arange(3, dtype=np.float64), bytearray(b"z")]
+    size = 4 + 4 + 24 + 1
+    n, frame = pack_frame(2, 1, 9, 5, 6, parts, 1 << 16, 1 << 20)
+    assert n == size and len(frame) == 24 + size
+    assert unpack_header(frame, 1 << 20) == (2, 1, size, 9, 5, 6)
+    assert frame[24:] == b"head" + b"cdef" + np.arange(3, dtype=np.float64).tobytes() + b"z"
+    # over the small size: the header alone (the caller writes the parts after it)
+    n, hdr = pack_frame(2, 1, 9, 5, 6, parts, size - 1, 1 << 20)
+    assert (n, hdr) == (size, pack_header(2, 1, size, 9, 5, 6))
+    # over the limit: nothing packed, the size to report
+    assert pack_frame(2, 1, 9, 5, 6, parts, 1 << 16, size - 1) == (size, None)
+    # no payload at all
+    assert pack_frame(4, 0, 0, 0, 0, (), 1 << 16, 1 << 20) == (0, pack_header(4, 0, 0))
+
+
+def test_pack_frame_refuses_what_pack_header_refuses_and_non_buffers():
+    with pytest.raises(ValueError, match="kind"):
+        pack_frame(0, 0, 0, 0, 0, [b"x"], 64, 1 << 20)
+    with pytest.raises(ValueError, match="target/view"):
+        pack_frame(1, 0, 0, 1 << 32, 0, [b"x"], 64, 1 << 20)
+    with pytest.raises(TypeError):
+        pack_frame(1, 0, 0, 0, 0, ["not bytes"], 64, 1 << 20)
 
 def test_unpack_checks_magic_kind_length_and_size():
     h = bytearray(pack_header(1, 0, 1000))
