@@ -625,7 +625,7 @@ class Endpoint(Generic[_P, _R]):
                 raise ValueError(f"ranks {sorted(missing)} to answer are not among the actors' ranks {ranks}")
             want = set(reply)
             some = self._some = [shape, reply, ranks, [r in want for r in ranks], None]
-        ranks, wants, kept = some[2], some[3], some[4]
+        _, _, ranks, wants, kept = some
         p = framing.dumps((args, {}))
         router = get_router()
         if p.big:

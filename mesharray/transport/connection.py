@@ -274,19 +274,20 @@ class Connection:
         if self._write_error is not None:
             self._raise_write_error()
         nb = len(data)
-        self._queued_pos += nb
         if not self._backlog:
             try:
                 sent = self.sock.send(data, _DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 sent = 0
-            self._written_pos += sent
             if sent == nb:
-                return
+                return  # (written at once: the queued and written positions would move alike)
+            self._queued_pos += nb
+            self._written_pos += sent
             self._backlog.append(memoryview(data)[sent:])
             self._backlog_n += nb - sent
             self._watch_locked()
         else:
+            self._queued_pos += nb
             self._backlog.append(memoryview(data))
             self._backlog_n += nb
         if self._backlog_n > BACKLOG_MAX:
