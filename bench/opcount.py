@@ -38,11 +38,21 @@ class Probe(ma.Actor):
     @ma.endpoint
     def install(self) -> None:
         self.ops: collections.Counter = collections.Counter()
-        sys.settrace(_counter(self.ops))  # this thread: the one that runs the system actors' calls too
+        trace = _counter(self.ops)
+        sys.settrace(trace)  # this thread: the one that runs the system actors' calls too
+        frame = sys._getframe(1)
+        while frame is not None:  # and the frames already running it (the reader's loop)
+            frame.f_trace = trace
+            frame.f_trace_opcodes = True
+            frame = frame.f_back
 
     @ma.endpoint
     def report(self) -> dict:
         sys.settrace(None)
+        frame = sys._getframe(1)
+        while frame is not None:
+            frame.f_trace = None
+            frame = frame.f_back
         return dict(self.ops)
 
 

@@ -661,7 +661,7 @@ class Endpoint(Generic[_P, _R]):
                 if w:
                     f = futs[r] = new_future()
                     chan.call(P.CALL, target, vid, parts, future_callback(f), True, now)
-                    reply_on(f, chan)
+                    f._chan = chan  # (reply_on: get() reads the reply in its own thread)
                 else:
                     chan.post(P.CALL, target, vid, parts)
             except ActorDiedError as exc:  # the peer died under us: a caller hears of it, a broadcast skips it

@@ -655,9 +655,10 @@ class Connection:
                     if end - start >= total:
                         data = bytearray(view[start + 24:start + total]) if length else b""
                         start += total
-                        # whether more of this read follows: a handler that replies corks only
-                        # then (a lone call's reply is written at once, not queued then flushed)
-                        self.more = end - start >= 24
+                        if loop:  # (a reader thread's: whether more of this read follows, for a
+                            # handler that replies, which corks only then: a lone call's reply is
+                            # written at once, not queued then flushed)
+                            self.more = end - start >= 24
                         handler(self, kind, flags_, msg_id, target, vw, data)
                         if self._out and time.perf_counter() - self._out_t0 > _CORK_AGE:
                             self.flush()  # frames corked while handling a long batch
