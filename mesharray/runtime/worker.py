@@ -341,7 +341,13 @@ class Worker:
                 ctx._view = vshape
                 token = current.set(ctx)
                 try:
-                    result = self._invoke(slot, method, payload, n)
+                    # (_invoke, inlined: this is the per-message path of every call)
+                    fn = slot.bound.get(method) or self._endpoint(slot, method)
+                    if len(payload) - 1 - n == _NO_ARGS_LEN and payload.endswith(_NO_ARGS_BYTES):
+                        result = fn()
+                    else:
+                        args, kwargs = framing.decode(memoryview(payload)[1 + n:])
+                        result = fn(*args, **kwargs)
                 except BaseException as exc:
                     self._fail(conn, msg_id, reply, slot, exc, method)
                     status = type(exc).__name__

@@ -236,6 +236,14 @@ class Connection:
                     elif out:
                         out.append(data)
                         self._flush_locked()
+                    elif self._write_error is None and not self._backlog:
+                        # (_write_locked's common case, inlined: the socket takes it all at once)
+                        try:
+                            sent = self.sock.send(data, _DONTWAIT)
+                        except (BlockingIOError, InterruptedError):
+                            sent = 0
+                        if sent != len(data):
+                            self._rest_locked(data, sent)
                     else:
                         self._write_locked(data)
                 return False
@@ -273,23 +281,27 @@ class Connection:
         """Write ``data`` (owned: nobody changes it later) without blocking on the peer."""
         if self._write_error is not None:
             self._raise_write_error()
+        if self._backlog:
+            self._rest_locked(data, 0)
+            return
+        try:
+            sent = self.sock.send(data, _DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        if sent != len(data):
+            self._rest_locked(data, sent)
+        # (written at once: the queued and written positions would move alike, so neither moves)
+
+    def _rest_locked(self, data: bytes, sent: int) -> None:
+        """Queue what the socket did not take of ``data`` (its first ``sent`` bytes went) for the writer."""
         nb = len(data)
-        if not self._backlog:
-            try:
-                sent = self.sock.send(data, _DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            if sent == nb:
-                return  # (written at once: the queued and written positions would move alike)
-            self._queued_pos += nb
-            self._written_pos += sent
-            self._backlog.append(memoryview(data)[sent:])
-            self._backlog_n += nb - sent
+        self._queued_pos += nb
+        self._written_pos += sent
+        watching = bool(self._backlog)
+        self._backlog.append(memoryview(data)[sent:] if sent else memoryview(data))
+        self._backlog_n += nb - sent
+        if not watching:
             self._watch_locked()
-        else:
-            self._queued_pos += nb
-            self._backlog.append(memoryview(data))
-            self._backlog_n += nb
         if self._backlog_n > BACKLOG_MAX:
             self._wait_locked(lambda: self._backlog_n <= BACKLOG_MAX // 2)
 
