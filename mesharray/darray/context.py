@@ -13,6 +13,7 @@ import itertools
 import os
 import secrets
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -50,6 +51,10 @@ class _FreeTimer:
         self._thread: threading.Thread | None = None
 
     def schedule(self, ctx: "DataContext", delay: float) -> None:
+        if sys.is_finalizing():
+            # an array dropped while the interpreter exits: no thread can start now (Thread.start
+            # would wait for it forever), and the workers go with the controller
+            return
         with self._cond:
             had = self._due.get(id(ctx))
             if had is not None and had[1]() is ctx:

@@ -205,6 +205,40 @@ def test_death_in_a_loop_of_tiny_reductions_raises_actor_died(victim):
             assert victim in info.value.ranks
         assert time.monotonic() - t0 < 15
 
+
+@pytest.mark.timeout(90)
+def test_a_script_that_exits_holding_arrays_of_a_running_mesh_ends(tmp_path):
+    # a user's script that never stops its mesh: the arrays it still holds are dropped while the
+    # interpreter exits, when no thread can start (their frees must not try to start one)
+    import subprocess
+    import sys
+
+    script = tmp_path / "leave.py"
+    script.write_text(
+        "import mesharray as ma\n"
+        "procs = ma.proc_mesh(procs=2)\n"
+        "x = procs.full((), 2.0)\n"
+        "losses = [x.sum(axis='procs') for _ in range(5)]\n"
+        "y = x + 1\n"
+        "print(*procs.pids, float(losses[0].fetch().to_numpy().reshape(-1)[0]))\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    *pids, value = out.stdout.split()
+    assert float(value) == 4.0
+    deadline = time.monotonic() + 10
+    while any(_alive(int(p)) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(int(p)) for p in pids), "workers outlived their controller"
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone but for its parent's wait
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
 def test_fetch_returns_gathered(procs):
     a = procs.arange((3,))
     f = a.fetch()
