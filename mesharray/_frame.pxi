@@ -88,7 +88,9 @@ def pack_frame(unsigned int kind, unsigned int flags, unsigned long long msg_id,
     >>> pack_frame(1, 0, 7, 2, 3, [b"abcde"], 64, 4)
     (5, None)
     """
-    cdef Py_ssize_t n = 0, i, m = len(parts), pos = 24
+    cdef Py_ssize_t n = 0, i, m, pos = 24
+    parts = tuple(parts)  # (what is sized is what is copied; a no-op for a tuple)
+    m = len(parts)
     cdef Py_buffer buf
     cdef bytes hdr, out
     cdef char* dst
@@ -111,6 +113,8 @@ def pack_frame(unsigned int kind, unsigned int flags, unsigned long long msg_id,
     for i in range(m):
         p = parts[i]
         if type(p) is bytes:
+            if pos + PyBytes_GET_SIZE(p) > 24 + n:  # (parts that changed since they were sized)
+                raise ValueError("a frame part changed size while it was packed")
             memcpy(dst + pos, PyBytes_AS_STRING(p), PyBytes_GET_SIZE(p))
             pos += PyBytes_GET_SIZE(p)
         else:

@@ -37,6 +37,7 @@ import math
 import operator
 import os
 import pickle
+import sys
 from typing import Any
 
 import numpy as np
@@ -155,17 +156,18 @@ class DistributedStorage:
         self._all = all_ranks
         return self
 
-    def __del__(self) -> None:
+    def __del__(self, _finalizing: Any = sys.is_finalizing) -> None:
         # the controller's reference to the block, given back when the last array over it goes
-        # (a method, not a weakref.finalize: no registry entry per array, ~2 µs a small op)
+        # (a method, not a weakref.finalize: no registry entry per array, ~2 µs a small op).
+        # Not while the interpreter exits: no thread can start then, nor may a send wait for
+        # one, and the workers go with the controller (_finalizing: bound before modules go)
+        if _finalizing():
+            return
         try:
             all_ranks = self._all
         except AttributeError:  # __init__ failed before it took the reference
             return
-        try:
-            self.ctx.decref(self.bid, all_ranks, self._nbytes)
-        except Exception:  # (interpreter shutdown: the mesh is gone, nothing to free)
-            pass
+        self.ctx.decref(self.bid, all_ranks, self._nbytes)
 
     def _derive(self, bid: int, ranks: np.ndarray | None = None, local: tuple | None = None, dtype: Any = None,
                 holders: Any = False) -> "DistributedStorage":

@@ -353,12 +353,19 @@ class Worker:
                     status = type(exc).__name__
                 finally:
                     current.reset(token)
+            parts = None
             if reply and status == "ok":
-                out = self._reply(conn, msg_id, slot, method, result, cork=True)
+                parts = self._reply_parts(conn, msg_id, slot, method, result)
+                if parts is not None:
+                    out = _EMPTY_OK_BYTES if parts is _EMPTY_OK else 24 + sum(map(len, parts))
         finally:
             _current.pop(tid, None)
+        # the row before the reply goes out: a caller that reads telemetry once it has its reply
+        # finds it, even through another connection of this worker (a nested call's caller)
         _rows.append((t0 + REC.wall_offset, perf_counter_ns() - t0, slot.name, method, caller, msg_id, len(payload),
                       out, status))
+        if parts is not None:
+            self._send_reply(conn, msg_id, slot, method, result, parts, cork=True)
         if len(_rows) > _MAX_ROWS:
             REC.trim()
 
@@ -397,33 +404,46 @@ class Worker:
         return fn
 
     def _reply(self, chan, msg_id, slot, method, result, cork=False) -> int:
-        # cork=True in a reader thread: queued while more frames of the same read follow (the
-        # reader flushes before it blocks again, so the frame goes to the connection itself,
-        # not through the channel's flusher); the reply to the last one is written at once
-        conn = chan.conn
+        """Send ``result`` as the reply to ``msg_id``; the frame's size (0: nothing sent, the caller
+        was told why or is gone).
+
+        ``cork=True`` in a reader thread: queued while more frames of the same read follow (the
+        reader flushes before it blocks again, so the frame goes to the connection itself, not
+        through the channel's flusher); the reply to the last one is written at once.
+        """
+        parts = self._reply_parts(chan, msg_id, slot, method, result)
+        if parts is None or not self._send_reply(chan, msg_id, slot, method, result, parts, cork):
+            return 0
+        if parts is _EMPTY_OK:
+            return _EMPTY_OK_BYTES
+        # (framing's parts are bytes and 1-d byte memoryviews: len is their size)
+        return 24 + sum(map(len, parts))
+
+    def _reply_parts(self, chan, msg_id, slot, method, result):
+        """The payload of the reply ``result`` (None: it cannot be pickled, and the caller was told)."""
         if result is None:
-            parts = _EMPTY_OK
-        else:
-            try:
-                parts = framing.encode_one(framing.dumps(result), conn.same_host, chan.peer.get("pid"))
-            except Exception as exc:
-                err = TypeError(f"endpoint {method!r} returned a value of type {type(result).__name__} "
-                                f"that cannot be sent: {exc}")
-                self._fail(chan, msg_id, True, slot, err, method)
-                return 0
+            return _EMPTY_OK
+        try:
+            return framing.encode_one(framing.dumps(result), chan.conn.same_host, chan.peer.get("pid"))
+        except Exception as exc:
+            err = TypeError(f"endpoint {method!r} returned a value of type {type(result).__name__} "
+                            f"that cannot be sent: {exc}")
+            self._fail(chan, msg_id, True, slot, err, method)
+            return None
+
+    def _send_reply(self, chan, msg_id, slot, method, result, parts, cork=False) -> bool:
+        """Send a reply's payload (see :meth:`_reply`); False if it could not go."""
+        conn = chan.conn
         try:
             conn.send(P.REPLY, 0, msg_id, P.OK, 0, parts, cork=cork and conn.more)
         except SerializationError as exc:  # over the frame limit, nothing sent: the caller must hear of it
             self._fail(chan, msg_id, True, slot, TypeError(
                 f"endpoint {method!r} returned a value of type {type(result).__name__} that cannot be sent: "
                 f"{exc}"), method)
-            return 0
+            return False
         except ConnectionError:
-            return 0  # the caller is gone
-        if parts is _EMPTY_OK:
-            return _EMPTY_OK_BYTES
-        # (framing's parts are bytes and 1-d byte memoryviews: len is their size)
-        return 24 + sum(map(len, parts))
+            return False  # the caller is gone
+        return True
 
     def _fail(self, conn, msg_id, reply, slot, exc, method: str = "?") -> None:
         if RECORD:
@@ -486,10 +506,13 @@ class Worker:
             SPAN.reset(stok)
             if RECORD and status != "ok":
                 _record((w0, perf_counter_ns() - t0, slot.name, method, caller, msg_id, len(payload), 0, status))
-        if reply:
-            out = self._reply(conn, msg_id, slot, method, result)
-        if RECORD:
+        parts = self._reply_parts(conn, msg_id, slot, method, result) if reply else None
+        if parts is not None:
+            out = _EMPTY_OK_BYTES if parts is _EMPTY_OK else 24 + sum(map(len, parts))
+        if RECORD:  # (before the reply goes: a caller that then reads telemetry finds the row)
             _record((w0, perf_counter_ns() - t0, slot.name, method, caller, msg_id, len(payload), out, status))
+        if parts is not None:
+            self._send_reply(conn, msg_id, slot, method, result, parts)
 
     # -- telemetry ----------------------------------------------------------
     def _introspect(self, conn, msg_id, payload) -> None:

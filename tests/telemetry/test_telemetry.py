@@ -48,6 +48,21 @@ def test_messages_count_calls_per_endpoint_and_rank(mesh):
     assert rows.missing == []
 
 
+
+def test_a_call_is_in_telemetry_as_soon_as_its_reply_is_back(mesh):
+    # telemetry questions come on a connection of their own: the row of a call must be there
+    # before its reply is written, or a query right after the reply can miss it
+    procs, busy = mesh
+    one = busy.slice(procs=2)
+
+    def count() -> int:
+        return procs.telemetry.sql("SELECT count(*) AS n FROM messages WHERE endpoint = 'step' AND rank = 2")[0]["n"]
+
+    before = count()
+    for i in range(1, 41):
+        one.step.call_one(1).get()
+        assert count() == before + i
+
 def test_errors_are_kept_with_their_remote_traceback(mesh):
     procs, busy = mesh
     with pytest.raises(ma.ActorError):
