@@ -76,6 +76,21 @@ def fork_children(k, serve):
         pids.append(pid)
     return socks, pids
 
+def _poll_of(socks):
+    # one poll object over the parent's sockets, and the socket of each fd
+    p = select.poll()
+    for s in socks:
+        p.register(s.fileno(), select.POLLIN)
+    return p, {s.fileno(): s for s in socks}
+
+def _reap(socks, pids, ts):
+    # close the children's sockets, wait for them; the median round trip (after 200 warm-up) in µs
+    for s in socks:
+        s.close()
+    for pid in pids:
+        os.waitpid(pid, 0)
+    return statistics.median(ts[200:]) * 1e6
+
 def _echo(j, b):
     buf = bytearray(256)
     while b.recv_into(buf):
@@ -85,10 +100,7 @@ def socket_floor(k=1, n=3000):
     # k forked children, one socketpair each: send 64 bytes to all, poll until all k
     # answered (k=1: plain send/recv). The floor of a call() to k processes in Python.
     socks, pids = fork_children(k, _echo)
-    p = select.poll()
-    for s in socks:
-        p.register(s.fileno(), select.POLLIN)
-    by_fd = {s.fileno(): s for s in socks}
+    p, by_fd = _poll_of(socks)
     buf, msg, ts = bytearray(256), b"x" * 64, []
     for _ in range(n):
         t = time.perf_counter()
@@ -104,11 +116,7 @@ def socket_floor(k=1, n=3000):
                     by_fd[fd].recv_into(buf)
                     left -= 1
         ts.append(time.perf_counter() - t)
-    for s in socks:
-        s.close()
-    for pid in pids:
-        os.waitpid(pid, 0)
-    return statistics.median(ts[200:]) * 1e6
+    return _reap(socks, pids, ts)
 
 def _child_loop(b, body):
     # the least a Python runtime does per message: read a frame, parse its header with the
@@ -160,10 +168,7 @@ def pyrt_floor(k, n=3000, sum_pattern=False):
         _child_loop(b, body)
 
     socks, pids = fork_children(k, serve)
-    p = select.poll()
-    for s in socks:
-        p.register(s.fileno(), select.POLLIN)
-    by_fd = {s.fileno(): s for s in socks}
+    p, by_fd = _poll_of(socks)
     buf, ts = bytearray(4096), []
     view = memoryview(buf)
     expect = 1 if sum_pattern else k
@@ -180,11 +185,7 @@ def pyrt_floor(k, n=3000, sum_pattern=False):
                 pickle.loads(buf[24:24 + length])
                 left -= 1
         ts.append(time.perf_counter() - t)
-    for s in socks:
-        s.close()
-    for pid in pids:
-        os.waitpid(pid, 0)
-    return statistics.median(ts[200:]) * 1e6
+    return _reap(socks, pids, ts)
 
 out = {"socket_p50_us": socket_floor(), "fanout2_p50_us": socket_floor(2), "fanout8_p50_us": socket_floor(8, 1500),
        "pyrt1_p50_us": pyrt_floor(1), "pyrt8_p50_us": pyrt_floor(8, 1500),

@@ -236,14 +236,6 @@ class Connection:
                     elif out:
                         out.append(data)
                         self._flush_locked()
-                    elif self._write_error is None and not self._backlog:
-                        # (_write_locked's common case, inlined: the socket takes it all at once)
-                        try:
-                            sent = self.sock.send(data, _DONTWAIT)
-                        except (BlockingIOError, InterruptedError):
-                            sent = 0
-                        if sent != len(data):
-                            self._rest_locked(data, sent)
                     else:
                         self._write_locked(data)
                 return False
