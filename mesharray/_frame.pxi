@@ -20,6 +20,7 @@
 from libc.string cimport memcpy
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.bytearray cimport PyByteArray_FromStringAndSize
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 
 FRAME_HEADER_SIZE = 24
@@ -149,3 +150,48 @@ def unpack_header(const unsigned char[::1] data not None, unsigned long long lim
     if h.length > limit:
         raise ValueError(f"frame length {h.length} exceeds the limit of {limit} bytes")
     return (h.kind, h.flags, h.length, h.msg_id, h.target, h.view)
+
+
+def take_frame(data, Py_ssize_t start, Py_ssize_t end, unsigned long long limit):
+    """The frame at ``data[start:end]`` (a reader's receive buffer), in one call: the per-frame path of every read.
+
+    Returns ``None`` when fewer than 24 bytes are there, else ``(kind, flags,
+    msg_id, target, view, payload, total)``: ``total`` is the frame's size with
+    its header, and ``payload`` a ``bytearray`` copy of its bytes (``b""`` when
+    it has none), or ``None`` when the frame is not all there yet. Raises
+    ``ValueError`` for a bad header, as :func:`unpack_header` does (checked
+    before anything is allocated).
+
+    >>> from mesharray._core import pack_frame, take_frame
+    >>> buf = bytearray(pack_frame(3, 1, 7, 2, 5, [b"abc"], 64, 1 << 20)[1] + b"xy")
+    >>> take_frame(buf, 0, len(buf), 1 << 20)
+    (3, 1, 7, 2, 5, bytearray(b'abc'), 27)
+    >>> take_frame(buf, 0, 26, 1 << 20)[5] is None, take_frame(buf, 27, 29, 1 << 20)
+    (True, None)
+    """
+    cdef _FrameHeader h
+    cdef Py_buffer buf
+    cdef Py_ssize_t total
+    if end - start < 24:
+        return None
+    PyObject_GetBuffer(data, &buf, PyBUF_SIMPLE)
+    try:
+        if start < 0 or end > buf.len:
+            raise ValueError(f"frame bounds {start}..{end} outside a buffer of {buf.len} bytes")
+        memcpy(&h, <char*>buf.buf + start, 24)
+        if h.magic != FRAME_MAGIC:
+            raise ValueError(f"bad frame magic 0x{h.magic:04x}; expected 0x{FRAME_MAGIC:04x}")
+        if h.kind == 0:
+            raise ValueError("bad frame kind 0")
+        if h.length > limit:
+            raise ValueError(f"frame length {h.length} exceeds the limit of {limit} bytes")
+        total = 24 + <Py_ssize_t>h.length
+        if end - start < total:
+            payload = None
+        elif h.length == 0:
+            payload = b""
+        else:
+            payload = PyByteArray_FromStringAndSize(<char*>buf.buf + start + 24, h.length)
+    finally:
+        PyBuffer_Release(&buf)
+    return (h.kind, h.flags, h.msg_id, h.target, h.view, payload, total)

@@ -30,6 +30,7 @@ Execution model
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import os
@@ -68,6 +69,7 @@ _record = REC.call
 _current = REC.current
 _rows = REC.rows
 _MAX_ROWS = MAX_ROWS
+_CALL, _REPLY, _OK = P.CALL, P.REPLY, P.OK
 
 
 def _set_pdeathsig() -> None:
@@ -190,6 +192,7 @@ class Worker:
     # -- connections ------------------------------------------------------
     def on_peer_socket(self, sock) -> None:
         chan = Channel(sock, handler=self.on_frame, on_close=self._peer_closed, name="peer", on_call=self._call)
+        chan.conn.handler = functools.partial(self._frame, chan)  # (calls straight from the reader)
         self.inbound.add(chan)
         try:
             chan.start()
@@ -298,6 +301,16 @@ class Worker:
                 conn.send(P.REPLY, 0, msg_id, P.OK, 0, _EMPTY_OK)
 
     def _call(self, conn, flags, msg_id, actor_id, view, payload) -> None:
+        """A call (or broadcast) from channel ``conn`` (what :meth:`_frame` does for one)."""
+        self._frame(conn, None, _CALL, flags, msg_id, actor_id, view, payload)
+
+    def _frame(self, conn, _c, kind, flags, msg_id, actor_id, view, payload) -> None:
+        """A frame of channel ``conn``, straight from its connection's reader (``_c``): a call
+        runs here, any other kind goes to the channel (this is the per-message path of every
+        call and broadcast: one Python frame less than through ``Channel._on_frame``)."""
+        if kind != _CALL:
+            conn._on_frame(_c, kind, flags, msg_id, actor_id, view, payload)
+            return
         slot = self.actors.get(actor_id)
         reply = flags & P.F_REPLY
         if slot is None or slot.failure is not None:
@@ -355,9 +368,12 @@ class Worker:
                     current.reset(token)
             parts = None
             if reply and status == "ok":
-                parts = self._reply_parts(conn, msg_id, slot, method, result)
-                if parts is not None:
-                    out = _EMPTY_OK_BYTES if parts is _EMPTY_OK else 24 + sum(map(len, parts))
+                if result is None:
+                    parts, out = _EMPTY_OK, _EMPTY_OK_BYTES
+                else:
+                    parts = self._reply_parts(conn, msg_id, slot, method, result)
+                    if parts is not None:
+                        out = 24 + sum(map(len, parts))
         finally:
             _current.pop(tid, None)
         # the row before the reply goes out: a caller that reads telemetry once it has its reply
@@ -365,7 +381,11 @@ class Worker:
         _rows.append((t0 + REC.wall_offset, perf_counter_ns() - t0, slot.name, method, caller, msg_id, len(payload),
                       out, status))
         if parts is not None:
-            self._send_reply(conn, msg_id, slot, method, result, parts, cork=True)
+            c = conn.conn  # (_send_reply, inlined: corked only while more frames of this read follow)
+            try:
+                c.send(_REPLY, 0, msg_id, _OK, 0, parts, c.more)
+            except (SerializationError, ConnectionError) as exc:
+                self._reply_failed(conn, msg_id, slot, method, result, exc)
         if len(_rows) > _MAX_ROWS:
             REC.trim()
 
@@ -436,14 +456,17 @@ class Worker:
         conn = chan.conn
         try:
             conn.send(P.REPLY, 0, msg_id, P.OK, 0, parts, cork=cork and conn.more)
-        except SerializationError as exc:  # over the frame limit, nothing sent: the caller must hear of it
+        except (SerializationError, ConnectionError) as exc:
+            self._reply_failed(chan, msg_id, slot, method, result, exc)
+            return False
+        return True
+
+    def _reply_failed(self, chan, msg_id, slot, method, result, exc) -> None:
+        if isinstance(exc, SerializationError):  # over the frame limit, nothing sent: the caller must hear of it
             self._fail(chan, msg_id, True, slot, TypeError(
                 f"endpoint {method!r} returned a value of type {type(result).__name__} that cannot be sent: "
                 f"{exc}"), method)
-            return False
-        except ConnectionError:
-            return False  # the caller is gone
-        return True
+        # (a ConnectionError: the caller is gone)
 
     def _fail(self, conn, msg_id, reply, slot, exc, method: str = "?") -> None:
         if RECORD:
@@ -641,6 +664,7 @@ def run_worker(controller_address: str, secret: bytes, rank: int, *, listen: str
     sock = connect(controller_address, secret)
     chan = Channel(sock, handler=w.on_frame, on_close=w.on_controller_closed, name="controller",
                    on_call=w._call)
+    chan.conn.handler = functools.partial(w._frame, chan)  # (calls straight from the reader)
     w.controller = chan
     if exit_process and forward_logs:
         from .. import telemetry

@@ -60,7 +60,7 @@ import threading
 import time
 
 from .. import _platform
-from .._core import pack_frame, unpack_header
+from .._core import pack_frame, take_frame
 from ..errors import (
     AuthenticationError,
     BrokenTransportError,
@@ -650,14 +650,16 @@ class Connection:
                 self.bytes_in += n
                 end += n
                 handler = self.handler  # per read, not per connection: inject() may swap it
-                while end - start >= 24:
+                while True:
+                    # the next frame, its header checked and its payload copied out, in one call
                     try:
-                        kind, flags_, length, msg_id, target, vw = unpack_header(view, limit, start)
+                        frame = take_frame(view, start, end, limit)
                     except ValueError as e:
                         raise FrameError(f"bad frame from {self.name}: {e}") from None
-                    total = 24 + length
-                    if end - start >= total:
-                        data = bytearray(view[start + 24:start + total]) if length else b""
+                    if frame is None:  # under a header's worth
+                        break
+                    kind, flags_, msg_id, target, vw, data, total = frame
+                    if data is not None:
                         start += total
                         if loop:  # (a reader thread's: whether more of this read follows, for a
                             # handler that replies, which corks only then: a lone call's reply is
@@ -670,7 +672,7 @@ class Connection:
                         # only what has arrived: a header that lies about its length
                         # costs nothing (the buffer grows as the bytes come, _grow)
                         payload = bytearray(view[start + 24:end])
-                        big = (payload, memoryview(payload), len(payload), length)
+                        big = (payload, memoryview(payload), len(payload), total - 24)
                         self._big_hdr = (kind, flags_, msg_id, target, vw)
                         start = end = 0
                         break
@@ -854,6 +856,8 @@ class Poller:
     def _start_sweeping(self) -> None:
         # the poller sleeps without a timeout while nothing is parked: wake it so
         # that it starts looking at the clock (once per burst of calls, not per call)
+        if self._timeout >= 0:  # (sweeping already: read without the lock, checked again under it)
+            return
         with self._sweep_lock:
             if self._timeout < 0:
                 self._timeout = PARK_MAX
@@ -903,6 +907,8 @@ class Poller:
                 with self._sweep_lock:  # (a park checks the timeout under this lock too)
                     if not parked:  # idle again: sleep until an event or the next park
                         self._timeout = -1.0
+                        if parked:  # a park that read the old timeout without the lock (_start_sweeping)
+                            self._timeout = PARK_MAX
             for fd in events:
                 got = self._conns.get(fd)
                 if got is None:  # discarded by a caller that saw it end

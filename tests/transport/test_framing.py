@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mesharray import SerializationError
-from mesharray._core import FRAME_HEADER_SIZE, pack_frame, pack_header, unpack_header
+from mesharray._core import FRAME_HEADER_SIZE, pack_frame, pack_header, take_frame, unpack_header
 from mesharray.transport import framing
 
 
@@ -73,6 +73,45 @@ def test_unpack_checks_magic_kind_length_and_size():
     bad[2] = 0
     with pytest.raises(ValueError, match="kind 0"):
         unpack_header(bad, 1 << 20)
+
+
+def test_take_frame_splits_a_read_into_frames_and_waits_for_the_rest():
+    a = pack_frame(3, 1, 7, 2, 5, [b"abc"], 64, 1 << 20)[1]
+    b = pack_frame(4, 0, 8, 0, 0, [], 64, 1 << 20)[1]  # no payload
+    c = pack_frame(1, 2, 9, 3, 0, [b"x" * 40], 64, 1 << 20)[1]
+    buf = bytearray(a + b + c)
+    view = memoryview(buf)
+    first = take_frame(view, 0, len(buf), 1 << 20)
+    assert first == (3, 1, 7, 2, 5, bytearray(b"abc"), len(a))
+    assert type(first[5]) is bytearray  # a copy of its own: the handler may keep it, unpickle into it
+    buf[24] = ord("z")
+    assert first[5] == b"abc"
+    second = take_frame(view, len(a), len(buf), 1 << 20)
+    assert second == (4, 0, 8, 0, 0, b"", 24)
+    # the last frame cut short: its header is read, its payload not yet taken
+    start = len(a) + len(b)
+    assert take_frame(view, start, len(buf) - 1, 1 << 20) == (1, 2, 9, 3, 0, None, len(c))
+    assert take_frame(view, start, len(buf), 1 << 20)[5] == b"x" * 40
+    assert take_frame(view, start, start + 23, 1 << 20) is None  # under a header
+    assert take_frame(view, len(buf), len(buf), 1 << 20) is None
+
+
+def test_take_frame_checks_the_header_and_the_bounds_before_taking_anything():
+    buf = bytearray(pack_header(1, 0, 1000)) + bytearray(1000)
+    with pytest.raises(ValueError, match="exceeds the limit of 999 bytes"):
+        take_frame(buf, 0, len(buf), 999)
+    bad = bytearray(buf)
+    bad[0] ^= 0xFF
+    with pytest.raises(ValueError, match="magic"):
+        take_frame(bad, 0, len(bad), 1 << 20)
+    bad = bytearray(buf)
+    bad[2] = 0
+    with pytest.raises(ValueError, match="kind 0"):
+        take_frame(bad, 0, len(bad), 1 << 20)
+    with pytest.raises(ValueError, match="outside a buffer of 1024 bytes"):
+        take_frame(buf, 0, 2000, 1 << 20)
+    with pytest.raises(ValueError, match="outside"):
+        take_frame(buf, -1, 100, 1 << 20)
 
 
 def test_payload_round_trip_inline_buffers_are_writable():
