@@ -44,7 +44,7 @@ import tempfile
 import time
 
 CHILD = r'''
-import json, os, pickle, select, socket, statistics, time
+import json, os, pickle, statistics, sys, time
 import numpy as np
 import mesharray as ma
 
@@ -59,64 +59,10 @@ def p50(f, n):
         t = time.perf_counter(); f(); ts.append(time.perf_counter() - t)
     return statistics.median(ts) * 1e6
 
-def fork_children(k, serve):
-    # k forked children, one socketpair each; child j runs serve(j, its socket) and exits
-    socks, pids = [], []
-    for j in range(k):
-        a, b = socket.socketpair()
-        pid = os.fork()
-        if pid == 0:
-            a.close()
-            for s in socks:
-                s.close()
-            serve(j, b)
-            os._exit(0)
-        b.close()
-        socks.append(a)
-        pids.append(pid)
-    return socks, pids
-
-def _poll_of(socks):
-    # one poll object over the parent's sockets, and the socket of each fd
-    p = select.poll()
-    for s in socks:
-        p.register(s.fileno(), select.POLLIN)
-    return p, {s.fileno(): s for s in socks}
-
-def _reap(socks, pids, ts):
-    # close the children's sockets, wait for them; the median round trip (after 200 warm-up) in µs
-    for s in socks:
-        s.close()
-    for pid in pids:
-        os.waitpid(pid, 0)
-    return statistics.median(ts[200:]) * 1e6
-
-def _echo(j, b):
-    buf = bytearray(256)
-    while b.recv_into(buf):
-        b.send(buf[:64])
-
-def socket_floor(k=1, n=3000):
-    # k forked children, one socketpair each: send 64 bytes to all, poll until all k
-    # answered (k=1: plain send/recv). The floor of a call() to k processes in Python.
-    socks, pids = fork_children(k, _echo)
-    p, by_fd = _poll_of(socks)
-    buf, msg, ts = bytearray(256), b"x" * 64, []
-    for _ in range(n):
-        t = time.perf_counter()
-        if k == 1:
-            socks[0].send(msg)
-            socks[0].recv_into(buf)
-        else:
-            for s in socks:
-                s.send(msg)
-            left = k
-            while left:
-                for fd, _ in p.poll():
-                    by_fd[fd].recv_into(buf)
-                    left -= 1
-        ts.append(time.perf_counter() - t)
-    return _reap(socks, pids, ts)
+# the raw-socket floors, and the forking helpers the runtime floors below share (bench/_floors.py,
+# from the directory of this ab.py: the same floor code measures both checkouts)
+sys.path.insert(0, os.environ["AB_BENCH_DIR"])
+from _floors import fork_children, poll_of as _poll_of, reap as _reap, socket_floor
 
 def _child_loop(b, body):
     # the least a Python runtime does per message: read a frame, parse its header with the
@@ -240,7 +186,8 @@ def c_floors(exe: str) -> dict:
 
 
 def run(checkout: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.path.abspath(checkout)}
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(checkout),
+           "AB_BENCH_DIR": os.path.dirname(os.path.abspath(__file__))}
     r = subprocess.run([sys.executable, "-c", CHILD], cwd=checkout, env=env, capture_output=True, text=True,
                        timeout=300)
     for line in r.stdout.splitlines():

@@ -31,6 +31,9 @@ Cases (what each figure is):
 - ``rt16mib_new_gbps``: the same, but the actor returns ``x + 1`` (a new array).
 - ``rt16mib_torch_gbps``: a 16 MiB CPU float32 ``torch.Tensor`` sent to an actor and returned.
 - ``call_vs_size_us``: ``call().get()`` median on 1, 2, 4, 8, 16, 32 actors.
+- ``socket_p50_us`` / ``fanout8_p50_us``: the machine's floor in the same run (``bench/_floors.py``):
+  a raw Python unix-socket round trip of 64 bytes with one forked child, and with 8 (answers
+  read in one ``poll`` loop); the table gives ``call_one`` and ``call()`` on 8 against them.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ ROOT = os.path.dirname(HERE)
 MIB16 = 4 << 20  # float32 elements in 16 MiB
 if ROOT not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, ROOT)
+if HERE not in sys.path:  # (bench/_floors.py)
+    sys.path.insert(0, HERE)
 
 
 def _pct(xs, q):
@@ -205,6 +210,11 @@ def run_mesharray(quick: bool) -> dict:
                 pass
             lat.append(time.perf_counter() - t)
     out["kill_to_error_s"] = statistics.median(lat)
+    # what the machine allows, in the same run: raw Python socket round trips (bench/_floors.py)
+    from _floors import socket_floor
+
+    out["socket_p50_us"] = socket_floor(1, 1000 if quick else 3000)
+    out["fanout8_p50_us"] = socket_floor(8, 600 if quick else 1500)
     return out
 
 
@@ -406,6 +416,17 @@ def table(ours: dict, peer) -> str:
         s = res.get("call_vs_size_us", {}) if isinstance(res, dict) else {}
         s = {int(k): v for k, v in s.items()}
         lines.append(f"| {name} | " + " | ".join(f"{s[k]:.0f} µs" if k in s else "—" for k in (1, 2, 4, 8, 16, 32)) + " |")
+    if ours.get("socket_p50_us"):
+        lines.append("")
+        lines.append("| the machine's floor, same run: raw Python unix-socket round trips (bench/_floors.py) "
+                     "| p50 | mesharray / floor |")
+        lines.append("|---|---|---|")
+        for label, key, what in (("64 B to one forked child and back", "socket_p50_us", "call_one_p50_us"),
+                                 ("64 B to 8 forked children, the 8 answers read in one poll loop",
+                                  "fanout8_p50_us", "call8_p50_us")):
+            floor, mine = ours[key], ours.get(what)
+            ratio = f"{what.split('_p50')[0]}: {mine / floor:.2f}×" if mine else "—"
+            lines.append(f"| {label} | {floor:.1f} µs | {ratio} |")
     if not isinstance(peer, dict):
         lines.append("")
         lines.append(f"torchmonarch skipped: {peer}")

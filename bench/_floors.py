@@ -1,0 +1,81 @@
+"""What the machine allows: raw Python unix-socket round trips with forked children.
+
+The floor a runtime's call is measured against in the same run (``bench/bench_runtime.py``,
+``bench/ab.py``): no framing, no pickling, no runtime, one 64-byte message each way.
+
+- ``socket_floor(1)``: send to one child, read its answer (``call_one``'s floor);
+- ``socket_floor(k)``: send to ``k`` children, read the ``k`` answers in one ``poll`` loop
+  (the floor of a ``call()`` to ``k`` processes).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import statistics
+import time
+
+
+def fork_children(k: int, serve) -> tuple[list, list]:
+    """``k`` forked children, one socketpair each; child ``j`` runs ``serve(j, its socket)`` and exits."""
+    socks: list = []
+    pids: list = []
+    for j in range(k):
+        a, b = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:
+            a.close()
+            for s in socks:
+                s.close()
+            serve(j, b)
+            os._exit(0)
+        b.close()
+        socks.append(a)
+        pids.append(pid)
+    return socks, pids
+
+
+def poll_of(socks: list) -> tuple:
+    """One poll object over the parent's sockets, and the socket of each fd."""
+    p = select.poll()
+    for s in socks:
+        p.register(s.fileno(), select.POLLIN)
+    return p, {s.fileno(): s for s in socks}
+
+
+def reap(socks: list, pids: list, ts: list) -> float:
+    """Close the children's sockets, wait for them; the median round trip (after 200 warm-up) in µs."""
+    for s in socks:
+        s.close()
+    for pid in pids:
+        os.waitpid(pid, 0)
+    return statistics.median(ts[200:]) * 1e6
+
+
+def _echo(j: int, b: socket.socket) -> None:
+    buf = bytearray(256)
+    while b.recv_into(buf):
+        b.send(buf[:64])
+
+
+def socket_floor(k: int = 1, n: int = 3000) -> float:
+    """p50 µs of sending 64 bytes to ``k`` echoing children and reading every answer."""
+    socks, pids = fork_children(k, _echo)
+    p, by_fd = poll_of(socks)
+    buf, msg, ts = bytearray(256), b"x" * 64, []
+    for _ in range(n):
+        t = time.perf_counter()
+        if k == 1:
+            socks[0].send(msg)
+            socks[0].recv_into(buf)
+        else:
+            for s in socks:
+                s.send(msg)
+            left = k
+            while left:
+                for fd, _ in p.poll():
+                    by_fd[fd].recv_into(buf)
+                    left -= 1
+        ts.append(time.perf_counter() - t)
+    return reap(socks, pids, ts)
