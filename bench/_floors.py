@@ -25,11 +25,13 @@ def fork_children(k: int, serve) -> tuple[list, list]:
         a, b = socket.socketpair()
         pid = os.fork()
         if pid == 0:
-            a.close()
-            for s in socks:
-                s.close()
-            serve(j, b)
-            os._exit(0)
+            try:
+                a.close()
+                for s in socks:
+                    s.close()
+                serve(j, b)
+            finally:
+                os._exit(0)  # (a child never goes on into its parent's code, whatever happened)
         b.close()
         socks.append(a)
         pids.append(pid)

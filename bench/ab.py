@@ -61,7 +61,7 @@ def p50(f, n):
 
 # the raw-socket floors, and the forking helpers the runtime floors below share (bench/_floors.py,
 # from the directory of this ab.py: the same floor code measures both checkouts)
-sys.path.insert(0, os.environ["AB_BENCH_DIR"])
+sys.path.append(os.environ["AB_BENCH_DIR"])
 from _floors import fork_children, poll_of as _poll_of, reap as _reap, socket_floor
 
 def _child_loop(b, body):

@@ -73,7 +73,7 @@ def unpack_header(
     data: bytes | bytearray | memoryview, limit: int, offset: int = 0
 ) -> tuple[int, int, int, int, int, int]: ...
 def take_frame(
-    data: bytearray | memoryview, start: int, end: int, limit: int
+    data: bytes | bytearray | memoryview, start: int, end: int, limit: int
 ) -> tuple[int, int, int, int, int, bytearray | bytes | None, int] | None: ...
 
 # --- _kernels.pxi ---

@@ -172,11 +172,13 @@ def take_frame(data, Py_ssize_t start, Py_ssize_t end, unsigned long long limit)
     cdef _FrameHeader h
     cdef Py_buffer buf
     cdef Py_ssize_t total
+    if start < 0 or end < start:
+        raise ValueError(f"frame bounds {start}..{end}: not a range of a buffer")
     if end - start < 24:
         return None
     PyObject_GetBuffer(data, &buf, PyBUF_SIMPLE)
     try:
-        if start < 0 or end > buf.len:
+        if end > buf.len:
             raise ValueError(f"frame bounds {start}..{end} outside a buffer of {buf.len} bytes")
         memcpy(&h, <char*>buf.buf + start, 24)
         if h.magic != FRAME_MAGIC:

@@ -192,7 +192,9 @@ class Worker:
     # -- connections ------------------------------------------------------
     def on_peer_socket(self, sock) -> None:
         chan = Channel(sock, handler=self.on_frame, on_close=self._peer_closed, name="peer", on_call=self._call)
-        chan.conn.handler = functools.partial(self._frame, chan)  # (calls straight from the reader)
+        # calls go straight from the reader to _frame (on_call stays the channel's own route to
+        # them, for a connection whose handler is the channel's again)
+        chan.conn.handler = functools.partial(self._frame, chan)
         self.inbound.add(chan)
         try:
             chan.start()
@@ -664,7 +666,7 @@ def run_worker(controller_address: str, secret: bytes, rank: int, *, listen: str
     sock = connect(controller_address, secret)
     chan = Channel(sock, handler=w.on_frame, on_close=w.on_controller_closed, name="controller",
                    on_call=w._call)
-    chan.conn.handler = functools.partial(w._frame, chan)  # (calls straight from the reader)
+    chan.conn.handler = functools.partial(w._frame, chan)  # (calls straight from the reader; see on_peer_socket)
     w.controller = chan
     if exit_process and forward_logs:
         from .. import telemetry
