@@ -165,6 +165,10 @@ _ALIVE_EVERY_S = 0.25
 _IDLE_GRACE_S = 0.005
 #: after a peer failure, how long a waiter lets UCX cancel its request before it raises anyway
 _CANCEL_GRACE_S = 2.0
+#: a link that sent data waits before it closes (see UcxLink._linger) until its peer closed, or UCX
+#: made no progress for LINGER_IDLE_S, or LINGER_MAX_S passed
+LINGER_IDLE_S = 0.05
+LINGER_MAX_S = 2.0
 
 
 def ucx_defaults(environ=os.environ) -> dict[str, str]:
@@ -281,6 +285,7 @@ class _Engine:
         self._activity = 0    # bumps on every wait(): the idle thread's sign that callers are busy
         self.links: weakref.WeakSet[UcxLink] = weakref.WeakSet()
         self._spin_hits = 1.0  # moving average: how often a spin caught the answer
+        self.progressed = 0  # progress passes that did something (a lingering close watches it)
         self._spin_probe = 0
         self.closed = False
         self._idle = threading.Thread(target=self._idle_loop, name="mesharray-ucx-progress", daemon=True)
@@ -303,6 +308,7 @@ class _Engine:
         if worker.progress_once():
             while worker.progress_once():
                 pass
+            self.progressed += 1
             return
         if spin and (self._spin_hits >= 0.3 or not self._spin_probe & 31):
             # Adaptive: a spin that keeps missing (the peer is slow, or the cores are busy and
@@ -318,6 +324,7 @@ class _Engine:
             if hit:
                 while worker.progress_once():
                     pass
+                self.progressed += 1
                 return
         elif spin:
             self._spin_probe += 1
@@ -427,8 +434,10 @@ class _Engine:
         The file descriptors are closed with the engine object (:meth:`__del__`), not here: a
         thread may still be inside ``kick()``, and a closed descriptor number can be reused.
         """
-        for link in list(self.links):
-            link.close()
+        links = list(self.links)
+        _linger(self, [link for link in links if link._sent and link._error is None and not link._closed])
+        for link in links:
+            link.close(linger=False)
         self.closed = True
         self.kick()
         if self._idle is not threading.current_thread():
@@ -453,6 +462,7 @@ class UcxLink:
         self._error: str | None = None
         self._closed = False
         self._orphans: list = []  # (request, buffer) pairs given up on but not yet cancelled
+        self._sent = False  # whether a send completed (close then lingers: see _linger)
         self._alive_checked = 0.0
         endpoint.set_close_callback(self._on_close)
         engine.links.add(self)
@@ -522,6 +532,7 @@ class UcxLink:
         view = memoryview(data).cast("B")
         if view.nbytes:
             self._run(self._ep.stream_send, view, "sending")
+            self._sent = True
 
     def recv_into(self, view: memoryview) -> None:
         """Fill all of ``view`` (``ConnectionError`` if the peer goes away first)."""
@@ -543,9 +554,12 @@ class UcxLink:
             self._error = "aborted"
         self.close()
 
-    def close(self) -> None:
+    def close(self, linger: bool = True) -> None:
+        """Close the link; one that sent data first lets it reach the peer (:func:`_linger`)."""
         if self._closed:
             return
+        if linger and self._sent and self._error is None and not self._engine.closed:
+            _linger(self._engine, [self])
         self._closed = True
         self._engine.links.discard(self)
         try:
@@ -563,6 +577,32 @@ class UcxLink:
 
     def __repr__(self) -> str:
         return f"UcxLink({self.peer!r})"
+
+
+def _linger(engine: _Engine, links: list) -> None:
+    """Let what ``links`` sent reach their peers before they close: until each peer closed its end,
+    or UCX made no progress for :data:`LINGER_IDLE_S`, or :data:`LINGER_MAX_S` passed.
+
+    A UCX stream send is complete once UCX has taken the buffer, not once the peer has it, and
+    ucxx closes an endpoint with error handling (what this plane makes, to hear of dead peers)
+    by force: the close could cut off the tail of the data (the peer's receive ended short,
+    "length mismatch"). A peer that got what it wanted closes its end, which ends the wait at
+    once; a peer that closes nothing (both sides closing at once) costs one idle window.
+    """
+    if not links:
+        return
+    end = time.monotonic() + LINGER_MAX_S
+    seen, quiet_since = engine.progressed, time.monotonic()
+    while any(link._error is None for link in links):
+        now = time.monotonic()
+        if now >= end or now - quiet_since >= LINGER_IDLE_S:
+            return
+        try:  # (short steps: a progress pass with nothing to do sleeps until its deadline)
+            engine.wait(lambda: all(link._error is not None for link in links), min(end, now + 0.005))
+        except (OSError, ValueError):  # the engine was closed under us
+            return
+        if engine.progressed != seen:
+            seen, quiet_since = engine.progressed, time.monotonic()
 
 
 # --------------------------------------------------------------------------- plane

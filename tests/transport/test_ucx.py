@@ -354,6 +354,29 @@ def test_small_messages_in_order_and_empty_buffers(plane):
     peer.close()
 
 
+def test_a_link_that_sent_lingers_for_its_peer_then_closes(plane):
+    # ucxx closes an endpoint with error handling by force, which can cut off the tail of what
+    # a completed send handed to UCX: a link that sent waits for its peer to close, or for UCX
+    # to go quiet, before it closes (what test_64mib_both_ways_at_once_between_processes needs)
+    link = plane.connect(plane.address, b"l", timeout=10)
+    peer = plane.rendezvous.take(b"l", timeout=5)
+    quiet = plane.connect(plane.address, b"q", timeout=10)
+    plane.rendezvous.take(b"q", timeout=5)
+    t = time.monotonic()
+    quiet.close()  # sent nothing: nothing to wait for
+    assert time.monotonic() - t < ucx.LINGER_IDLE_S
+    link.send(b"x" * 1000)
+    got = bytearray(1000)
+    peer.recv_into(memoryview(got))
+    assert got == b"x" * 1000
+    # the peer keeps its end open: one quiet window, not the whole bound
+    t = time.monotonic()
+    link.close()
+    took = time.monotonic() - t
+    assert ucx.LINGER_IDLE_S * 0.9 <= took < ucx.LINGER_MAX_S / 2, took
+    peer.close()
+
+
 def test_docstring_examples():
     import doctest
 
