@@ -165,7 +165,7 @@ _ALIVE_EVERY_S = 0.25
 _IDLE_GRACE_S = 0.005
 #: after a peer failure, how long a waiter lets UCX cancel its request before it raises anyway
 _CANCEL_GRACE_S = 2.0
-#: a link that sent data waits before it closes (see UcxLink._linger) until its peer closed, or UCX
+#: a link that sent data waits before it closes (see _linger) until its peer closed, or UCX
 #: made no progress for LINGER_IDLE_S, or LINGER_MAX_S passed
 LINGER_IDLE_S = 0.05
 LINGER_MAX_S = 2.0
