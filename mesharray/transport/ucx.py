@@ -165,8 +165,8 @@ _ALIVE_EVERY_S = 0.25
 _IDLE_GRACE_S = 0.005
 #: after a peer failure, how long a waiter lets UCX cancel its request before it raises anyway
 _CANCEL_GRACE_S = 2.0
-#: a link that sent data waits before it closes (see _linger) until its peer closed, or UCX
-#: made no progress for LINGER_IDLE_S, or LINGER_MAX_S passed
+#: a link whose last sends went unanswered waits before it closes (see _linger) until its peer
+#: closed, or UCX made no progress for LINGER_IDLE_S, or LINGER_MAX_S passed
 LINGER_IDLE_S = 0.05
 LINGER_MAX_S = 2.0
 
@@ -435,7 +435,7 @@ class _Engine:
         thread may still be inside ``kick()``, and a closed descriptor number can be reused.
         """
         links = list(self.links)
-        _linger(self, [link for link in links if link._sent and link._error is None and not link._closed])
+        _linger(self, [link for link in links if link._unanswered() and not link._closed])
         for link in links:
             link.close(linger=False)
         self.closed = True
@@ -462,7 +462,11 @@ class UcxLink:
         self._error: str | None = None
         self._closed = False
         self._orphans: list = []  # (request, buffer) pairs given up on but not yet cancelled
-        self._sent = False  # whether a send completed (close then lingers: see _linger)
+        # sends completed, and how many of them the peer had provably read: those done before a
+        # receive was posted that then completed (it answered them). A close with sends beyond
+        # that lingers (see _linger): a request/answer link's asking side closes at once
+        self._sends = 0
+        self._answered = 0
         self._alive_checked = 0.0
         endpoint.set_close_callback(self._on_close)
         engine.links.add(self)
@@ -532,13 +536,16 @@ class UcxLink:
         view = memoryview(data).cast("B")
         if view.nbytes:
             self._run(self._ep.stream_send, view, "sending")
-            self._sent = True
+            self._sends += 1
 
     def recv_into(self, view: memoryview) -> None:
         """Fill all of ``view`` (``ConnectionError`` if the peer goes away first)."""
         view = memoryview(view).cast("B")
         if view.nbytes:
+            sends = self._sends
             self._run(self._ep.stream_recv, view, "receiving")
+            if sends > self._answered:
+                self._answered = sends
 
     # handshake helpers: the same calls, with a deadline
     def _send_before(self, data: bytes, deadline: float) -> None:
@@ -554,11 +561,16 @@ class UcxLink:
             self._error = "aborted"
         self.close()
 
+    def _unanswered(self) -> bool:
+        # a send the peer may not have read yet (see _sends), on a link still up
+        return self._sends > self._answered and self._error is None
+
     def close(self, linger: bool = True) -> None:
-        """Close the link; one that sent data first lets it reach the peer (:func:`_linger`)."""
+        """Close the link; one whose last sends went unanswered first lets them reach the peer
+        (:func:`_linger`)."""
         if self._closed:
             return
-        if linger and self._sent and self._error is None and not self._engine.closed:
+        if linger and self._unanswered() and not self._engine.closed:
             _linger(self._engine, [self])
         self._closed = True
         self._engine.links.discard(self)
@@ -587,7 +599,8 @@ def _linger(engine: _Engine, links: list) -> None:
     ucxx closes an endpoint with error handling (what this plane makes, to hear of dead peers)
     by force: the close could cut off the tail of the data (the peer's receive ended short,
     "length mismatch"). A peer that got what it wanted closes its end, which ends the wait at
-    once; a peer that closes nothing (both sides closing at once) costs one idle window.
+    once; a peer that closes nothing (both sides closing at once) costs one idle window. A
+    link whose sends were all answered (a request whose answer came) closes without waiting.
     """
     if not links:
         return

@@ -300,6 +300,9 @@ def test_F9_sender_refuses_a_frame_over_the_limit_and_the_receiver_lives(monkeyp
         with pytest.raises(ma.ActorError, match="over the frame limit") as info:
             one.make.call_one(2 * MiB).get(timeout=10)
         assert isinstance(info.value.exception, TypeError)
+        # its telemetry row counts no reply bytes (refused when pickled: framing.dumps checks the limit)
+        rows = procs.telemetry.sql("SELECT max(bytes_out) AS bo FROM messages WHERE endpoint = 'make'")
+        assert rows[0]["bo"] == 0
         # the receiving actors live on, nothing was lost on their connections
         assert one.pid.call_one().get(timeout=10) == pid
         assert a.echo.call(4).get(timeout=10).tolist() == [[4, 4]]

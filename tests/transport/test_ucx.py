@@ -356,8 +356,8 @@ def test_small_messages_in_order_and_empty_buffers(plane):
 
 def test_a_link_that_sent_lingers_for_its_peer_then_closes(plane):
     # ucxx closes an endpoint with error handling by force, which can cut off the tail of what
-    # a completed send handed to UCX: a link that sent waits for its peer to close, or for UCX
-    # to go quiet, before it closes (what test_64mib_both_ways_at_once_between_processes needs)
+    # a completed send handed to UCX: a link whose sends went unanswered waits for its peer to
+    # close, or for UCX to go quiet, before it closes (test_64mib_both_ways_at_once_between_processes)
     link = plane.connect(plane.address, b"l", timeout=10)
     peer = plane.rendezvous.take(b"l", timeout=5)
     quiet = plane.connect(plane.address, b"q", timeout=10)
@@ -375,6 +375,21 @@ def test_a_link_that_sent_lingers_for_its_peer_then_closes(plane):
     took = time.monotonic() - t
     assert ucx.LINGER_IDLE_S * 0.9 <= took < ucx.LINGER_MAX_S / 2, took
     peer.close()
+    # a request whose answer came: the asking side has nothing in flight and closes at once
+    # (a Buffer reader); the answering side waits for it to close, not for a quiet window
+    ask = plane.connect(plane.address, b"a", timeout=10)
+    answer = plane.rendezvous.take(b"a", timeout=5)
+    ask.send(b"want")
+    req = bytearray(4)
+    answer.recv_into(memoryview(req))
+    answer.send(bytes(req) * 2)
+    got = bytearray(8)
+    ask.recv_into(memoryview(got))
+    assert got == b"wantwant"
+    t = time.monotonic()
+    ask.close()
+    assert time.monotonic() - t < ucx.LINGER_IDLE_S
+    answer.close()
 
 
 def test_docstring_examples():
