@@ -1,6 +1,6 @@
 """Type stub of the compiled module ``mesharray._core`` (checked against the binary by tests/core/test_stub.py)."""
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, SupportsIndex
 
 import numpy as np
@@ -75,6 +75,11 @@ def unpack_header(
 def take_frame(
     data: bytes | bytearray | memoryview, start: int, end: int, limit: int
 ) -> tuple[int, int, int, int, int, bytearray | bytes | None, int] | None: ...
+
+def dispatch_frames(
+    handler: Callable[..., Any], conn: Any, data: bytes | bytearray | memoryview, start: int, end: int,
+    limit: int, more: bool, clock: Callable[[], float] | None, budget: float
+) -> tuple[int, int, BaseException | None]: ...
 
 # --- _kernels.pxi ---
 

@@ -9,7 +9,8 @@ file so that the parts can be read (and owned) separately:
 
 - ``_shape.pxi``   : ``Shape`` (named, strided views over global ranks), NumPy
                      indexing, ``broadcast_shapes``, ``reduction_plan``.
-- ``_frame.pxi``   : the fixed frame header of the wire protocol.
+- ``_frame.pxi``   : the fixed frame header of the wire protocol, and the
+                     frame loop of a read (each frame to the caller's handler).
 - ``_kernels.pxi`` : nogil reduction kernels over contiguous numeric buffers.
 """
 

@@ -16,6 +16,9 @@
 # The codec is pure: it packs and parses, and checks the magic and the length
 # against a caller-given limit *before* the caller allocates anything for the
 # payload. Policy (what a kind means, what to do on a bad frame) is Python's.
+# ``dispatch_frames`` is a read's frame loop: it splits a receive buffer into
+# frames and hands each to the caller's handler (a parser driving a callback;
+# the reading and what a frame means stay with the Python caller).
 
 from libc.string cimport memcpy
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
@@ -197,3 +200,75 @@ def take_frame(data, Py_ssize_t start, Py_ssize_t end, unsigned long long limit)
     finally:
         PyBuffer_Release(&buf)
     return (h.kind, h.flags, h.msg_id, h.target, h.view, payload, total)
+
+
+def dispatch_frames(handler, conn, data, Py_ssize_t start, Py_ssize_t end, unsigned long long limit,
+                    bint more, clock, double budget):
+    """Hand every complete frame of ``data[start:end]`` to ``handler``, in order: the frame loop of every read.
+
+    Each frame is checked as :func:`take_frame` checks it, then
+    ``handler(conn, kind, flags, msg_id, target, view, payload)`` runs with a
+    ``bytearray`` copy of its payload (``b""`` when it has none). ``more``:
+    before each call, ``conn.more`` says whether another header is already
+    there (a reader thread's replies cork only then). After a frame, once
+    ``clock() - t0 > budget`` (``t0``: this call's start) while more frames
+    follow, it stops early so that the caller can flush what the handlers
+    corked (``clock=None``: never).
+
+    Returns ``(start, status, error)``: ``start`` is where the first frame not
+    handed over begins; ``status`` is 0 when every complete frame went,
+    -1 when it stopped early, and the frame's whole size when the next frame
+    is incomplete and longer than ``data`` (the caller reads it into a buffer
+    of its own); ``error`` is what a handler raised (``None``: nothing), and
+    it stops at that frame, ``start`` already past it. A bad header raises
+    ``ValueError`` (the frames before it were handed over).
+
+    >>> from mesharray._core import pack_frame, dispatch_frames
+    >>> buf = bytearray(pack_frame(3, 0, 7, 0, 0, [b"abc"], 64, 1 << 20)[1] * 2 + b"xy")
+    >>> got = []
+    >>> dispatch_frames(lambda c, *f: got.append(f), None, buf, 0, len(buf), 1 << 20, False, None, 0.0)
+    (54, 0, None)
+    >>> got
+    [(3, 0, 7, 0, 0, bytearray(b'abc')), (3, 0, 7, 0, 0, bytearray(b'abc'))]
+    """
+    cdef _FrameHeader h
+    cdef Py_buffer buf
+    cdef Py_ssize_t total
+    cdef double t0 = 0.0
+    if start < 0 or end < start:
+        raise ValueError(f"frame bounds {start}..{end}: not a range of a buffer")
+    if end - start < 24:
+        return start, 0, None
+    PyObject_GetBuffer(data, &buf, PyBUF_SIMPLE)
+    try:
+        if end > buf.len:
+            raise ValueError(f"frame bounds {start}..{end} outside a buffer of {buf.len} bytes")
+        if clock is not None:
+            t0 = clock()
+        while end - start >= 24:
+            memcpy(&h, <char*>buf.buf + start, 24)
+            if h.magic != FRAME_MAGIC:
+                raise ValueError(f"bad frame magic 0x{h.magic:04x}; expected 0x{FRAME_MAGIC:04x}")
+            if h.kind == 0:
+                raise ValueError("bad frame kind 0")
+            if h.length > limit:
+                raise ValueError(f"frame length {h.length} exceeds the limit of {limit} bytes")
+            total = 24 + <Py_ssize_t>h.length
+            if end - start < total:
+                return start, (total if total > buf.len else 0), None
+            if h.length == 0:
+                payload = b""
+            else:
+                payload = PyByteArray_FromStringAndSize(<char*>buf.buf + start + 24, h.length)
+            start += total
+            if more:
+                conn.more = end - start >= 24
+            try:
+                handler(conn, h.kind, h.flags, h.msg_id, h.target, h.view, payload)
+            except BaseException as exc:
+                return start, 0, exc
+            if clock is not None and end - start >= 24 and clock() - t0 > budget:
+                return start, -1, None
+    finally:
+        PyBuffer_Release(&buf)
+    return start, 0, None

@@ -60,7 +60,7 @@ import threading
 import time
 
 from .. import _platform
-from .._core import pack_frame, take_frame
+from .._core import dispatch_frames, pack_frame, take_frame
 from ..errors import (
     AuthenticationError,
     BrokenTransportError,
@@ -84,6 +84,7 @@ PARK_MAX = 0.05
 _SMALL = 1 << 14
 _CORK_MAX = 1 << 16  # flush corked frames once this many bytes are queued
 _CORK_AGE = 0.0005  # ... or once the oldest has waited this long while handling a batch
+_clock = time.perf_counter  # (the clock of _out_t0)
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0x40)
 #: bytes a connection may hold unwritten before its senders wait for the peer to read
 #: (env ``MESHARRAY_SEND_BACKLOG``); they resume once half of it is written
@@ -229,7 +230,7 @@ class Connection:
                         out.append(data)
                         self.corked_bytes += len(data)
                         if len(out) == 1:
-                            self._out_t0 = time.perf_counter()
+                            self._out_t0 = _clock()
                             return True
                         if self.corked_bytes >= _CORK_MAX:
                             self._flush_locked()
@@ -618,7 +619,7 @@ class Connection:
         """
         sock, view, big = self.sock, self._view, self._big
         start, end = self._start, self._end
-        limit, handler, cap = self.limit, self.handler, len(self._buf)
+        limit, cap = self.limit, len(self._buf)
         try:
             while True:
                 if big is not None:
@@ -649,35 +650,33 @@ class Connection:
                     raise EOFError
                 self.bytes_in += n
                 end += n
-                handler = self.handler  # per read, not per connection: inject() may swap it
                 while True:
-                    # the next frame, its header checked and its payload copied out, in one call
+                    # every complete frame to the handler (per read, not per connection: inject()
+                    # may swap it), its header checked and its payload copied out, in one call.
+                    # A reader thread's handlers learn whether more of this read follows
+                    # (conn.more: a reply corks only then, a lone call's is written at once)
                     try:
-                        frame = take_frame(view, start, end, limit)
+                        start, status, err = dispatch_frames(self.handler, self, view, start, end, limit, loop,
+                                                             _clock, _CORK_AGE)
                     except ValueError as e:
                         raise FrameError(f"bad frame from {self.name}: {e}") from None
-                    if frame is None:  # under a header's worth
-                        break
-                    kind, flags_, msg_id, target, vw, data, total = frame
-                    if data is not None:
-                        start += total
-                        if loop:  # (a reader thread's: whether more of this read follows, for a
-                            # handler that replies, which corks only then: a lone call's reply is
-                            # written at once, not queued then flushed)
-                            self.more = end - start >= 24
-                        handler(self, kind, flags_, msg_id, target, vw, data)
-                        if self._out and time.perf_counter() - self._out_t0 > _CORK_AGE:
-                            self.flush()  # frames corked while handling a long batch
-                    elif total > cap:
-                        # only what has arrived: a header that lies about its length
-                        # costs nothing (the buffer grows as the bytes come, _grow)
-                        payload = bytearray(view[start + 24:end])
-                        big = (payload, memoryview(payload), len(payload), total - 24)
-                        self._big_hdr = (kind, flags_, msg_id, target, vw)
-                        start = end = 0
-                        break
-                    else:
-                        break
+                    if err is not None:
+                        raise err  # (a handler's: start is past its frame)
+                    if self._out and _clock() - self._out_t0 > _CORK_AGE:
+                        self.flush()  # frames corked while handling a long batch
+                    if status <= 0:
+                        if status == 0:
+                            break
+                        continue  # stopped after _CORK_AGE to flush: the rest of the batch
+                    # a frame longer than the receive buffer: only what has arrived (a header
+                    # that lies about its length costs nothing: the buffer grows as the bytes come)
+                    head = take_frame(view, start, end, limit)
+                    assert head is not None  # (its header is there: dispatch_frames read it)
+                    self._big_hdr = head[:5]
+                    payload = bytearray(view[start + 24:end])
+                    big = (payload, memoryview(payload), len(payload), status - 24)
+                    start = end = 0
+                    break
                 if start == end:
                     start = end = 0
                 elif start and cap - end < 65536:

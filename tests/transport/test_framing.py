@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mesharray import SerializationError
-from mesharray._core import FRAME_HEADER_SIZE, pack_frame, pack_header, take_frame, unpack_header
+from mesharray._core import FRAME_HEADER_SIZE, dispatch_frames, pack_frame, pack_header, take_frame, unpack_header
 from mesharray.transport import framing
 
 
@@ -116,6 +116,90 @@ def test_take_frame_checks_the_header_and_the_bounds_before_taking_anything():
         take_frame(buf, -(2**63), 100, 1 << 20)
     with pytest.raises(ValueError, match="not a range"):
         take_frame(buf, 30, 10, 1 << 20)
+
+
+class _Conn:
+    more = None
+
+
+def _frames(*specs):
+    return [pack_frame(kind, 0, mid, 0, 0, parts, 1 << 10, 1 << 20)[1] for kind, mid, parts in specs]
+
+
+def test_dispatch_frames_hands_every_complete_frame_to_the_handler_in_order():
+    a, b, c = _frames((3, 7, [b"abc"]), (4, 8, []), (1, 9, [b"x" * 40]))
+    buf = bytearray(a + b + c)
+    got = []
+    conn = _Conn()
+
+    def handler(cn, kind, flags, mid, target, view, payload):
+        assert cn is conn
+        got.append((kind, mid, payload, cn.more))
+
+    # the last frame cut short: it stays, from its first byte, for the next read
+    assert dispatch_frames(handler, conn, buf, 0, len(buf) - 1, 1 << 20, True, None, 0.0) == (len(a + b), 0, None)
+    assert got == [(3, 7, b"abc", True), (4, 8, b"", True)]  # (conn.more: another header is there, c's)
+    assert type(got[0][2]) is bytearray  # a copy of its own: the handler may keep it
+    assert dispatch_frames(handler, conn, buf, len(a + b), len(buf), 1 << 20, True, None, 0.0) == (len(buf), 0, None)
+    assert got[-1] == (1, 9, b"x" * 40, False)
+    assert dispatch_frames(handler, conn, buf, 5, 20, 1 << 20, False, None, 0.0) == (5, 0, None)  # under a header
+
+
+def test_dispatch_frames_says_when_the_next_frame_needs_a_buffer_of_its_own():
+    a, big = _frames((3, 1, [b"a"]), (3, 2, [b"y" * 200]))
+    buf = bytearray(128)
+    buf[:len(a) + 60] = (a + big)[:len(a) + 60]
+    got = []
+    assert dispatch_frames(lambda c, *f: got.append(f[2]), None, buf, 0, len(a) + 60, 1 << 20, False, None,
+                           0.0) == (len(a), len(big), None)
+    assert got == [1]
+
+
+def test_dispatch_frames_stops_at_a_handler_error_past_its_frame():
+    a, b, c = _frames((3, 1, []), (3, 2, []), (3, 3, []))
+    buf = bytearray(a + b + c)
+    got = []
+
+    def handler(cn, kind, flags, mid, *rest):
+        got.append(mid)
+        if mid == 2:
+            raise KeyError("boom")
+
+    start, status, err = dispatch_frames(handler, None, buf, 0, len(buf), 1 << 20, False, None, 0.0)
+    assert (start, status, got) == (len(a + b), 0, [1, 2])
+    assert isinstance(err, KeyError) and err.__traceback__ is not None  # (the reader re-raises it as it was)
+
+
+def test_dispatch_frames_checks_each_header_before_it_takes_anything():
+    a, b = _frames((3, 1, []), (3, 2, [b"z" * 100]))
+    buf = bytearray(a + b)
+    got = []
+    with pytest.raises(ValueError, match="exceeds the limit of 99 bytes"):
+        dispatch_frames(lambda c, *f: got.append(f[2]), None, buf, 0, len(buf), 99, False, None, 0.0)
+    assert got == [1]  # the frames before it went
+    bad = bytearray(buf)
+    bad[len(a)] ^= 0xFF
+    with pytest.raises(ValueError, match="magic"):
+        dispatch_frames(lambda *f: None, None, bad, 0, len(bad), 1 << 20, False, None, 0.0)
+    with pytest.raises(ValueError, match="outside a buffer"):
+        dispatch_frames(lambda *f: None, None, buf, 0, len(buf) + 1, 1 << 20, False, None, 0.0)
+    with pytest.raises(ValueError, match="not a range"):
+        dispatch_frames(lambda *f: None, None, buf, 10, 5, 1 << 20, False, None, 0.0)
+
+
+def test_dispatch_frames_stops_early_once_a_batch_outlasts_its_budget():
+    frames = _frames(*[(3, i, []) for i in range(5)])
+    buf = bytearray(b"".join(frames))
+    ticks = iter(range(100))  # a clock that moves one unit a call
+    got = []
+    # t0 = 0; after frame 0 the clock reads 1, after frame 1 it reads 2 > 1.5: stop there
+    assert dispatch_frames(lambda c, *f: got.append(f[2]), None, buf, 0, len(buf), 1 << 20, False,
+                           lambda: next(ticks), 1.5) == (48, -1, None)
+    assert got == [0, 1]
+    # after the last frame nothing follows: no early stop
+    ticks = iter(range(100))
+    assert dispatch_frames(lambda c, *f: got.append(f[2]), None, buf, 96, len(buf), 1 << 20, False,
+                           lambda: next(ticks) * 10, 1.5) == (len(buf), 0, None)
 
 
 def test_payload_round_trip_inline_buffers_are_writable():
