@@ -12,6 +12,7 @@ shared-memory segments        ``memfd``, opened by the    ``shm_open`` + unlink,
                               ``/proc/<pid>/fd``          (``SCM_RIGHTS``)
 process state, start time     ``/proc/<pid>/stat``        :mod:`psutil`
 collective segments           files in ``/dev/shm``       ``shm_open`` names
+worker scheduling class       ``SCHED_BATCH``             the system's default
 ============================  ==========================  ===============================
 
 ``MESHARRAY_PORTABLE=1`` (read once, at import) takes the portable paths on
@@ -28,7 +29,7 @@ import sys
 import tempfile
 
 __all__ = ["PORTABLE", "LINUX_NATIVE", "abstract_sockets", "memfd_via_proc", "shm_open", "shm_unlink",
-           "anonymous_shm", "runtime_dir", "socket_file", "sweep_socket_files"]
+           "anonymous_shm", "runtime_dir", "socket_file", "sweep_socket_files", "worker_sched", "sched_batch"]
 
 #: ``MESHARRAY_PORTABLE`` set (to anything but ``0`` or nothing): the non-Linux paths everywhere
 PORTABLE = os.environ.get("MESHARRAY_PORTABLE", "").strip() not in ("", "0")
@@ -44,6 +45,40 @@ def abstract_sockets() -> bool:
 def memfd_via_proc() -> bool:
     """Whether shared memory is a ``memfd`` that peers open through ``/proc/<pid>/fd``."""
     return LINUX_NATIVE and hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
+
+
+def worker_sched() -> str:
+    """The scheduling class worker processes ask for: ``$MESHARRAY_WORKER_SCHED``, checked.
+
+    ``"batch"`` (the default): ``SCHED_BATCH`` where the system has it (see
+    :func:`sched_batch`); ``"normal"``: the system's default class. Anything
+    else raises ``ValueError`` naming the value.
+    """
+    raw = os.environ.get("MESHARRAY_WORKER_SCHED", "")
+    value = raw.strip().lower() or "batch"
+    if value not in ("batch", "normal"):
+        raise ValueError(f"MESHARRAY_WORKER_SCHED must be 'batch' or 'normal', got {raw!r}")
+    return value
+
+
+def sched_batch() -> bool:
+    """Put the calling thread, and every thread it starts from now on, in Linux's ``SCHED_BATCH``.
+
+    A thread of that class that wakes up does not preempt the one running
+    (no wake-up preemption; its share of the CPU is unchanged): a process
+    sending to many workers that share its cores goes on sending instead of
+    being switched out at each message. Processes it starts inherit the class
+    (Linux's reset-on-fork flag resets only real-time classes). Returns
+    whether it was done (not on other systems, nor with
+    ``MESHARRAY_PORTABLE``, nor where the system refuses).
+    """
+    if not LINUX_NATIVE or not hasattr(os, "SCHED_BATCH"):
+        return False
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except OSError:
+        return False
+    return True
 
 
 def _posix_name(name: str) -> str:

@@ -43,6 +43,7 @@ from threading import get_ident
 from time import perf_counter_ns
 from typing import Any
 
+from .._platform import sched_batch, worker_sched
 from ..errors import SerializationError
 from ..transport import framing
 from ..transport.connection import Listener, connect, dual_address
@@ -82,6 +83,21 @@ def _set_pdeathsig() -> None:
             libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
         except Exception:  # pragma: no cover - best effort
             pass
+
+
+def _set_sched() -> None:
+    # SCHED_BATCH (MESHARRAY_WORKER_SCHED): a worker woken by a message does not preempt
+    # the process that sent it, so a controller calling 8 workers on 2 cores sends all 8
+    # before any runs (call() to 8: 0.74-0.79x the time; bench/README.md, "Sixth pass").
+    # Set before any thread of this process starts: they all inherit it
+    try:
+        policy = worker_sched()
+    except ValueError as exc:  # (set in this worker's environment only: the controller checks its own)
+        print(f"mesharray worker {os.getpid()}: {exc}; keeping the default scheduling class",
+              file=sys.stderr, flush=True)
+        return
+    if policy == "batch":
+        sched_batch()
 
 
 def _pickle_exc(exc: BaseException):
@@ -648,6 +664,7 @@ def run_worker(controller_address: str, secret: bytes, rank: int, *, listen: str
     """
     if exit_process:
         _set_pdeathsig()
+        _set_sched()
     set_secret(secret)
     w = Worker(rank, secret, exit_process)
     w.listener = Listener(secret, w.on_peer_socket, kind=listen, host=listen_host)
