@@ -6,12 +6,16 @@
  * all K and reads the K answers in one poll() loop, N times. Prints the median round trip in
  * microseconds (after 200 warm-up rounds). bench/ab.py builds and runs it when a C compiler
  * is there: the kernel's and the machine's wake-ups alone, beside the Python floors.
+ * The children run in mesharray's workers' scheduling class: SCHED_BATCH on Linux (a woken
+ * child does not preempt the parent), unless MESHARRAY_WORKER_SCHED=normal.
  */
 #define _GNU_SOURCE
 #include <poll.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -61,6 +65,13 @@ int main(int argc, char **argv) {
         pid_t pid = fork();
         if (pid < 0) { perror("fork"); return 1; }
         if (pid == 0) {
+#ifdef SCHED_BATCH
+            const char *cls = getenv("MESHARRAY_WORKER_SCHED");
+            if (!cls || strcasecmp(cls, "normal") != 0) {
+                struct sched_param sp = {0};
+                sched_setscheduler(0, SCHED_BATCH, &sp);
+            }
+#endif
             close(sv[0]);
             for (int i = 0; i < j; i++) close(fds[i]);
             echo(sv[1]);

@@ -17,8 +17,21 @@ import statistics
 import time
 
 
+def _batch() -> None:
+    """Put a child in the scheduling class mesharray's workers run in (``MESHARRAY_WORKER_SCHED``)."""
+    if hasattr(os, "SCHED_BATCH") and os.environ.get("MESHARRAY_WORKER_SCHED", "").strip().lower() != "normal":
+        try:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        except OSError:
+            pass
+
+
 def fork_children(k: int, serve) -> tuple[list, list]:
-    """``k`` forked children, one socketpair each; child ``j`` runs ``serve(j, its socket)`` and exits."""
+    """``k`` forked children, one socketpair each; child ``j`` runs ``serve(j, its socket)`` and exits.
+
+    The children run in the workers' scheduling class (``SCHED_BATCH`` on Linux unless
+    ``MESHARRAY_WORKER_SCHED=normal``): a woken child does not preempt the parent.
+    """
     socks: list = []
     pids: list = []
     for j in range(k):
@@ -26,6 +39,7 @@ def fork_children(k: int, serve) -> tuple[list, list]:
         pid = os.fork()
         if pid == 0:
             try:
+                _batch()
                 a.close()
                 for s in socks:
                     s.close()
