@@ -1,6 +1,6 @@
 /* The machine's floor with no interpreter: what bench/_floors.py measures in Python, in C.
  *
- *     cc -O2 -o floor bench/_floor.c && ./floor K N
+ *     cc -O2 -o floor bench/_floor.c && ./floor K N [py]
  *
  * K forked children, one unix socketpair each, echo 64 bytes; the parent sends 64 bytes to
  * all K and reads the K answers in one poll() loop, N times. Prints the median round trip in
@@ -8,6 +8,8 @@
  * is there: the kernel's and the machine's wake-ups alone, beside the Python floors.
  * The children run in mesharray's workers' scheduling class: SCHED_BATCH on Linux (a woken
  * child does not preempt the parent), unless MESHARRAY_WORKER_SCHED=normal.
+ * With "py", each child execs a Python echo loop ($PYTHON, default python3): the least a
+ * runtime with a compiled controller and Python actors can take.
  */
 #define _GNU_SOURCE
 #include <poll.h>
@@ -45,10 +47,11 @@ static void echo(int fd) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 3) {
-        fprintf(stderr, "usage: %s K N\n", argv[0]);
+    if (argc != 3 && !(argc == 4 && strcmp(argv[3], "py") == 0)) {
+        fprintf(stderr, "usage: %s K N [py]\n", argv[0]);
         return 2;
     }
+    int py = argc == 4;
     int k = atoi(argv[1]), n = atoi(argv[2]);
     if (k < 1 || k > 256 || n <= WARM) {
         fprintf(stderr, "need 1 <= K <= 256 and N > %d, got K=%d N=%d\n", WARM, k, n);
@@ -74,6 +77,14 @@ int main(int argc, char **argv) {
 #endif
             close(sv[0]);
             for (int i = 0; i < j; i++) close(fds[i]);
+            if (py) {
+                const char *python = getenv("PYTHON") ? getenv("PYTHON") : "python3";
+                if (dup2(sv[1], 3) != 3) _exit(1);
+                execlp(python, python, "-c",
+                       "import socket\ns = socket.socket(fileno=3)\nb = bytearray(256)\n"
+                       "while s.recv_into(b):\n    s.send(b[:64])\n", (char *)0);
+                _exit(1);
+            }
             echo(sv[1]);
         }
         close(sv[1]);

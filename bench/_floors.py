@@ -5,7 +5,11 @@ The floor a runtime's call is measured against in the same run (``bench/bench_ru
 
 - ``socket_floor(1)``: send to one child, read its answer (``call_one``'s floor);
 - ``socket_floor(k)``: send to ``k`` children, read the ``k`` answers in one ``poll`` loop
-  (the floor of a ``call()`` to ``k`` processes).
+  (the floor of a ``call()`` to ``k`` processes);
+- ``socket_floor(k, split=True)``: the same over one socketpair per direction, where nobody
+  sleeps on the socket whose buffer space a read frees (no write-space wake-ups).
+
+``python bench/_floors.py [ROUNDS]`` prints both, interleaved, for 1, 2 and 8 children.
 """
 
 from __future__ import annotations
@@ -75,16 +79,37 @@ def _echo(j: int, b: socket.socket) -> None:
         b.send(buf[:64])
 
 
-def socket_floor(k: int = 1, n: int = 3000) -> float:
-    """p50 µs of sending 64 bytes to ``k`` echoing children and reading every answer."""
-    socks, pids = fork_children(k, _echo)
-    p, by_fd = poll_of(socks)
+def socket_floor(k: int = 1, n: int = 3000, split: bool = False) -> float:
+    """p50 µs of sending 64 bytes to ``k`` echoing children and reading every answer.
+
+    ``split``: each child answers on a second socketpair (one per direction).
+    """
+    if split:
+        back = [socket.socketpair() for _ in range(k)]
+
+        def serve(j: int, b: socket.socket) -> None:
+            for i, (r, w) in enumerate(back):
+                r.close()
+                if i != j:
+                    w.close()
+            buf, out = bytearray(256), back[j][1]
+            while b.recv_into(buf):
+                out.send(buf[:64])
+
+        socks, pids = fork_children(k, serve)
+        for _, w in back:
+            w.close()
+        replies = [r for r, _ in back]
+    else:
+        socks, pids = fork_children(k, _echo)
+        replies = socks
+    p, by_fd = poll_of(replies)
     buf, msg, ts = bytearray(256), b"x" * 64, []
     for _ in range(n):
         t = time.perf_counter()
         if k == 1:
             socks[0].send(msg)
-            socks[0].recv_into(buf)
+            replies[0].recv_into(buf)
         else:
             for s in socks:
                 s.send(msg)
@@ -94,4 +119,15 @@ def socket_floor(k: int = 1, n: int = 3000) -> float:
                     by_fd[fd].recv_into(buf)
                     left -= 1
         ts.append(time.perf_counter() - t)
+    if split:
+        for r in replies:
+            r.close()
     return reap(socks, pids, ts)
+
+
+if __name__ == "__main__":
+    import sys
+
+    for _ in range(int(sys.argv[1]) if len(sys.argv) > 1 else 3):
+        print("  ".join(f"{k} {'split' if sp else 'one'}: {socket_floor(k, 2000, sp):6.1f} µs"
+                        for k in (1, 2, 8) for sp in (False, True)), flush=True)
