@@ -120,6 +120,14 @@ def _attach_one(url: str, secret: bytes, job: bytes, deadline: float) -> AgentCl
             last = exc
             time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
             continue
+        except BaseException:  # a reply that is not the protocol's (or an interrupt): never retried
+            if sock is not None:
+                sock.close()
+            raise
+        if not isinstance(reply, dict):
+            sock.close()
+            raise BootstrapError(f"host agent at {url} answered the attach with a {type(reply).__name__}, "
+                                 f"not the agent protocol's reply (is it a mesharray agent of this version?)")
         if not reply.get("ok"):
             sock.close()
             raise BootstrapError(f"host agent at {url} refused to attach: {reply.get('error')}")

@@ -196,3 +196,38 @@ def test_agent_prints_its_address_and_advertise_overrides_it():
         assert a.url.startswith("tcp://127.0.0.12:")
     finally:
         a.stop()
+
+
+@pytest.mark.parametrize("reply, said", [
+    ((1 << 31).to_bytes(4, "big"), "agent protocol message of 2147483648 bytes"),  # an oversized length
+    (None, "answered the attach with a list"),  # a well-framed reply that is not a dict
+])
+def test_a_malformed_attach_reply_is_an_error_and_the_socket_is_closed(reply, said):
+    import gc
+    import socket
+    import threading
+
+    from mesharray.transport import auth
+
+    key = agent_mod.secret_from_env(SECRET)
+    seen: dict = {}
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        def fake_agent() -> None:  # the handshake and the request as an agent has them, then a bad reply
+            conn, _ = srv.accept()
+            with conn:
+                auth.server_handshake(conn, key)
+                seen["request"] = agent_mod.recv_msg(conn)["op"]
+                if reply is None:
+                    agent_mod.send_msg(conn, ["not", "a", "reply"])
+                else:
+                    conn.sendall(reply)
+                conn.settimeout(10)
+                seen["after"] = conn.recv(1)  # b"": the controller closed its end
+
+        t = threading.Thread(target=fake_agent, daemon=True)
+        t.start()
+        with pytest.raises(ma.BootstrapError, match=said):
+            ma.attach([f"tcp://127.0.0.1:{srv.getsockname()[1]}"], secret=SECRET, timeout=10)
+        t.join(15)
+    assert seen == {"request": "attach", "after": b""}
+    gc.collect()  # (an unclosed socket would be a ResourceWarning here, an error under this suite's filters)
