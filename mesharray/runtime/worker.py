@@ -56,7 +56,7 @@ from .recorder import ENABLED as RECORD
 from .recorder import MAX_ROWS, REC, SPAN, set_title, thread_stacks
 from .router import set_secret
 
-__all__ = ["run_worker", "Worker", "error_record"]
+__all__ = ["run_worker", "Worker", "error_record", "set_sched_class"]
 
 log = logging.getLogger("mesharray.worker")
 
@@ -85,11 +85,15 @@ def _set_pdeathsig() -> None:
             pass
 
 
-def _set_sched() -> None:
-    # SCHED_BATCH (MESHARRAY_WORKER_SCHED): a worker woken by a message does not preempt
-    # the process that sent it, so a controller calling 8 workers on 2 cores sends all 8
-    # before any runs (call() to 8: 0.74-0.79x the time; bench/README.md, "Sixth pass").
-    # Set before any thread of this process starts: they all inherit it
+def set_sched_class() -> None:
+    """Put this worker process in the workers' scheduling class (``MESHARRAY_WORKER_SCHED``).
+
+    For a process that is a worker and nothing else, before it starts any thread (they all
+    inherit it): :func:`run_worker` does it when it owns its process, the MPI bootstrap on
+    ranks 1..N-1. ``SCHED_BATCH``: a worker woken by a message does not preempt the process
+    that sent it, so a controller calling 8 workers on 2 cores sends all 8 before any runs
+    (``call()`` to 8: 0.74-0.79x the time; bench/README.md, "Sixth pass").
+    """
     try:
         policy = worker_sched()
     except ValueError as exc:  # (set in this worker's environment only: the controller checks its own)
@@ -664,7 +668,7 @@ def run_worker(controller_address: str, secret: bytes, rank: int, *, listen: str
     """
     if exit_process:
         _set_pdeathsig()
-        _set_sched()
+        set_sched_class()
     set_secret(secret)
     w = Worker(rank, secret, exit_process)
     w.listener = Listener(secret, w.on_peer_socket, kind=listen, host=listen_host)

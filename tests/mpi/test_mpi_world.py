@@ -41,6 +41,7 @@ class Probe(ma.Actor):
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "active": mpi.is_active(),
+            "sched": os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else None,
         }
 
     @ma.endpoint
@@ -121,6 +122,16 @@ def test_each_mesh_rank_is_its_mpi_rank(world, mpi_size):
     # their own processes
     assert got[0]["pid"] == os.getpid()
     assert len({g["pid"] for g in got}) == mpi_size
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getscheduler"), reason="this system has no sched_getscheduler (macOS)")
+def test_ranks_that_are_only_workers_run_in_the_workers_scheduling_class(world, mpi_size):
+    from mesharray import _platform
+
+    got = _values(spawn(world, Probe).where.call().get())
+    batch = os.SCHED_BATCH if _platform.LINUX_NATIVE and _platform.worker_sched() == "batch" else os.SCHED_OTHER
+    # rank 0's worker is a thread of the controller's process: the user's process keeps its class
+    assert [g["sched"] for g in got] == [os.SCHED_OTHER] + [batch] * (mpi_size - 1)
 
 
 def test_actor_errors_cross_back_as_in_local_meshes(world, mpi_size):
