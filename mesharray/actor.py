@@ -662,8 +662,8 @@ class Endpoint(Generic[_P, _R]):
                     f = futs[r] = new_future()
                     chan.call(P.CALL, target, vid, parts, future_callback(f), True, now)
                     f._chan = chan  # (reply_on: get() reads the reply in its own thread)
-                else:
-                    chan.post(P.CALL, target, vid, parts)
+                else:  # (not corked: the caller waits on a reply next, see Channel.post)
+                    chan.post(P.CALL, target, vid, parts, False)
             except ActorDiedError as exc:  # the peer died under us: a caller hears of it, a broadcast skips it
                 if w:
                     if r not in futs:

@@ -245,16 +245,18 @@ class Channel:
             if not self.wait(lambda: len(self.pending) < low, time.monotonic() + 0.05):
                 time.sleep(0.001)  # another thread reads this connection: let it
 
-    def post(self, kind: int, target: int, view: int, parts) -> None:
+    def post(self, kind: int, target: int, view: int, parts, burst: bool = True) -> None:
         """Send one frame without a reply (a broadcast); raises the death error of a dead peer.
 
         Corked only inside a burst (within :data:`_BURST` of the previous one):
         a lone broadcast goes out at once, which spares the flusher thread's
-        wake-up when nothing follows it soon.
+        wake-up when nothing follows it soon. ``burst=False``: corked only behind
+        frames already corked, for a sender about to wait on a reply (its wait
+        would flush the frame anyway; corking it would only wake the flusher).
         """
         conn = self.conn
         now = time.perf_counter()
-        cork = conn.corked_bytes > 0 or now - self.t_oneway < _BURST
+        cork = conn.corked_bytes > 0 or (burst and now - self.t_oneway < _BURST)
         self.t_oneway = now
         try:
             if conn.send(kind, 0, 0, target, view, parts, cork):
