@@ -29,7 +29,8 @@ import sys
 import tempfile
 
 __all__ = ["PORTABLE", "LINUX_NATIVE", "abstract_sockets", "memfd_via_proc", "shm_open", "shm_unlink",
-           "anonymous_shm", "runtime_dir", "socket_file", "sweep_socket_files", "worker_sched", "sched_batch"]
+           "anonymous_shm", "runtime_dir", "socket_file", "sweep_socket_files", "worker_sched", "worker_spin",
+           "WORKER_SPIN_DEFAULT_US", "sched_batch", "usable_cpus"]
 
 #: ``MESHARRAY_PORTABLE`` set (to anything but ``0`` or nothing): the non-Linux paths everywhere
 PORTABLE = os.environ.get("MESHARRAY_PORTABLE", "").strip() not in ("", "0")
@@ -59,6 +60,35 @@ def worker_sched() -> str:
     if value not in ("batch", "normal"):
         raise ValueError(f"MESHARRAY_WORKER_SCHED must be 'batch' or 'normal', got {raw!r}")
     return value
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity on Linux; all of them elsewhere)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # (no sched_getaffinity on macOS)
+        return os.cpu_count() or 1
+
+
+#: a worker's read spin when ``MESHARRAY_WORKER_SPIN_US`` is not set (microseconds)
+WORKER_SPIN_DEFAULT_US = 100
+
+
+def worker_spin() -> float:
+    """How long a worker's reader polls its socket before blocking (seconds): ``$MESHARRAY_WORKER_SPIN_US``.
+
+    Microseconds, default :data:`WORKER_SPIN_DEFAULT_US`; ``0`` blocks at once. Anything but a finite
+    number >= 0 raises ``ValueError`` naming the value. A process that may run on one CPU
+    only gets 0 whatever the setting: a message can only come once it gives that CPU up.
+    """
+    raw = os.environ.get("MESHARRAY_WORKER_SPIN_US", "")
+    try:
+        value = float(raw) if raw.strip() else float(WORKER_SPIN_DEFAULT_US)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"MESHARRAY_WORKER_SPIN_US must be a number of microseconds >= 0, got {raw!r}")
+    return value * 1e-6 if usable_cpus() > 1 else 0.0
 
 
 def sched_batch() -> bool:

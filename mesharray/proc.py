@@ -31,7 +31,7 @@ from typing import Any, ParamSpec, Protocol, TypeVar, overload
 import numpy as np
 
 from ._core import Shape
-from ._platform import worker_sched
+from ._platform import worker_sched, worker_spin
 from .actor import Actor, ActorMesh, endpoints_of, future_callback
 from .array import MeshArray
 from .bootstrap import local as _local
@@ -648,6 +648,7 @@ def proc_mesh(hosts: int | None = None, procs: int | None = None, *, bootstrap: 
     >>> procs.stop()                              # doctest: +SKIP
     """
     worker_sched()  # a bad MESHARRAY_WORKER_SCHED is an error here, before any process starts
+    worker_spin()  # (and MESHARRAY_WORKER_SPIN_US)
     if resolve_bootstrap(bootstrap) == "mpi":
         launch = _mpi.bootstrap(hosts=hosts, procs=procs, timeout=timeout, name=name,
                                 heartbeat_timeout=heartbeat_timeout, heartbeat_interval=heartbeat_interval,

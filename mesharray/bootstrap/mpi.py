@@ -104,7 +104,7 @@ from ..collectives import mpi_comms
 from ..collectives.mpi_comms import is_active, local_comm, mesh_comm, world_comm, world_rank, world_size
 from ..errors import ActorDiedError, BootstrapError
 from ..runtime.controller import Controller
-from ..runtime.worker import run_worker, set_sched_class
+from ..runtime.worker import run_worker, set_sched_class, set_spin
 from ._detect import detect_launcher
 from .launch import Launch
 
@@ -641,6 +641,7 @@ def _serve(MPI: Any, timeout: float) -> None:
             time.sleep(_POLL_S)
         mpi_comms.install(MPI)
         set_sched_class()  # (this rank's process is a worker and nothing else: rank 0's is the controller)
+        set_spin()
         _runtime_run_worker(payload["address"], payload["secret"], rank)
     except KeyboardInterrupt:
         # Ctrl-C reaches every rank through mpirun; rank 0 reports it

@@ -129,13 +129,6 @@ def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        return os.cpu_count() or 1
-
-
 def _pid_alive(pid: int) -> bool:
     if pid <= 0:
         return True  # not registered yet: nothing to say
@@ -209,7 +202,7 @@ class ShmCollective:
         if capacity < _LINE:
             raise ValueError(f"capacity must be >= {_LINE} bytes, got {capacity}")
         if single_copy_min == "auto":
-            single_copy_min = SINGLE_COPY_MIN if size <= _cores() else SINGLE_COPY_MIN_SHARED_CORES
+            single_copy_min = SINGLE_COPY_MIN if size <= _platform.usable_cpus() else SINGLE_COPY_MIN_SHARED_CORES
         elif single_copy_min is not None:
             if not isinstance(single_copy_min, (int, np.integer)) or isinstance(single_copy_min, bool):
                 raise TypeError(f"single_copy_min must be an int, 'auto' or None, got {single_copy_min!r}")

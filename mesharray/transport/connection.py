@@ -74,7 +74,7 @@ from .hostid import memory_domain
 from .poller import READ, WRITE, fd_poller
 
 __all__ = ["Connection", "Listener", "Poller", "Writer", "connect", "default_poller", "default_writer",
-           "parse_address", "dual_address", "peer_uid", "BACKLOG_MAX", "MAX_HANDSHAKES"]
+           "parse_address", "dual_address", "peer_uid", "set_read_spin", "BACKLOG_MAX", "MAX_HANDSHAKES"]
 
 log = logging.getLogger("mesharray.transport")
 
@@ -85,6 +85,11 @@ _SMALL = 1 << 14
 _CORK_MAX = 1 << 16  # flush corked frames once this many bytes are queued
 _CORK_AGE = 0.0005  # ... or once the oldest has waited this long while handling a batch
 _clock = time.perf_counter  # (the clock of _out_t0)
+#: how long a reader thread polls its socket before it blocks in ``recv`` (seconds; see set_read_spin)
+_spin = 0.0
+#: a ``sched_yield`` this long means another thread wanted this CPU: stop polling, block
+_CONTENDED = 20e-6
+_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0x40)
 #: bytes a connection may hold unwritten before its senders wait for the peer to read
 #: (env ``MESHARRAY_SEND_BACKLOG``); they resume once half of it is written
@@ -152,6 +157,26 @@ def parse_address(address: str):
             raise ValueError(f"bad tcp address {address!r}; expected 'tcp:host:port'")
         return socket.AF_INET, (host.strip("[]"), int(port))
     raise ValueError(f"bad address {address!r}; expected 'unix:PATH' or 'tcp:HOST:PORT'")
+
+
+def set_read_spin(seconds: float) -> None:
+    """Make this process's reader threads poll their sockets for up to ``seconds`` before blocking.
+
+    After a read, a thread-mode reader (:meth:`Connection.start`) tries its
+    socket without waiting, yielding the CPU between tries, and blocks in
+    ``recv`` once nothing came within ``seconds``, or as soon as a yield shows
+    that another thread wanted the CPU. Either way it then blocks at once for
+    its next 1, 2, 4 ... 64 reads, and polls every read again once a message
+    comes while it polls: it polls in a loop of messages on a core of its own,
+    hardly ever when idle or when the cores are shared. A message that comes
+    while it polls needs no wake-up: on a virtual machine whose idle CPUs halt,
+    waking one costs the sender ~15 µs and the reader ~30 µs (bench/README.md,
+    "Seventh pass"). ``0`` (the default) blocks at once.
+    """
+    global _spin
+    if not seconds >= 0:
+        raise ValueError(f"read spin must be >= 0 seconds, got {seconds!r}")
+    _spin = float(seconds)
 
 
 class Connection:
@@ -470,6 +495,7 @@ class Connection:
         self._big = None  # (payload, its view, bytes read, length) of a frame longer than _buf; header in _big_hdr
         self._big_hdr: tuple = ()
         self._read_exc: BaseException | None = None
+        self._spin_skip = self._spin_backoff = 0  # (_spin_recv's backing off)
 
     def _read_loop(self) -> None:
         # thread mode: the same reader as poll mode, blocking, looping inside (its state
@@ -606,6 +632,31 @@ class Connection:
                     c._rlock.release()
         return ended
 
+    def _spin_recv(self, sock: socket.socket, buf) -> int:
+        """``sock.recv_into(buf)`` for a reader thread, polled first (:func:`set_read_spin`)."""
+        if self._spin_skip:
+            self._spin_skip -= 1
+            return sock.recv_into(buf, 0, 0)
+        t = _clock()
+        deadline = t + _spin
+        while True:
+            try:
+                n = sock.recv_into(buf, 0, _DONTWAIT)
+            except BlockingIOError:
+                pass
+            else:
+                self._spin_backoff = 0
+                return n
+            if t > deadline:
+                break
+            _yield()
+            now = _clock()
+            if now - t > _CONTENDED:
+                break  # another thread ran on this CPU meanwhile: leave it the CPU
+            t = now
+        self._spin_skip = self._spin_backoff = min(64, 2 * self._spin_backoff or 1)
+        return sock.recv_into(buf, 0, 0)
+
     def _read_some(self, flags: int = socket.MSG_DONTWAIT, loop: bool = False) -> bool:
         """The reader of both modes: read what is there, hand every complete frame to the
         handler in order; False once the connection ended (the reason in ``_read_exc``).
@@ -645,7 +696,10 @@ class Connection:
                     if big is None and self._out:
                         self.flush()  # the reply to a large frame: out now, not at the flusher's next round
                     continue
-                n = sock.recv_into(view[end:], 0, flags)
+                if loop and _spin:
+                    n = self._spin_recv(sock, view[end:])
+                else:
+                    n = sock.recv_into(view[end:], 0, flags)
                 if n == 0:
                     raise EOFError
                 self.bytes_in += n

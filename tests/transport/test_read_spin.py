@@ -1,0 +1,100 @@
+"""A reader thread that polls its socket before blocking (``set_read_spin``)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from mesharray.transport import connection
+from mesharray.transport.connection import Connection, set_read_spin
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def spin():
+    """The process's read spin, set by the test and put back after it."""
+    before = connection._spin
+    yield set_read_spin
+    set_read_spin(before)
+
+
+def test_a_polling_reader_gets_every_frame_in_order(spin):
+    spin(200e-6)
+    a, b = socket.socketpair()
+    got: list[bytes] = []
+    done = threading.Event()
+
+    def on(conn, kind, flags, msg_id, target, view, payload):
+        got.append(bytes(payload))
+        if len(got) == 3000:
+            done.set()
+
+    reader = Connection(a, handler=on, name="polling")
+    reader.start()
+    writer = Connection(b, name="writer")
+    try:
+        for i in range(3000):
+            writer.send(1, 0, i, 0, 0, [b"%d" % i])
+            if i % 7 == 0:
+                time.sleep(0.0002 * (i % 3))  # gaps inside, at and past the spin
+        assert done.wait(30)
+        assert got == [b"%d" % i for i in range(3000)]
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_a_poll_that_finds_nothing_backs_off_and_a_message_while_polling_resets_it(spin):
+    spin(50e-6)
+    a, b = socket.socketpair()
+    conn = Connection(a, name="backoff")
+    conn._init_reading()  # (what start() does before its reader thread reads)
+    buf = bytearray(16)
+    try:
+        late = threading.Timer(0.05, b.send, (b"x",))
+        late.start()
+        assert conn._spin_recv(a, buf) == 1  # polled 50 µs, then blocked until it came
+        late.join()
+        assert (conn._spin_backoff, conn._spin_skip) == (1, 1)
+        b.send(b"y")
+        assert conn._spin_recv(a, buf) == 1  # (skipped: a blocking read)
+        assert (conn._spin_backoff, conn._spin_skip) == (1, 0)
+        for expect in (2, 4, 8, 16, 32, 64, 64):
+            late = threading.Timer(0.01, b.send, (b"z",))
+            late.start()
+            assert conn._spin_recv(a, buf) == 1
+            late.join()
+            assert conn._spin_backoff == expect
+            for _ in range(conn._spin_skip):
+                b.send(b"s")
+                conn._spin_recv(a, buf)
+        b.send(b"w")
+        assert conn._spin_recv(a, buf) == 1  # there while polling: polls every read again
+        assert (conn._spin_backoff, conn._spin_skip) == (0, 0)
+    finally:
+        conn.close()
+        b.close()
+
+
+def test_a_negative_spin_is_refused(spin):
+    with pytest.raises(ValueError, match="read spin must be >= 0 seconds, got -1"):
+        spin(-1)
+    assert connection._spin == 0.0 or connection._spin > 0  # (unchanged)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_yield"), reason="no sched_yield on this system")
+def test_the_end_of_a_spin_returns_the_eof(spin):
+    spin(100e-6)
+    a, b = socket.socketpair()
+    conn = Connection(a, name="eof")
+    conn._init_reading()
+    try:
+        threading.Timer(0.01, b.close).start()
+        assert conn._spin_recv(a, bytearray(8)) == 0  # the peer closed: recv's 0, as without polling
+    finally:
+        conn.close()
