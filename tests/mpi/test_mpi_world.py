@@ -24,6 +24,12 @@ def spawn(world, cls, *args):
     return world.spawn(f"{cls.__name__.lower()}{next(_names)}", cls, *args)
 
 
+def _read_spin() -> float:
+    from mesharray.transport import connection
+
+    return connection._spin
+
+
 class Probe(ma.Actor):
     """Reports where it runs and uses mesharray's MPI communicators."""
 
@@ -42,6 +48,7 @@ class Probe(ma.Actor):
             "host": socket.gethostname(),
             "active": mpi.is_active(),
             "sched": os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else None,
+            "spin": _read_spin(),
         }
 
     @ma.endpoint
@@ -132,6 +139,15 @@ def test_ranks_that_are_only_workers_run_in_the_workers_scheduling_class(world, 
     batch = os.SCHED_BATCH if _platform.LINUX_NATIVE and _platform.worker_sched() == "batch" else os.SCHED_OTHER
     # rank 0's worker is a thread of the controller's process: the user's process keeps its class
     assert [g["sched"] for g in got] == [os.SCHED_OTHER] + [batch] * (mpi_size - 1)
+
+
+def test_ranks_that_are_only_workers_poll_before_blocking(world, mpi_size):
+    from mesharray import _platform
+
+    got = _values(spawn(world, Probe).where.call().get())
+    # as local workers (MESHARRAY_WORKER_SPIN_US); rank 0's worker thread lives in the user's
+    # process, whose readers block at once
+    assert [g["spin"] for g in got] == pytest.approx([0.0] + [_platform.worker_spin()] * (mpi_size - 1))
 
 
 def test_actor_errors_cross_back_as_in_local_meshes(world, mpi_size):
