@@ -30,7 +30,7 @@ import tempfile
 
 __all__ = ["PORTABLE", "LINUX_NATIVE", "abstract_sockets", "memfd_via_proc", "shm_open", "shm_unlink",
            "anonymous_shm", "runtime_dir", "socket_file", "sweep_socket_files", "worker_sched", "worker_spin",
-           "WORKER_SPIN_DEFAULT_US", "sched_batch", "usable_cpus"]
+           "WORKER_SPIN_DEFAULT_US", "sched_batch", "usable_cpus", "cpu_quota"]
 
 #: ``MESHARRAY_PORTABLE`` set (to anything but ``0`` or nothing): the non-Linux paths everywhere
 PORTABLE = os.environ.get("MESHARRAY_PORTABLE", "").strip() not in ("", "0")
@@ -70,25 +70,83 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def cpu_quota(proc: str = "/proc/self", cgroup_fs: str = "/sys/fs/cgroup") -> float | None:
+    """The CPUs' worth of time this process's cgroup may use (``cpu.max``, or ``cpu.cfs_quota_us``
+    over ``cpu.cfs_period_us`` in cgroup v1; the smallest over its ancestors), ``None`` if unlimited.
+
+    A container's CPU limit (Kubernetes ``resources.limits.cpu``) is such a quota. Linux only;
+    anything unreadable counts as no quota. ``proc`` and ``cgroup_fs`` name other roots (tests).
+    """
+    try:
+        with open(os.path.join(proc, "cgroup")) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    found: list[float] = []
+    for line in lines:
+        _, controllers, rel = line.split(":", 2)
+        names = controllers.split(",") if controllers else []
+        if not controllers:  # cgroup v2: one hierarchy, cpu.max
+            bases = [cgroup_fs]
+        elif "cpu" in names:  # cgroup v1: the cpu controller's own hierarchy
+            bases = [os.path.join(cgroup_fs, n) for n in ("cpu", "cpu,cpuacct", "cpuacct,cpu")]
+        else:
+            continue
+        for base in bases:
+            d = os.path.join(base, rel.lstrip("/"))
+            if not os.path.isdir(d):
+                d = base  # (a namespaced cgroup: the mount is this process's own subtree)
+            while True:
+                q = _quota_in(d, controllers == "")
+                if q is not None:
+                    found.append(q)
+                if os.path.normpath(d) == os.path.normpath(base) or len(d) <= len(base):
+                    break
+                d = os.path.dirname(d)
+    return min(found) if found else None
+
+
+def _quota_in(d: str, v2: bool) -> float | None:
+    try:
+        if v2:
+            with open(os.path.join(d, "cpu.max")) as f:
+                quota, period = (f.read().split() + ["100000"])[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        with open(os.path.join(d, "cpu.cfs_quota_us")) as f:
+            us = int(f.read())
+        with open(os.path.join(d, "cpu.cfs_period_us")) as f:
+            per = int(f.read())
+        return None if us < 0 else us / per
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
 #: a worker's read spin when ``MESHARRAY_WORKER_SPIN_US`` is not set (microseconds)
 WORKER_SPIN_DEFAULT_US = 100
 
 
-def worker_spin() -> float:
+def worker_spin(raw: str | None = None) -> float:
     """How long a worker's reader polls its socket before blocking (seconds): ``$MESHARRAY_WORKER_SPIN_US``.
 
     Microseconds, default :data:`WORKER_SPIN_DEFAULT_US`; ``0`` blocks at once. Anything but a finite
     number >= 0 raises ``ValueError`` naming the value. A process that may run on one CPU
     only gets 0 whatever the setting: a message can only come once it gives that CPU up.
+    Under a CPU quota (:func:`cpu_quota`: a container's CPU limit) the default is 0: the
+    quota counts the polling, and a cgroup that runs out of it stops for the rest of its
+    period (100 ms by default); set the variable to poll anyway. ``raw``: a value to check
+    instead of the variable's (``""``: the default).
     """
-    raw = os.environ.get("MESHARRAY_WORKER_SPIN_US", "")
+    if raw is None:
+        raw = os.environ.get("MESHARRAY_WORKER_SPIN_US", "")
     try:
         value = float(raw) if raw.strip() else float(WORKER_SPIN_DEFAULT_US)
     except ValueError:
         value = -1.0
     if not value >= 0 or value == float("inf"):
         raise ValueError(f"MESHARRAY_WORKER_SPIN_US must be a number of microseconds >= 0, got {raw!r}")
-    return value * 1e-6 if usable_cpus() > 1 else 0.0
+    if usable_cpus() < 2 or (not raw.strip() and cpu_quota() is not None):
+        return 0.0
+    return value * 1e-6
 
 
 def sched_batch() -> bool:

@@ -43,7 +43,7 @@ from threading import get_ident
 from time import perf_counter_ns
 from typing import Any
 
-from .._platform import WORKER_SPIN_DEFAULT_US, sched_batch, usable_cpus, worker_sched, worker_spin
+from .._platform import sched_batch, worker_sched, worker_spin
 from ..errors import SerializationError
 from ..transport import framing
 from ..transport.connection import Listener, connect, dual_address, set_read_spin
@@ -118,7 +118,7 @@ def set_spin() -> None:
     except ValueError as exc:  # (set in this worker's environment only: the controller checks its own)
         print(f"mesharray worker {os.getpid()}: {exc}; keeping the default",
               file=sys.stderr, flush=True)
-        seconds = WORKER_SPIN_DEFAULT_US * 1e-6 if usable_cpus() > 1 else 0.0
+        seconds = worker_spin("")
     set_read_spin(seconds)
 
 

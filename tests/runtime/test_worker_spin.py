@@ -83,3 +83,60 @@ def test_a_bad_value_is_an_error_before_any_process_starts(monkeypatch, bad):
         ma.proc_mesh(procs=2)
     monkeypatch.setenv("MESHARRAY_WORKER_SPIN_US", " 250 ")
     assert _platform.worker_spin() == pytest.approx(250e-6 if _platform.usable_cpus() > 1 else 0.0)
+
+
+def _tree(tmp_path, cgroup: str, files: dict[str, str]):
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "cgroup").write_text(cgroup)
+    fs = tmp_path / "fs"
+    for rel, text in files.items():
+        (fs / rel).parent.mkdir(parents=True, exist_ok=True)
+        (fs / rel).write_text(text)
+    return str(proc), str(fs)
+
+
+@pytest.mark.parametrize("cgroup, files, want", [
+    # cgroup v2: the process's cpu.max, or the smallest over its ancestors
+    ("0::/pod/c1\n", {"pod/c1/cpu.max": "150000 100000\n"}, 1.5),
+    ("0::/pod/c1\n", {"pod/c1/cpu.max": "max 100000\n", "pod/cpu.max": "50000 100000\n"}, 0.5),
+    ("0::/pod/c1\n", {"pod/c1/cpu.max": "max 100000\n"}, None),
+    # a namespaced cgroup: /proc says "/", the mount is the container's own subtree
+    ("0::/\n", {"cpu.max": "200000 100000\n"}, 2.0),
+    # cgroup v1, the cpu controller on its own or with cpuacct
+    ("4:memory:/x\n2:cpu,cpuacct:/job\n", {"cpu,cpuacct/job/cpu.cfs_quota_us": "250000\n",
+                                            "cpu,cpuacct/job/cpu.cfs_period_us": "100000\n"}, 2.5),
+    ("1:cpu:/job\n", {"cpu/job/cpu.cfs_quota_us": "-1\n", "cpu/job/cpu.cfs_period_us": "100000\n"}, None),
+    ("1:cpu:/job\n", {}, None),  # nothing readable: no quota
+])
+def test_cpu_quota_reads_the_cgroup_limit(tmp_path, cgroup, files, want):
+    proc, fs = _tree(tmp_path, cgroup, files)
+    assert _platform.cpu_quota(proc, fs) == (pytest.approx(want) if want is not None else None)
+
+
+def test_under_a_cpu_quota_workers_poll_only_when_asked(monkeypatch):
+    monkeypatch.setattr(_platform, "cpu_quota", lambda *a: 4.0)
+    monkeypatch.setattr(_platform, "usable_cpus", lambda: 8)
+    assert _platform.worker_spin("") == 0.0  # the quota would count the polling
+    assert _platform.worker_spin("100") == pytest.approx(100e-6)  # (set: honoured)
+    monkeypatch.setattr(_platform, "cpu_quota", lambda *a: None)
+    assert _platform.worker_spin("") == pytest.approx(100e-6)
+    monkeypatch.setattr(_platform, "usable_cpus", lambda: 1)
+    assert _platform.worker_spin("100") == 0.0
+
+
+@pytest.mark.skipif(not os.access("/sys/fs/cgroup/cpu", os.W_OK), reason="no writable cgroup v1 cpu hierarchy "
+                    "(needs root; the parser itself is tested above)")
+def test_a_real_cgroup_quota_turns_polling_off(tmp_path):
+    d = f"/sys/fs/cgroup/cpu/mesharray-test-{os.getpid()}"
+    os.mkdir(d)
+    try:
+        with open(f"{d}/cpu.cfs_quota_us", "w") as f:
+            f.write("150000")
+        code = ("import os, sys; open(sys.argv[1] + '/cgroup.procs', 'w').write(str(os.getpid())); "
+                "from mesharray import _platform as p; print(p.cpu_quota(), p.worker_spin(''))")
+        out = subprocess.run([sys.executable, "-c", code, d], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["1.5", "0.0"]
+    finally:
+        os.rmdir(d)  # (its only process has exited)
