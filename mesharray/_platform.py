@@ -75,32 +75,38 @@ def cpu_quota(proc: str = "/proc/self", cgroup_fs: str = "/sys/fs/cgroup") -> fl
     over ``cpu.cfs_period_us`` in cgroup v1; the smallest over its ancestors), ``None`` if unlimited.
 
     A container's CPU limit (Kubernetes ``resources.limits.cpu``) is such a quota. Linux only;
-    anything unreadable counts as no quota. ``proc`` and ``cgroup_fs`` name other roots (tests).
+    anything unreadable or malformed counts as no quota (this never raises). ``proc`` and
+    ``cgroup_fs`` name other roots (tests).
     """
     try:
-        with open(os.path.join(proc, "cgroup")) as f:
+        with open(os.path.join(proc, "cgroup"), errors="surrogateescape") as f:
             lines = f.read().splitlines()
-    except OSError:
+    except (OSError, ValueError):
         return None
     found: list[float] = []
     for line in lines:
-        _, controllers, rel = line.split(":", 2)
-        names = controllers.split(",") if controllers else []
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, rel = fields
         if not controllers:  # cgroup v2: one hierarchy, cpu.max
             bases = [cgroup_fs]
-        elif "cpu" in names:  # cgroup v1: the cpu controller's own hierarchy
+        elif "cpu" in controllers.split(","):  # cgroup v1: the cpu controller's own hierarchy
             bases = [os.path.join(cgroup_fs, n) for n in ("cpu", "cpu,cpuacct", "cpuacct,cpu")]
         else:
             continue
+        parts = [p for p in rel.split("/") if p]
         for base in bases:
-            d = os.path.join(base, rel.lstrip("/"))
-            if not os.path.isdir(d):
-                d = base  # (a namespaced cgroup: the mount is this process's own subtree)
+            # the process's own directory; where the mount shows only a subtree (a container's
+            # cgroup namespace, or none but a mount of its own cgroup), the longest tail of the
+            # path that exists there, else the mount itself
+            d = next((os.path.join(base, *parts[i:]) for i in range(len(parts))
+                      if os.path.isdir(os.path.join(base, *parts[i:]))), base)
             while True:
-                q = _quota_in(d, controllers == "")
+                q = _quota_in(d, not controllers)
                 if q is not None:
                     found.append(q)
-                if os.path.normpath(d) == os.path.normpath(base) or len(d) <= len(base):
+                if len(d) <= len(base):
                     break
                 d = os.path.dirname(d)
     return min(found) if found else None
@@ -117,7 +123,7 @@ def _quota_in(d: str, v2: bool) -> float | None:
         with open(os.path.join(d, "cpu.cfs_period_us")) as f:
             per = int(f.read())
         return None if us < 0 else us / per
-    except (OSError, ValueError, ZeroDivisionError):
+    except (OSError, ValueError, ZeroDivisionError):  # (UnicodeDecodeError is a ValueError)
         return None
 
 

@@ -109,8 +109,9 @@ def set_spin() -> None:
 
     For a process that is a worker and nothing else (where :func:`set_sched_class` is called).
     A message that comes within the spin is read without a wake-up: on a virtual machine whose
-    idle CPUs halt, the sum of a loss loop on 2 ranks takes 0.65x the time, a ``call_one``
-    0.79x (bench/README.md, "Seventh pass"). A reader whose core another thread wants, or
+    idle CPUs halt, the 8-byte sum of a loss loop on 2 ranks took 0.71x the time and a
+    ``call_one`` 0.83x (with the tiny reduction's uncorked broadcast; bench/README.md,
+    "Seventh pass"). A reader whose core another thread wants, or
     whose polls find nothing, backs off (:func:`~mesharray.transport.connection.set_read_spin`).
     """
     try:

@@ -378,16 +378,18 @@ def test_a_tiny_reduction_sends_one_message_per_rank_and_fetch_sends_none():
         assert (s2["calls"], s2["broadcasts"]) == (s1["calls"], s1["broadcasts"])
 
 
-def test_a_tiny_reduction_right_after_another_op_writes_all_its_frames_at_once():
+def test_a_tiny_reduction_right_after_another_op_writes_all_its_frames_at_once(monkeypatch):
     # the caller waits on the root's reply next: the broadcast to the other rank must not be
     # corked as part of a burst (the wait would flush it anyway; corked, it only woke the
     # flusher thread, a thread switch per op of a loss in a training loop)
     from mesharray.runtime import channel
 
+    monkeypatch.setattr(channel, "_BURST", 1.0)  # every broadcast counts as part of a burst
     with ma.proc_mesh(procs=2) as procs:
         x = procs.full((), 2.0)
         for _ in range(5):
-            z = x + 1.0  # a broadcast to both ranks, just before the reduction's messages
+            z = x + 1.0  # a broadcast to both ranks (corked: a burst), just before the reduction's
+            channel.flush_all()
             loss = z.sum(axis="procs")
             assert not channel.dirty
             assert np.asarray(loss.fetch()).ravel().tolist() == [6.0]

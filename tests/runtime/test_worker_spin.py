@@ -36,11 +36,12 @@ class Spin(ma.Actor):
 
 def test_workers_poll_100_us_by_default_where_they_have_cores(procs):
     got = procs.spawn("spin", Spin).spin.call().get(timeout=60).to_numpy()
-    want = 100e-6 if _platform.usable_cpus() > 1 else 0.0
+    # 100 µs unless the machine says otherwise (one CPU, a CPU quota, the variable set)
+    want = _platform.worker_spin()
     assert [float(v) for v in np.asarray(got).ravel()] == pytest.approx([want] * len(procs))
 
 
-def test_idle_workers_stop_polling(procs):
+def test_idle_workers_use_next_to_no_cpu(procs):
     spinners = procs.spawn("idle", Spin)
     one = spinners.slice(procs=0)
     for _ in range(2000):  # a loop of calls: the reader polls between them
@@ -108,6 +109,11 @@ def _tree(tmp_path, cgroup: str, files: dict[str, str]):
                                             "cpu,cpuacct/job/cpu.cfs_period_us": "100000\n"}, 2.5),
     ("1:cpu:/job\n", {"cpu/job/cpu.cfs_quota_us": "-1\n", "cpu/job/cpu.cfs_period_us": "100000\n"}, None),
     ("1:cpu:/job\n", {}, None),  # nothing readable: no quota
+    # a mount of a subtree without a cgroup namespace: the longest tail of the path found there
+    ("0::/kubepods/pod1/c1\n", {"pod1/c1/cpu.max": "max 100000\n", "pod1/cpu.max": "300000 100000\n"}, 3.0),
+    # malformed lines and files are no quota, never an error
+    ("\ngarbage\n0::/x\n", {"x/cpu.max": "\n"}, None),
+    ("1:cpu:/j\n", {"cpu/j/cpu.cfs_quota_us": "lots\n", "cpu/j/cpu.cfs_period_us": "0\n"}, None),
 ])
 def test_cpu_quota_reads_the_cgroup_limit(tmp_path, cgroup, files, want):
     proc, fs = _tree(tmp_path, cgroup, files)
