@@ -140,6 +140,11 @@ class Controller:
         chan = Channel(sock, handler=self._on_frame, on_close=self._on_close, name="worker",
                        counters=self.counters)
         with self._cond:
+            if self.stopping:
+                # accepted while stop() closes every connection (a worker that was still starting):
+                # closed here, not kept open by a channel that nobody would close
+                sock.close()
+                return
             self._conns.add(chan)
         chan.start(polled=True)
 
@@ -333,7 +338,8 @@ class Controller:
         """Ask every live worker to exit and wait for their connections to end."""
         if self.stopped:
             return
-        self.stopping = True
+        with self._cond:  # (a connection accepted from now on is closed at once: _on_socket)
+            self.stopping = True
         for info in list(self.workers.values()):
             if info.error is None:
                 try:

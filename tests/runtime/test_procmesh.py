@@ -94,3 +94,23 @@ def test_stats(procs, probes):
     assert s["workers"] == 4 and s["alive"] == 4 and s["spawns"] >= 1
     assert s["calls"] - before["calls"] == 5 and s["broadcasts"] - before["broadcasts"] == 4
     assert s["replies"] - before["replies"] == 5 and s["errors"] - before["errors"] == 1
+
+
+def test_a_connection_accepted_while_the_mesh_stops_is_closed():
+    # a worker still starting when its mesh stops may connect after stop() closed every
+    # connection: it is closed at once, not kept open by a channel nobody closes (an unclosed
+    # socket a later garbage collection would have found)
+    import socket
+
+    procs = ma.proc_mesh(procs=1)
+    ctl = procs._root.controller
+    procs.stop()
+    a, b = socket.socketpair()
+    try:
+        ctl._on_socket(a)
+        assert a.fileno() == -1
+        assert not ctl._conns
+        assert b.recv(1) == b""  # the peer sees the end
+    finally:
+        a.close()
+        b.close()
