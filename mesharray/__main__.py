@@ -282,6 +282,7 @@ def info(probe: bool = False) -> dict[str, Any]:
         "bootstrap": bootstrap,
         "mpirun": mpirun,
         "platform": _platform_paths(),
+        "workers": _worker_policy(),
     }
     if probe:
         from mesharray.engines import probe_engines
@@ -310,6 +311,31 @@ def _platform_paths() -> dict[str, Any]:
         "shared_memory": memory,
         "process_stats": "/proc" if LINUX_NATIVE else "psutil",
     }
+
+
+def _worker_policy() -> dict[str, Any]:
+    """How worker processes started from here would wait: their scheduling class and read spin
+    (``MESHARRAY_WORKER_SCHED``, ``MESHARRAY_WORKER_SPIN_US``), and why the spin is 0 where it is."""
+    from mesharray import _platform
+
+    out: dict[str, Any] = {}
+    try:
+        sched = _platform.worker_sched()
+        out["sched"] = "SCHED_BATCH" if sched == "batch" and _platform.LINUX_NATIVE else "the system's default"
+    except ValueError as exc:
+        out["sched"] = f"invalid: {exc}"
+    try:
+        out["spin_us"] = round(_platform.worker_spin() * 1e6, 3)
+    except ValueError as exc:
+        out["spin_us"], out["spin_why"] = None, f"invalid: {exc}"
+        return out
+    if out["spin_us"] == 0:
+        quota = _platform.cpu_quota()
+        raw = os.environ.get("MESHARRAY_WORKER_SPIN_US", "").strip()
+        out["spin_why"] = ("one CPU" if _platform.usable_cpus() < 2 else
+                           f"MESHARRAY_WORKER_SPIN_US={raw}" if raw else
+                           f"a CPU quota of {quota:g} CPUs" if quota is not None else "")
+    return out
 
 
 _HINTS = {"torch": "pip install 'mesharray[torch]'", "xla": "pip install torch_xla",
@@ -341,6 +367,12 @@ def _print_info(data: dict[str, Any]) -> None:
     print(f"platform: {plat['system']}{' (MESHARRAY_PORTABLE)' if plat['portable'] else ''}; poller {plat['poller']}; "
           f"{plat['listeners']}; shared memory: {plat['shared_memory'] or 'none (data inline)'}; "
           f"process stats: {plat['process_stats']}")
+    w = data["workers"]
+    sched = w["sched"] if w["sched"].startswith("invalid") else f"{w['sched']} (MESHARRAY_WORKER_SCHED)"
+    spin = w["spin_why"] if w["spin_us"] is None else (
+        f"poll {w['spin_us']:g} µs before blocking (MESHARRAY_WORKER_SPIN_US)" if w["spin_us"] else
+        f"block at once: {w['spin_why']}")
+    print(f"workers: {sched}; {spin}")
     launcher = data["launcher"]
     print(f"launcher: {launcher['description'] if launcher else 'none (plain process)'}")
     print(f"bootstrap: {data['bootstrap']}  (what proc_mesh() uses here)")

@@ -44,6 +44,20 @@ def test_info_json_is_machine_readable():
     assert data["launcher"] is None and data["bootstrap"] == "local"
 
 
+def test_info_says_how_workers_would_wait_here():
+    from mesharray import _platform
+
+    data = json.loads(cli("info", "--json").stdout)
+    assert data["workers"]["spin_us"] == pytest.approx(_platform.worker_spin() * 1e6)
+    text = cli("info", MESHARRAY_WORKER_SPIN_US="0").stdout
+    assert "; block at once: MESHARRAY_WORKER_SPIN_US=0" in text
+    # a bad setting is reported, not raised: info is where one looks when something is wrong
+    out = cli("info", MESHARRAY_WORKER_SPIN_US="soon", MESHARRAY_WORKER_SCHED="fifo")
+    assert out.returncode == 0, out.stderr
+    assert ("workers: invalid: MESHARRAY_WORKER_SCHED must be 'batch' or 'normal', got 'fifo'; "
+            "invalid: MESHARRAY_WORKER_SPIN_US must be a number of microseconds >= 0, got 'soon'") in out.stdout
+
+
 def test_info_reports_the_detected_launcher_without_starting_mpi():
     out = cli("info", "--json", PMI_RANK="3", PMI_SIZE="8")
     assert out.returncode == 0, out.stderr
