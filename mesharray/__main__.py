@@ -316,23 +316,23 @@ def _platform_paths() -> dict[str, Any]:
 def _worker_policy() -> dict[str, Any]:
     """How worker processes started from here would wait: their scheduling class and read spin
     (``MESHARRAY_WORKER_SCHED``, ``MESHARRAY_WORKER_SPIN_US``), and why the spin is 0 where it is."""
-    from mesharray import _platform
+    from mesharray._platform import LINUX_NATIVE, cpu_quota, usable_cpus, worker_sched, worker_spin
 
     out: dict[str, Any] = {}
     try:
-        sched = _platform.worker_sched()
-        out["sched"] = "SCHED_BATCH" if sched == "batch" and _platform.LINUX_NATIVE else "the system's default"
+        sched = worker_sched()
+        out["sched"] = "SCHED_BATCH" if sched == "batch" and LINUX_NATIVE else "the system's default"
     except ValueError as exc:
         out["sched"] = f"invalid: {exc}"
     try:
-        out["spin_us"] = round(_platform.worker_spin() * 1e6, 3)
+        out["spin_us"] = round(worker_spin() * 1e6, 3)
     except ValueError as exc:
         out["spin_us"], out["spin_why"] = None, f"invalid: {exc}"
         return out
     if out["spin_us"] == 0:
-        quota = _platform.cpu_quota()
+        quota = cpu_quota()
         raw = os.environ.get("MESHARRAY_WORKER_SPIN_US", "").strip()
-        out["spin_why"] = ("one CPU" if _platform.usable_cpus() < 2 else
+        out["spin_why"] = ("one CPU" if usable_cpus() < 2 else
                            f"MESHARRAY_WORKER_SPIN_US={raw}" if raw else
                            f"a CPU quota of {quota:g} CPUs" if quota is not None else "")
     return out
