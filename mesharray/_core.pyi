@@ -76,9 +76,14 @@ def take_frame(
     data: bytes | bytearray | memoryview, start: int, end: int, limit: int
 ) -> tuple[int, int, int, int, int, bytearray | bytes | None, int] | None: ...
 
+def pack_calls(
+    kind: int, flags: int, target: int, views: Sequence[int], parts: Sequence[Any], tables: Sequence[dict[int, Any]],
+    callbacks: Sequence[Any], next_id: Callable[[], int], small: int, limit: int,
+) -> tuple[int, list[bytes] | None]: ...
 def dispatch_frames(
     handler: Callable[..., Any], conn: Any, data: bytes | bytearray | memoryview, start: int, end: int,
-    limit: int, more: bool, clock: Callable[[], float] | None, budget: float
+    limit: int, more: bool, clock: Callable[[], float] | None, budget: float, route_kind: int = 0,
+    route: dict[int, Callable[[int, Any], Any]] | None = None, counts: list[int] | None = None,
 ) -> tuple[int, int, BaseException | None]: ...
 
 # --- _kernels.pxi ---

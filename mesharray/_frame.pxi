@@ -24,6 +24,8 @@ from libc.string cimport memcpy
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.bytearray cimport PyByteArray_FromStringAndSize
+from cpython.list cimport PyList_New, PyList_SET_ITEM
+from cpython.ref cimport Py_INCREF
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 
 FRAME_HEADER_SIZE = 24
@@ -134,6 +136,52 @@ def pack_frame(unsigned int kind, unsigned int flags, unsigned long long msg_id,
     return n, out
 
 
+def pack_calls(unsigned int kind, unsigned int flags, unsigned long long target, views, parts, tables,
+               callbacks, next_id, Py_ssize_t small, unsigned long long limit):
+    """The frames of one call to each of several peers, each registered under a fresh id: the sends of a ``call()``.
+
+    For peer ``i``: its frame is :func:`pack_frame`'s with the id
+    ``next_id()`` and the view ``views[i]``, and ``callbacks[i]`` is stored in
+    ``tables[i]`` (that peer's calls in flight) under that id, before the
+    frame exists for anyone to send. ``parts`` (the payload, the same for
+    every peer) is copied once per peer and sized once. Returns ``(n,
+    frames)`` with ``n`` the payload's size; ``frames`` is None, and nothing is
+    registered, when ``n > small`` or ``n > limit`` (the caller sends such
+    a payload its own way).
+
+    >>> from mesharray._core import pack_calls, unpack_header
+    >>> ids = iter([5, 6]).__next__
+    >>> t0, t1 = {}, {}
+    >>> n, frames = pack_calls(1, 1, 9, [3, 4], [b"ab", b"c"], [t0, t1], ["cb0", "cb1"], ids, 64, 1 << 20)
+    >>> n, [unpack_header(f, 1 << 20) for f in frames], frames[1][24:], t0, t1
+    (3, [(1, 1, 3, 5, 9, 3), (1, 1, 3, 6, 9, 4)], b'abc', {5: 'cb0'}, {6: 'cb1'})
+    >>> pack_calls(1, 1, 9, [3], [b"abc"], [t0], ["cb"], ids, 2, 1 << 20)
+    (3, None)
+    """
+    cdef Py_ssize_t n, i, count = len(views)
+    cdef bytes one, frame
+    cdef char* dst
+    cdef unsigned long long msg_id
+    cdef uint32_t view
+    if len(tables) != count or len(callbacks) != count:
+        raise ValueError(f"{count} views, {len(tables)} tables and {len(callbacks)} callbacks: one of each per peer")
+    n, one = pack_frame(kind, flags, 0, target, 0, parts, small, limit)
+    if one is None or n > small:
+        return n, None
+    frames = PyList_New(count)
+    for i in range(count):
+        msg_id = next_id()
+        view = views[i]
+        frame = PyBytes_FromStringAndSize(PyBytes_AS_STRING(one), 24 + n)
+        dst = PyBytes_AS_STRING(frame)
+        memcpy(dst + 8, &msg_id, 8)
+        memcpy(dst + 20, &view, 4)
+        (<dict?>tables[i])[msg_id] = callbacks[i]
+        Py_INCREF(frame)
+        PyList_SET_ITEM(frames, i, frame)
+    return n, frames
+
+
 def unpack_header(const unsigned char[::1] data not None, unsigned long long limit,
                   Py_ssize_t offset=0):
     """Parse the 24-byte header at ``data[offset:]``.
@@ -203,7 +251,8 @@ def take_frame(data, Py_ssize_t start, Py_ssize_t end, unsigned long long limit)
 
 
 def dispatch_frames(handler, conn, data, Py_ssize_t start, Py_ssize_t end, unsigned long long limit,
-                    bint more, clock, double budget):
+                    bint more, clock, double budget, unsigned int route_kind=0, dict route=None,
+                    list counts=None):
     """Hand every complete frame of ``data[start:end]`` to ``handler``, in order: the frame loop of every read.
 
     Each frame is checked as :func:`take_frame` checks it, then
@@ -214,6 +263,15 @@ def dispatch_frames(handler, conn, data, Py_ssize_t start, Py_ssize_t end, unsig
     ``clock() - t0 > budget`` (``t0``: this call's start) while more frames
     follow, it stops early so that the caller can flush what the handlers
     corked (``clock=None``: never).
+
+    ``route``: a frame of kind ``route_kind`` skips ``handler``: the callable
+    that ``route`` holds under its ``msg_id`` is popped and called as
+    ``callback(target, payload)`` (a frame whose ``msg_id`` is not there is
+    dropped). A caller's replies go this way straight to their calls'
+    callbacks: the table is the caller's calls in flight. ``counts`` (a list
+    of two ints, or None): each routed frame adds 1 to ``counts[0]``, and to
+    ``counts[1]`` too when its ``target`` is not 0 (a reply whose status is
+    not OK).
 
     Returns ``(start, status, error)``: ``start`` is where the first frame not
     handed over begins; ``status`` is 0 when every complete frame went,
@@ -230,6 +288,11 @@ def dispatch_frames(handler, conn, data, Py_ssize_t start, Py_ssize_t end, unsig
     (54, 0, None)
     >>> got
     [(3, 0, 7, 0, 0, bytearray(b'abc')), (3, 0, 7, 0, 0, bytearray(b'abc'))]
+    >>> calls = {7: lambda target, payload: got.append((target, payload))}
+    >>> dispatch_frames(None, None, buf, 0, len(buf), 1 << 20, False, None, 0.0, 3, calls)
+    (54, 0, None)
+    >>> got[2:], calls   # the first frame went to its callback; the second had none left
+    ([(0, bytearray(b'abc'))], {})
     """
     cdef _FrameHeader h
     cdef Py_buffer buf
@@ -261,12 +324,24 @@ def dispatch_frames(handler, conn, data, Py_ssize_t start, Py_ssize_t end, unsig
             else:
                 payload = PyByteArray_FromStringAndSize(<char*>buf.buf + start + 24, h.length)
             start += total
-            if more:
-                conn.more = end - start >= 24
-            try:
-                handler(conn, h.kind, h.flags, h.msg_id, h.target, h.view, payload)
-            except BaseException as exc:
-                return start, 0, exc
+            if route is not None and h.kind == route_kind:
+                if counts is not None:
+                    counts[0] += 1
+                    if h.target != 0:
+                        counts[1] += 1
+                callback = route.pop(h.msg_id, None)
+                if callback is not None:
+                    try:
+                        callback(h.target, payload)
+                    except BaseException as exc:
+                        return start, 0, exc
+            else:
+                if more:
+                    conn.more = end - start >= 24
+                try:
+                    handler(conn, h.kind, h.flags, h.msg_id, h.target, h.view, payload)
+                except BaseException as exc:
+                    return start, 0, exc
             if clock is not None and end - start >= 24 and clock() - t0 > budget:
                 return start, -1, None
     finally:

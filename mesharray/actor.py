@@ -66,7 +66,7 @@ from .array import MeshArray
 from .errors import ActorDiedError, ActorError, SerializationError
 from .mesh import MeshTrait
 from .runtime import protocol as P
-from .runtime.channel import Channel, flush_all
+from .runtime.channel import Channel, Fanout, flush_all
 from .runtime.context import current
 from .runtime.future import Future, is_done, new_future, reply_on, set_exception, set_result
 from .runtime.router import get_router
@@ -469,7 +469,7 @@ class Endpoint(Generic[_P, _R]):
     ``P``; ``call_one`` and ``choose`` give a ``Future[R]``.
     """
 
-    __slots__ = ("_mesh", "_name", "_method", "_noargs", "_some")
+    __slots__ = ("_mesh", "_name", "_method", "_noargs", "_some", "_fan")
 
     def __init__(self, mesh: ActorMesh, name: str) -> None:
         self._mesh = mesh
@@ -477,14 +477,18 @@ class Endpoint(Generic[_P, _R]):
         self._method = P.encode_method(name)
         self._noargs = [self._method + _NO_ARGS_BYTES]  # the whole payload of a call without arguments
         self._some: list | None = None  # _call_some's ranks (and channels) for its last (shape, reply)
+        self._fan: tuple | None = None  # call()'s (shape, router, router.gen, Fanout) for its last shape
 
     def _send(self, ranks: Any, shape: Shape, args: tuple[Any, ...], kwargs: dict[str, Any],
-              cbs: Any, park: bool = False) -> list[Channel | None]:
+              cbs: Any, park: bool = False, p: framing.Payload | None = None) -> list[Channel | None]:
         """Pickle once, then send one CALL per rank (``cbs[i]`` gets rank i's reply; ``None``: a broadcast).
 
-        Returns the channels used (``None`` for a rank that could not be reached).
+        ``p``: ``(args, kwargs)`` already pickled. Returns the channels used
+        (``None`` for a rank that could not be reached).
         """
-        if args or kwargs:
+        if p is not None:
+            plain = None
+        elif args or kwargs:
             p = framing.dumps((args, kwargs))
             plain = None
         else:
@@ -507,19 +511,55 @@ class Endpoint(Generic[_P, _R]):
         if shape.size == 1:  # one actor: call_one's latency path, gathered into a MeshArray
             reply_on(fut, self._send_one(shape.rank(0), shape, args, kwargs, _gather_one(fut, shape)))
             return fut
+        p = None
+        if args or kwargs:
+            p = framing.dumps((args, kwargs))
+            parts = None if p.big else [self._method, *framing.encode(p)]
+        else:
+            parts = self._noargs
+        fan = self._fan
+        if parts is not None:
+            router = get_router()
+            if fan is None or fan[0] is not shape or fan[1] is not router or fan[2] != router.gen \
+                    or current.get() is not None:
+                fan = self._fanout(shape, router)
+            if fan is not None:  # the lean path of a call() in a loop: every peer known and polled
+                fanout: Fanout = fan[3]
+                n = len(fanout.chans)
+                g = _Gather(fut, n, shape)
+                fanout.call(P.CALL, self._mesh._actor_id, parts, list(map(partial, repeat(g.reply), range(n))))
+                reply_on(fut, fanout)  # get() reads the replies in its own thread
+                return fut
         ranks = list(shape)
         g = _Gather(fut, len(ranks), shape)
         cbs = list(map(partial, repeat(g.reply), range(len(ranks))))
         if not ranks:
             g._finish()
             return fut
-        chans = self._send(ranks, shape, args, kwargs, cbs, park=True)
+        chans = self._send(ranks, shape, args, kwargs, cbs, park=True, p=p)
         for c in chans:
             if c is None or not c.polled:
                 break
         else:  # all polled: get() reads the replies in its own thread
             reply_on(fut, tuple(chans))
         return fut
+
+    def _fanout(self, shape: Shape, router: Any) -> tuple | None:
+        """``call()``'s :class:`Fanout` to every actor of ``shape`` (kept in ``_fan`` until the router's
+        channel table changes), or None: the general path (a peer not connected yet, dead, or read
+        by a thread of its own; code inside an actor, whose calls record telemetry links)."""
+        if current.get() is not None or shape.size == 0:
+            return None
+        gen = router.gen  # (read first: a change while we look makes the next call look again)
+        chans = router.polled_channels(self._mesh._addresses, list(shape))
+        if chans is None:
+            return None
+        try:
+            vids = [ch.views_out.get(shape) or ch.view_id(shape) for ch in chans]
+        except ActorDiedError:
+            return None
+        fan = self._fan = (shape, router, gen, Fanout(chans, vids))
+        return fan
 
     def _send_one(self, rank: int, shape: Shape, args: tuple[Any, ...], kwargs: dict[str, Any],
                   cb: Callable[[int, Any], None]) -> Channel | None:

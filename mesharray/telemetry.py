@@ -231,15 +231,27 @@ def compress_labels(labels: list[str]) -> str:
 class Counters:
     """Runtime counters of one process mesh (read with ``ProcMesh.stats()``)."""
 
-    __slots__ = ("replies", "errors", "deaths", "log_bytes", "spawns", "unresponsive")
+    __slots__ = ("tally", "deaths", "log_bytes", "spawns", "unresponsive")
+    _FIELDS = ("replies", "errors", "deaths", "log_bytes", "spawns", "unresponsive")
 
     def __init__(self) -> None:
         self.unresponsive = 0  # times a worker's heartbeats stopped for heartbeat_timeout
-        self.replies = 0
-        self.errors = 0
+        #: [replies, of which errors]: counted by the connections' readers as the replies
+        #: come (transport.connection.Connection.route), hence a list
+        self.tally = [0, 0]
         self.deaths = 0
         self.log_bytes = 0
         self.spawns = 0
 
+    @property
+    def replies(self) -> int:
+        """Replies received."""
+        return self.tally[0]
+
+    @property
+    def errors(self) -> int:
+        """Replies received that were errors."""
+        return self.tally[1]
+
     def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__slots__}
+        return {k: getattr(self, k) for k in self._FIELDS}

@@ -30,16 +30,18 @@ import os
 import pickle
 import threading
 import time
+from operator import attrgetter
 from threading import get_ident
 
+from .._core import pack_calls, unpack_header
 from ..errors import ActorDiedError, BackpressureError, BrokenTransportError, ClosedTransportError
-from ..transport.connection import Connection
+from ..transport.connection import SMALL_FRAME, Connection, ReadSet
 from . import protocol as P
 from .recorder import REC, SPAN
 
 _current = REC.current
 
-__all__ = ["Channel", "flush_all", "dirty", "next_id", "sent"]
+__all__ = ["Channel", "Fanout", "flush_all", "dirty", "next_id", "sent"]
 
 next_id = itertools.count(1).__next__
 _pid = os.getpid
@@ -49,6 +51,7 @@ _BURST = 100e-6
 
 _CALL, _REPLY, _VIEW, _F_REPLY, _DIED, _OK = P.CALL, P.REPLY, P.VIEW, P.F_REPLY, P.DIED, P.OK
 _SendErrors = (BrokenTransportError, ClosedTransportError)
+_died_of = attrgetter("died")
 
 #: calls to one peer that may await their replies at once; a caller past it waits
 #: for replies (or gets BackpressureError with MESHARRAY_PENDING_FULL=raise)
@@ -96,6 +99,8 @@ class Channel:
         self.polled = False  # True once read by the poller (callers may park and read it)
         self.counters = counters  # telemetry.Counters (replies, errors) or None
         self.conn = Connection(sock, handler=self._on_frame, on_close=self._on_conn_close, name=name)
+        # a reply goes from the reader straight to its call's callback (and is counted), as _on_frame would
+        self.conn.route(_REPLY, self.pending, None if counters is None else counters.tally)
 
     # -- the connection's side ------------------------------------------------
     def start(self, polled: bool = False) -> None:
@@ -113,10 +118,11 @@ class Channel:
                 return
         elif kind == _REPLY:
             c = self.counters
-            if c is not None:
-                c.replies += 1
+            if c is not None:  # (a routed reply is counted by the reader: see Connection.route)
+                tally = c.tally
+                tally[0] += 1
                 if target != _OK:
-                    c.errors += 1
+                    tally[1] += 1
             cb = self.pending.pop(msg_id, None)
             if cb is not None:
                 cb(target, payload)
@@ -291,17 +297,7 @@ class Channel:
         ended = Connection.read_all([ch.conn for ch in chans], done, deadline)
         if ended is None:
             return False
-        idle = []
-        for ch in chans:
-            c = ch.conn
-            if ended and c in ended:
-                continue
-            if ch.pending:
-                c.poller.rearm(c)
-            else:
-                idle.append(c)
-        if idle:
-            idle[0].poller.keep_parked_all(idle)  # (the process's one poller)
+        _after_read(chans, ended)
         return True
 
     def unpark(self) -> None:
@@ -313,6 +309,109 @@ class Channel:
 
     def __repr__(self) -> str:
         return f"<Channel {self.conn.name} pending={len(self.pending)}>"
+
+
+def _after_read(chans, ended: list) -> None:
+    # a caller read these channels' replies itself: those with calls still in flight go back
+    # to the poller, the others stay parked for the next call (no epoll_ctl in a call loop)
+    idle = []
+    for ch in chans:
+        c = ch.conn
+        if ended and c in ended:
+            continue
+        if ch.pending:
+            c.poller.rearm(c)
+        else:
+            idle.append(c)
+    if idle:
+        idle[0].poller.keep_parked_all(idle)  # (the process's one poller)
+
+
+class Fanout:
+    """One frame to each of several channels, and their replies read by the caller: a ``call()`` on many actors.
+
+    Made once for a set of polled channels (the actor layer keeps one per
+    endpoint and mesh view, until the process's channel table changes) and
+    then used for call after call: :meth:`call` packs every channel's frame and
+    registers every call in one compiled step (``_core.pack_calls``) and
+    writes each frame at once, and the future's ``get()`` reads every reply in
+    its own thread through :meth:`wait` (one ``ReadSet``, set up once).
+    Everything but that common case goes through :meth:`Channel.call` as
+    before: a channel with calls in flight (its frame is corked behind them),
+    a dead peer, a large payload; a connection with unwritten frames, or with
+    faults injected, gets its frame through :meth:`Connection.send`.
+
+    It is for code outside actors only: a call made while handling one
+    records a telemetry link (:meth:`Channel.call`), which this path does not.
+    """
+
+    __slots__ = ("chans", "vids", "_conns", "_pendings", "_limit", "_reads")
+
+    def __init__(self, chans, vids) -> None:
+        self.chans = tuple(chans)
+        self.vids = tuple(vids)  # the view id of each channel's frames
+        self._conns = tuple(ch.conn for ch in self.chans)
+        self._pendings = tuple(ch.pending for ch in self.chans)
+        self._limit = min(c.limit for c in self._conns)
+        self._reads = ReadSet(self._conns)
+
+    def call(self, kind: int, target: int, parts, cbs) -> None:
+        """:meth:`Channel.call` on every channel, parked (``cbs[i]`` gets ``chans[i]``'s reply)."""
+        chans = self.chans
+        now = time.monotonic()
+        # the common case: no call in flight on any of them (else a frame corks behind them), none dead
+        if not any(map(len, self._pendings)) and not any(map(_died_of, chans)):
+            conns = self._conns
+            conns[0].poller.park_all(conns, now)  # (before any frame goes: the poller must not read the replies)
+            _, frames = pack_calls(kind, _F_REPLY, target, self.vids, parts, self._pendings, cbs, next_id,
+                                   SMALL_FRAME, self._limit)
+            if frames is not None:
+                for conn, frame in zip(conns, frames):
+                    if not conn.write_frame(frame):
+                        self._send(conn, kind, target, frame, parts)
+                sent.calls += len(frames)
+                if any(map(_died_of, chans)):  # (died before its call was pending: nobody failed it)
+                    for chan in chans:
+                        if chan.died is not None:
+                            self._died(chan)
+                return
+        for chan, vid, cb in zip(chans, self.vids, cbs):  # the general path, rank by rank
+            chan.call(kind, target, vid, parts, cb, True, now)
+
+    @staticmethod
+    def _send(conn: Connection, kind: int, target: int, frame: bytes, parts) -> None:
+        # the frame's call through Connection.send (backlogged or corked frames ahead, faults injected)
+        _, flags, _, mid, _, view = unpack_header(frame, len(frame))
+        try:
+            conn.send(kind, flags, mid, target, view, parts)
+        except _SendErrors:
+            pass  # the close handler fails the pending call with the death error
+
+    def _died(self, chan: Channel) -> None:
+        err = chan.died
+        for mid, cb in list(chan.pending.items()):
+            if chan.pending.pop(mid, None) is not None:
+                cb(_DIED, err)
+
+    def wait(self, done, deadline: float | None) -> bool:
+        """:meth:`Channel.wait_all` on these channels."""
+        ended = self._reads.read(done, deadline)
+        if ended is None:
+            return False
+        if ended or any(map(len, self._pendings)):
+            _after_read(self.chans, ended)
+        else:  # (what _after_read does when every call has its reply: all stay parked)
+            conns = self._conns
+            conns[0].poller.keep_parked_all(conns)
+        return True
+
+    def unpark(self) -> None:
+        """:meth:`Channel.unpark` on every channel."""
+        for ch in self.chans:
+            ch.unpark()
+
+    def __repr__(self) -> str:
+        return f"<Fanout of {len(self.chans)} channels>"
 
 
 # -- corked frames: flushed before any wait, or by the flusher thread ------------------

@@ -48,7 +48,7 @@ class Future(Generic[T]):
     _value: Any  # T once done, _PENDING before
     _exc: BaseException | None
     _callbacks: list[Callable[[Future[T]], object]] | None
-    _chan: Any  # the polled channel(s) its reply comes on: one, a tuple (call()) or None
+    _chan: Any  # the polled channel(s) its reply comes on: one, a tuple or a Fanout (call()), or None
 
     def __init__(self) -> None:
         raise TypeError("Future has no public constructor; futures come from endpoint adverbs")
@@ -137,7 +137,7 @@ class Future(Generic[T]):
             deadline = None if timeout is None else _monotonic() + timeout
             if type(chan) is tuple:  # the replies of a call(): read them all here
                 read = Channel.wait_all(chan, self._done, deadline)
-            else:
+            else:  # one channel, or a Fanout (a call() in a loop)
                 read = chan.wait(self._done, deadline)
             if read:
                 if self._value is not _PENDING:
@@ -225,7 +225,8 @@ def _may_have_run(chan: Any) -> str:
     """
     ranks: list = []
     slow: list[str] = []
-    for c in chan if type(chan) is tuple else (chan,) if chan is not None else ():
+    chans = () if chan is None else chan if type(chan) is tuple else getattr(chan, "chans", (chan,))  # (a Fanout's)
+    for c in chans:
         if c.pending:
             ranks.extend(c.peer.get("ranks", ()))
             info = c.peer.get("info")  # the controller's view of that worker

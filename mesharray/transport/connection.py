@@ -58,6 +58,7 @@ import socket
 import struct
 import threading
 import time
+from itertools import repeat
 
 from .. import _platform
 from .._core import dispatch_frames, pack_frame, take_frame
@@ -73,15 +74,17 @@ from . import auth, framing
 from .hostid import memory_domain
 from .poller import READ, WRITE, fd_poller
 
-__all__ = ["Connection", "Listener", "Poller", "Writer", "connect", "default_poller", "default_writer",
-           "parse_address", "dual_address", "peer_uid", "set_read_spin", "BACKLOG_MAX", "MAX_HANDSHAKES"]
+__all__ = ["Connection", "Listener", "Poller", "ReadSet", "Writer", "connect", "default_poller", "default_writer",
+           "parse_address", "dual_address", "peer_uid", "set_read_spin", "BACKLOG_MAX", "MAX_HANDSHAKES",
+           "SMALL_FRAME"]
 
 log = logging.getLogger("mesharray.transport")
 
 _RECV_BUF = 1 << 18
 #: seconds a connection parked for a caller may stay unread before the poller reads it again
 PARK_MAX = 0.05
-_SMALL = 1 << 14
+#: payloads up to this many bytes are copied into their frame and written in one ``send``
+SMALL_FRAME = _SMALL = 1 << 14
 _CORK_MAX = 1 << 16  # flush corked frames once this many bytes are queued
 _CORK_AGE = 0.0005  # ... or once the oldest has waited this long while handling a batch
 _clock = time.perf_counter  # (the clock of _out_t0)
@@ -215,6 +218,12 @@ class Connection:
         self._out_t0 = 0.0
         #: set by the reader before each frame it hands over: more frames of the same read follow
         self.more = False
+        # frames of kind _route_kind go to _route.pop(msg_id)(target, payload), not to the handler
+        # (see route()); _faulty: inject() replaced send, so write_frame must leave frames to it
+        self._route_kind = 0
+        self._route: dict | None = None
+        self._route_counts: list | None = None
+        self._faulty = False
         # written frames the socket has not taken yet (memoryviews, in order), drained
         # by the process's Writer; positions count every byte ever handed to the socket
         self._backlog: collections.deque = collections.deque()
@@ -275,6 +284,50 @@ class Connection:
             raise
         except OSError as exc:
             raise BrokenTransportError(f"connection {self.name} broke while sending: {exc}") from exc
+
+    def write_frame(self, frame: bytes) -> bool:
+        """Write a whole small frame now if nothing waits ahead of it; False, having done nothing, otherwise.
+
+        The lean path of a caller sending to many peers at once (a ``call()``):
+        ``frame`` is packed by :func:`~mesharray._core.pack_calls` (or
+        :func:`~mesharray._core.pack_frame`), its payload at most
+        :data:`SMALL_FRAME` bytes and under this connection's limit. False when
+        frames are corked or unwritten on this connection, when it is closed
+        or failed, or while :meth:`inject` is on: the caller then sends with
+        :meth:`send`, which handles all of those. What the socket does not
+        take at once goes to the backlog, as with :meth:`send`.
+        """
+        with self._send_lock:
+            if self._out or self._backlog or self._closed or self._faulty or self._write_error is not None:
+                return False
+            try:
+                sent = self.sock.send(frame, _DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                raise BrokenTransportError(f"connection {self.name} broke while sending: {exc}") from exc
+            if sent != len(frame):
+                self._rest_locked(frame, sent)
+        self.bytes_out += len(frame)
+        self.frames_out += 1
+        return True
+
+    def route(self, kind: int, table: dict | None, counts: list | None = None) -> None:
+        """Send frames of ``kind`` to callbacks instead of the handler: ``table.pop(msg_id)(target, payload)``.
+
+        For a caller's replies (``table``: its calls in flight by message id,
+        each a callback of the reply's status and payload): the reader hands a
+        reply straight to its call's callback. A frame of that kind whose id is
+        not in ``table`` is dropped. ``counts``: a list of two ints, counting
+        the frames routed and those whose ``target`` (a reply's status) is not
+        0. ``table=None`` sends every frame to the handler again. While
+        :meth:`inject` loses incoming frames, every frame goes to its handler.
+        """
+        new = (kind if table is not None else 0, table, counts)
+        if "_route_saved" in self.__dict__:  # inject() loses incoming frames: in effect once it stops
+            self._route_saved = new
+        else:
+            self._route_kind, self._route, self._route_counts = new
 
     def _flush_locked(self) -> None:
         data = b"".join(self._out)
@@ -452,6 +505,10 @@ class Connection:
         self.__dict__.pop("send", None)
         self.handler = real
         self.__dict__.pop("_real_handler", None)
+        saved = self.__dict__.pop("_route_saved", None)
+        if saved is not None:
+            self._route_kind, self._route, self._route_counts = saved
+        self._faulty = False
         if not (drop_out or drop_in or delay):
             return
         if drop_out or delay:
@@ -468,6 +525,7 @@ class Connection:
                 return send(self, kind, flags, msg_id, target, view, parts, cork)
 
             self.send = faulty_send  # type: ignore[method-assign]
+            self._faulty = True  # (write_frame leaves every frame to faulty_send)
         if drop_in:
             keep = (lambda kind: False) if drop_in is True else (lambda kind: not drop_in(kind))
 
@@ -479,6 +537,8 @@ class Connection:
 
             self._real_handler = real
             self.handler = faulty_handler
+            self._route_saved = (self._route_kind, self._route, self._route_counts)  # (to faulty_handler too)
+            self._route_kind, self._route, self._route_counts = 0, None, None
 
     # -- receiving -------------------------------------------------------
     def start(self) -> None:
@@ -549,7 +609,7 @@ class Connection:
                 while not done():
                     ms = int(max(0.0, deadline - time.monotonic()) * 1000)
                     if p.poll(ms):
-                        ok = self._read_some()
+                        ok = self._read_polled()
                         if not ok:
                             break
                     elif time.monotonic() >= deadline:
@@ -580,8 +640,6 @@ class Connection:
                     h._rlock.release()
                 return None
             held.append(c)
-        ended: list[Connection] = []
-        finished: list[Connection] = []
         try:
             # one poll object per set of fds, kept: a call() loop on one mesh registers its
             # fds once (rebuilt once any socket closed: fds are reused). It holds fds only,
@@ -591,46 +649,11 @@ class Connection:
             if cached is None or cached[1] != _sockets_closed:
                 if len(_polls) >= 64:
                     _polls.clear()
-                p = select.poll()
-                for c in held:
-                    p.register(c._fd, select.POLLIN)
-                cached = _polls[key] = (p, _sockets_closed)
-            p = cached[0]
-            by_fd = {c._fd: c for c in held}
-            for c in held:
-                poller = c.poller
-                assert poller is not None, "read_all is for polled connections"
-                if c not in poller._parked:
-                    poller.disarm(c)
-            while not done() and by_fd:
-                if deadline is None:
-                    ms = None
-                else:
-                    ms = int(max(0.0, deadline - time.monotonic()) * 1000)
-                ready = p.poll(ms)
-                for fd, _ in ready:
-                    c = by_fd.get(fd)
-                    if c is not None and not c._read_some():
-                        ended.append(c)
-                        del by_fd[fd]
-                        _polls.pop(key, None)
-                        p.unregister(fd)
-                        # finished now, under its read lock (see read_until), not after the
-                        # loop: its close handler fails the calls waiting on it, which is
-                        # what done() may be waiting for while the others' frames
-                        # (heartbeats) keep this loop going
-                        finished.append(c)
-                        c._end_polled()
-                if not ready and deadline is not None and time.monotonic() >= deadline:
-                    break
+                cached = _polls[key] = (_poll_of(held), _sockets_closed)
+            return _read_held(held, cached[0], {c._fd: c for c in held}, done, deadline)
         finally:
             for c in held:
-                try:
-                    if c in ended and c not in finished:  # (an error between its end and finishing it above)
-                        c._end_polled()
-                finally:
-                    c._rlock.release()
-        return ended
+                c._rlock.release()
 
     def _spin_recv(self, sock: socket.socket, buf) -> int:
         """``sock.recv_into(buf)`` for a reader thread, polled first (:func:`set_read_spin`)."""
@@ -711,7 +734,8 @@ class Connection:
                     # (conn.more: a reply corks only then, a lone call's is written at once)
                     try:
                         start, status, err = dispatch_frames(self.handler, self, view, start, end, limit, loop,
-                                                             _clock, _CORK_AGE)
+                                                             _clock, _CORK_AGE, self._route_kind, self._route,
+                                                             self._route_counts)
                     except ValueError as e:
                         raise FrameError(f"bad frame from {self.name}: {e}") from None
                     if err is not None:
@@ -722,13 +746,7 @@ class Connection:
                         if status == 0:
                             break
                         continue  # stopped after _CORK_AGE to flush: the rest of the batch
-                    # a frame longer than the receive buffer: only what has arrived (a header
-                    # that lies about its length costs nothing: the buffer grows as the bytes come)
-                    head = take_frame(view, start, end, limit)
-                    assert head is not None  # (its header is there: dispatch_frames read it)
-                    self._big_hdr = head[:5]
-                    payload = bytearray(view[start + 24:end])
-                    big = (payload, memoryview(payload), len(payload), status - 24)
+                    big = self._start_big(start, end, status)
                     start = end = 0
                     break
                 if start == end:
@@ -745,19 +763,75 @@ class Connection:
         except (BlockingIOError, InterruptedError):
             self._start, self._end, self._big = start, end, big
             return True
-        except EOFError:
-            exc: BaseException | None = None
-        except FrameError as e:
-            log.warning("%s; dropping the connection", e)
-            exc = e
-        except OSError as e:
-            exc = None if self._closed else BrokenTransportError(f"connection {self.name} broke: {e}")
-        except BaseException as e:  # a bug in a handler must not kill silently
-            log.exception("reader of connection %s failed", self.name)
-            exc = e
-        self._big = big
-        self._read_exc = exc
+        except BaseException as e:
+            self._big = big
+            self._read_exc = self._read_error(e)
         return False
+
+    def _read_polled(self) -> bool:
+        """:meth:`_read_some` of a polled connection that poll found readable: one non-blocking read.
+
+        The same steps, for the common case of a caller reading its replies
+        (no frame longer than the buffer in progress: that one goes to
+        :meth:`_read_some`), with fewer steps in Python.
+        """
+        if self._big is not None:
+            return self._read_some()
+        view, start, end = self._view, self._start, self._end
+        try:
+            n = self.sock.recv_into(view[end:], 0, _DONTWAIT)
+            if not n:
+                raise EOFError
+            self.bytes_in += n
+            end += n
+            try:
+                start, status, err = dispatch_frames(self.handler, self, view, start, end, self.limit, False, None,
+                                                     0.0, self._route_kind, self._route, self._route_counts)
+            except ValueError as e:
+                raise FrameError(f"bad frame from {self.name}: {e}") from None
+            if err is not None:
+                raise err  # (a handler's: start is past its frame)
+            if status:  # (> 0: a frame longer than the receive buffer)
+                self._big = self._start_big(start, end, status)
+                start = end = 0
+            elif start == end:
+                start = end = 0
+            elif start and len(self._buf) - end < 65536:
+                view[0:end - start] = view[start:end]
+                end -= start
+                start = 0
+            if self._out and _clock() - self._out_t0 > _CORK_AGE:
+                self.flush()  # (frames the caller corked: out within _CORK_AGE)
+        except (BlockingIOError, InterruptedError):
+            pass
+        except BaseException as e:
+            self._start, self._end = start, end
+            self._read_exc = self._read_error(e)
+            return False
+        self._start, self._end = start, end
+        return True
+
+    def _start_big(self, start: int, end: int, length: int) -> tuple:
+        """The state of a frame of ``length`` bytes, longer than the receive buffer, whose first
+        ``end - start`` bytes are at ``start``: only what has arrived is kept (a header that lies about
+        its length costs nothing: the buffer grows as the bytes come)."""
+        head = take_frame(self._view, start, end, self.limit)
+        assert head is not None  # (its header is there: dispatch_frames read it)
+        self._big_hdr = head[:5]
+        payload = bytearray(self._view[start + 24:end])
+        return (payload, memoryview(payload), len(payload), length - 24)
+
+    def _read_error(self, e: BaseException) -> BaseException | None:
+        """Why a read ended the connection (None: an EOF, or a local close), from what it raised."""
+        if isinstance(e, EOFError):
+            return None
+        if isinstance(e, FrameError):
+            log.warning("%s; dropping the connection", e)
+            return e
+        if isinstance(e, OSError):
+            return None if self._closed else BrokenTransportError(f"connection {self.name} broke: {e}")
+        log.exception("reader of connection %s failed", self.name, exc_info=e)  # a bug in a handler: never silent
+        return e
 
     def _reader_done(self) -> None:
         self._view.release()
@@ -836,6 +910,98 @@ class Connection:
             t.join(5.0)
 
 
+def _poll_of(conns) -> select.poll:
+    p = select.poll()
+    for c in conns:
+        p.register(c._fd, select.POLLIN)
+    return p
+
+
+def _read_held(held: list | tuple, p, by_fd: dict, done, deadline: float | None, parked: bool = False) -> list:
+    """The loop of :meth:`Connection.read_all` over polled connections whose read locks the caller
+    holds: read what comes until ``done()``; the connections that ended (finished here).
+    ``parked``: the caller knows them all parked (no poller reads them meanwhile)."""
+    ended: list[Connection] = []
+    finished: list[Connection] = []
+    try:
+        if not parked:
+            for c in held:
+                poller = c.poller
+                assert poller is not None, "read_all is for polled connections"
+                if c not in poller._parked:
+                    poller.disarm(c)
+        while not done() and by_fd:
+            ready = p.poll(None if deadline is None else int(max(0.0, deadline - time.monotonic()) * 1000))
+            for fd, _ in ready:
+                c = by_fd.get(fd)
+                if c is not None and not c._read_polled():
+                    ended.append(c)
+                    del by_fd[fd]
+                    p.unregister(fd)
+                    # finished now, under its read lock (see read_until), not after the
+                    # loop: its close handler fails the calls waiting on it, which is
+                    # what done() may be waiting for while the others' frames
+                    # (heartbeats) keep this loop going
+                    finished.append(c)
+                    c._end_polled()
+            if not ready and deadline is not None and time.monotonic() >= deadline:
+                break
+    finally:
+        for c in ended:
+            if c not in finished:  # (an error between its end and finishing it above)
+                c._end_polled()
+    return ended
+
+
+class ReadSet:
+    """Polled connections that one caller reads together again and again: what
+    :meth:`Connection.read_all` sets up on every call (the poll object, the table of
+    fds), set up once. For the replies of a ``call()`` on one mesh, in a loop.
+
+    It holds its connections: its owner keeps it only while they are its
+    peers' (the runtime drops it when a connection of the process ends).
+    A closed socket anywhere in the process makes it set up again (fds are reused).
+    """
+
+    __slots__ = ("conns", "_locks", "_poll", "_fds", "_at", "_parked", "_set")
+
+    def __init__(self, conns) -> None:
+        self.conns = tuple(conns)
+        self._locks = tuple(c._rlock for c in self.conns)
+        self._poll: select.poll | None = None
+        self._fds: dict = {}
+        self._at = -1
+        pollers = {c.poller for c in self.conns}
+        # (one poller for all, the process's: whether all are parked is one set comparison)
+        self._parked = pollers.pop()._parked if len(pollers) == 1 and None not in pollers else None
+        self._set = frozenset(self.conns)
+
+    def read(self, done, deadline: float | None) -> list | None:
+        """:meth:`Connection.read_all` of these connections: ``None`` at once if another thread
+        reads any of them, else the connections that ended."""
+        locks = self._locks
+        for i, lock in enumerate(locks):
+            if not lock.acquire(False):
+                for held in locks[:i]:
+                    held.release()
+                return None
+        try:
+            p = self._poll
+            if p is None or self._at != _sockets_closed:
+                self._at = _sockets_closed
+                p = self._poll = _poll_of(self.conns)
+                self._fds = {c._fd: c for c in self.conns}
+            parked = self._parked
+            ended = _read_held(self.conns, p, self._fds, done, deadline,
+                               parked is not None and parked.keys() >= self._set)
+            if ended:
+                self._poll = None  # (taken out of both: set up again next time)
+            return ended
+        finally:
+            for lock in locks:
+                lock.release()
+
+
 class Poller:
     """One thread that reads many connections (epoll, or a selector: :mod:`.poller`); see :meth:`Connection.start_polled`.
 
@@ -885,6 +1051,19 @@ class Poller:
             pass
         self._start_sweeping()
 
+    def park_all(self, conns, now: float) -> None:
+        """:meth:`park` for several connections (one clock read): only those not parked yet cost a syscall."""
+        parked = self._parked
+        fresh = [c for c in conns if c not in parked]
+        parked.update(zip(conns, repeat(now)))
+        if fresh:
+            for conn in fresh:
+                try:
+                    self._ep.disarm(conn._fd)
+                except (OSError, ValueError):
+                    pass
+            self._start_sweeping()
+
     def is_parked(self, conn: Connection) -> bool:
         """Whether ``conn`` is parked (disarmed for a caller that may read it)."""
         return conn in self._parked
@@ -900,10 +1079,7 @@ class Poller:
 
     def keep_parked_all(self, conns) -> None:
         """:meth:`keep_parked` for several connections (one clock read, one sweep check)."""
-        now = time.monotonic()
-        parked = self._parked
-        for conn in conns:
-            parked[conn] = now
+        self._parked.update(zip(conns, repeat(time.monotonic())))
         self._start_sweeping()
 
     def _start_sweeping(self) -> None:
@@ -970,7 +1146,7 @@ class Poller:
                 if not conn._rlock.acquire(False):
                     continue  # a caller is reading it; it re-arms when done
                 try:
-                    ok = conn._read_some()
+                    ok = conn._read_polled()
                     if not ok:  # finished under its read lock (see read_until)
                         self.discard(conn)
                         conn._poll_done()

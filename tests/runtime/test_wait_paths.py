@@ -71,18 +71,25 @@ def test_call_get_reads_replies_in_the_calling_thread(procs):
     c = procs.spawn("w_call", Counter, 1)
     seen = set()
     conns = [_conn(c, i) for i in range(4)]
-    orig = type(conns[0])._read_some
+    cls = type(conns[0])
+    origs = {name: getattr(cls, name) for name in ("_read_some", "_read_polled")}  # (the two readers)
 
-    def spy(self, *a):
-        seen.add(threading.current_thread().name)
-        return orig(self, *a)
+    def spy(name):
+        def read(self, *a):
+            if self in conns:
+                seen.add(threading.current_thread().name)
+            return origs[name](self, *a)
+        return read
 
-    type(conns[0])._read_some = spy
+    for name in origs:
+        setattr(cls, name, spy(name))
     try:
-        for _ in range(20):
-            assert c.get.call().get(timeout=10).tolist() == [[1, 1, 1, 1]]
+        for i in range(20):  # (a wait with a deadline and one without)
+            fut = c.get.call()
+            assert (fut.get(timeout=10) if i % 2 else fut.get()).tolist() == [[1, 1, 1, 1]]
     finally:
-        type(conns[0])._read_some = orig
+        for name, orig in origs.items():
+            setattr(cls, name, orig)
     assert threading.current_thread().name in seen
 
 

@@ -1,0 +1,178 @@
+"""``call()`` on many actors in a loop: the lean path (runtime.channel.Fanout) and everything it leaves
+to the general one. Whichever path a call takes, the caller sees the same values, errors, order and
+counts."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import numpy as np
+import pytest
+from actors import Counter, Probe
+
+import mesharray as ma
+from mesharray._core import dispatch_frames, pack_frame
+from mesharray.runtime import protocol as P
+from mesharray.runtime.channel import Fanout
+from mesharray.runtime.router import get_router
+from mesharray.transport.connection import Connection
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _fanout(fut) -> Fanout | None:
+    chan = fut._chan
+    return chan if isinstance(chan, Fanout) else None
+
+
+def test_a_call_loop_takes_the_lean_path_with_the_same_results(procs):
+    p = procs.spawn("fan_echo", Probe, "f")
+    s0 = procs.stats()
+    for i in range(30):
+        fut = p.echo.call(i)
+        assert fut.get(timeout=10).tolist() == [[i, i, i, i]]
+    fan = _fanout(p.echo.call(0))
+    assert fan is not None and len(fan.chans) == 4  # kept for the endpoint and its mesh
+    assert p.echo._fan[3] is fan
+    # no arguments, keyword arguments, a slice (another Fanout, of its own channels)
+    assert p.pid.call().get(timeout=10).size == 4
+    assert p.echo.call(x=5).get(timeout=10).tolist() == [[5, 5, 5, 5]]
+    assert p[0, 1:3].echo.call("s").get(timeout=10).tolist() == ["s", "s"]
+    assert len(_fanout(p[0, 1:3].echo.call(0)).chans) == 2
+    s1 = procs.stats()
+    # every reply counted once, by the reader that routed it (the 31st call and the others above)
+    assert s1["replies"] - s0["replies"] >= 30 * 4
+    assert s1["calls"] - s0["calls"] >= 30 * 4
+
+
+def test_errors_large_arguments_and_replies_go_through(procs):
+    p = procs.spawn("fan_err", Probe, "e")
+    p.echo.call(0).get(timeout=10)
+    s0 = procs.stats()
+    with pytest.raises(ma.ActorError, match="boom"):
+        p.fail.call("boom").get(timeout=10)  # (raises at the first error reply)
+    p.echo.call(0).get(timeout=10)  # (its replies come after the other errors: all read by then)
+    assert procs.stats()["errors"] - s0["errors"] == 4  # (the reader counts the routed error replies)
+    a = np.arange(1 << 20, dtype=np.float32)  # 4 MiB: through shared memory, the general path
+    got = p.double.call(a).get(timeout=30)
+    assert got.shape[:2] == (1, 4)
+    assert np.array_equal(got[0, 3], a * 2)
+    assert p.echo.call(1).get(timeout=10).tolist() == [[1, 1, 1, 1]]  # the lean path again
+
+
+def test_calls_in_flight_cork_the_next_one_behind_them_in_order(procs):
+    c = procs.spawn("fan_order", Counter, 0)
+    c.get.call().get(timeout=10)
+    futs = []
+    for i in range(50):  # one call() after another without waiting: each channel has calls in flight
+        futs.append(c.record.call(i))
+    last = c.recorded.call()
+    for f in futs:
+        assert f.get(timeout=10).tolist() == [[None] * 4]
+    assert last.get(timeout=10).tolist() == [[list(range(50))] * 4]
+    fut = c.get.call()
+    assert fut.get(timeout=10).tolist() == [[0] * 4]
+    assert all(not ch.pending for ch in _fanout(fut).chans)
+
+
+def test_get_with_a_deadline_then_the_replies(procs):
+    p = procs.spawn("fan_slow", Probe, "s")
+    p.echo.call(0).get(timeout=10)
+    fut = p.sleep.call(0.3, "late")
+    assert _fanout(fut) is not None
+    with pytest.raises(TimeoutError):
+        fut.get(timeout=0.05)
+    assert fut.get(timeout=10).tolist() == [["late"] * 4]
+    assert p.echo.call(2).get().tolist() == [[2, 2, 2, 2]]
+
+
+def test_a_rank_dying_mid_call_fails_the_call_and_the_rest_keep_working():
+    with ma.proc_mesh(procs=3, forward_logs=False) as procs:
+        p = procs.spawn("fan_die", Probe, "d")
+        for _ in range(5):
+            p.pid.call().get(timeout=10)
+        pid = p.slice(procs=1).pid.call_one().get(timeout=10)
+        fut = p.sleep.call(1.0)  # every rank busy; rank 1 dies meanwhile
+        assert _fanout(fut) is not None
+        p.slice(procs=1).die.broadcast("kill")
+        t0 = time.monotonic()
+        with pytest.raises(ma.ActorDiedError) as info:
+            fut.get(timeout=10)
+        assert info.value.ranks == (1,) and info.value.pid == pid
+        assert time.monotonic() - t0 < 2.0
+        with pytest.raises(ma.ActorDiedError):
+            p.echo.call(1).get(timeout=10)  # the dead rank fails every later call (the general path)
+        live = p[0, ::2]
+        for i in range(5):
+            assert live.echo.call(i).get(timeout=10).tolist() == [i, i]
+        assert _fanout(live.echo.call(0)) is not None
+
+
+def test_frames_lost_on_purpose_still_reach_the_injected_handlers():
+    with ma.proc_mesh(procs=2, forward_logs=False) as procs:
+        p = procs.spawn("fan_inject", Probe, "i")
+        p.echo.call(0).get(timeout=10)
+        chan = get_router().channels[p._addresses[1]]
+        # replies lost: the routed path must not go around the handler that loses them
+        chan.conn.inject(drop_in=lambda kind: kind == P.REPLY)
+        fut = p.echo.call(1)
+        with pytest.raises(TimeoutError):
+            fut.get(timeout=0.3)
+        assert chan.conn.dropped_in == 1
+        chan.conn.inject()
+        chan.pending.clear()  # (the lost reply's call, which nothing will answer)
+        assert p.echo.call(2).get(timeout=10).tolist() == [[2, 2]]  # replies routed again
+        # calls lost: write_frame leaves the frame to the faulty send, which drops it
+        chan.conn.inject(drop_out=lambda kind: kind == P.CALL)
+        fut = p.echo.call(3)
+        with pytest.raises(TimeoutError):
+            fut.get(timeout=0.3)
+        assert chan.conn.dropped_out == 1
+        chan.conn.inject()
+        chan.pending.clear()
+        assert p.echo.call(4).get(timeout=10).tolist() == [[4, 4]]
+
+
+def test_write_frame_writes_only_with_nothing_ahead_of_it():
+    a, b = socket.socketpair()
+    conn = Connection(a, name="wf")
+    try:
+        frame = pack_frame(P.CALL, 1, 7, 1, 0, [b"xyz"], 1 << 14, 1 << 20)[1]
+        assert conn.write_frame(frame)
+        assert b.recv(100) == frame
+        assert (conn.frames_out, conn.bytes_out) == (1, len(frame))
+        assert conn.send(P.CALL, 0, 8, 1, 0, [b"corked"], cork=True)  # a frame corked ahead of it
+        assert not conn.write_frame(frame)
+        conn.flush()
+        conn.inject(delay=0.001)
+        assert not conn.write_frame(frame)  # (left to the injected send)
+        conn.inject()
+        assert conn.write_frame(frame)
+        conn.close()
+        assert not conn.write_frame(frame)
+    finally:
+        conn.close()
+        b.close()
+
+
+def test_routed_frames_are_counted_and_a_callback_error_stops_after_its_frame():
+    frames = b"".join(pack_frame(P.REPLY, 0, mid, status, 0, [b"v"], 64, 1 << 20)[1]
+                      for mid, status in ((1, 0), (2, 1), (3, 0), (9, 0)))
+    got, counts = [], [0, 0]
+
+    def bad(target, payload):
+        raise ValueError("callback")
+
+    table = {1: lambda t, p: got.append((1, t)), 2: lambda t, p: got.append((2, t)), 3: bad}
+    start, status, err = dispatch_frames(None, None, frames, 0, len(frames), 1 << 20, False, None, 0.0,
+                                         P.REPLY, table, counts)
+    assert got == [(1, 0), (2, 1)] and isinstance(err, ValueError)
+    assert start == 3 * 25 and status == 0  # past the frame whose callback raised
+    assert counts == [3, 1] and table == {}
+    # a frame of another kind still goes to the handler; one without a callback is dropped
+    seen = []
+    start, status, err = dispatch_frames(lambda c, *f: seen.append(f[0]), None, frames + pack_frame(
+        P.LOG, 0, 0, 1, 0, [b"x"], 64, 1 << 20)[1], start, len(frames) + 25, 1 << 20, False, None, 0.0,
+        P.REPLY, table, counts)
+    assert (err, seen, counts) == (None, [P.LOG], [4, 1])
