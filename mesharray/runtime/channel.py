@@ -367,8 +367,11 @@ class Fanout:
                                    SMALL_FRAME, self._limit)
             if frames is not None:
                 for conn, frame in zip(conns, frames):
-                    if not conn.write_frame(frame):
-                        self._send(conn, kind, target, frame, parts)
+                    try:
+                        if not conn.write_frame(frame):
+                            self._send(conn, kind, target, frame, parts)
+                    except _SendErrors:
+                        pass  # the close handler fails the pending call with the death error
                 sent.calls += len(frames)
                 if any(map(_died_of, chans)):  # (died before its call was pending: nobody failed it)
                     for chan in chans:
@@ -382,10 +385,7 @@ class Fanout:
     def _send(conn: Connection, kind: int, target: int, frame: bytes, parts) -> None:
         # the frame's call through Connection.send (backlogged or corked frames ahead, faults injected)
         _, flags, _, mid, _, view = unpack_header(frame, len(frame))
-        try:
-            conn.send(kind, flags, mid, target, view, parts)
-        except _SendErrors:
-            pass  # the close handler fails the pending call with the death error
+        conn.send(kind, flags, mid, target, view, parts)
 
     def _died(self, chan: Channel) -> None:
         err = chan.died

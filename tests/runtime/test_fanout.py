@@ -176,3 +176,17 @@ def test_routed_frames_are_counted_and_a_callback_error_stops_after_its_frame():
         P.LOG, 0, 0, 1, 0, [b"x"], 64, 1 << 20)[1], start, len(frames) + 25, 1 << 20, False, None, 0.0,
         P.REPLY, table, counts)
     assert (err, seen, counts) == (None, [P.LOG], [4, 1])
+
+
+def test_a_connection_broken_under_a_call_fails_its_future_not_the_send():
+    with ma.proc_mesh(procs=2, forward_logs=False) as procs:
+        p = procs.spawn("fan_broken", Probe, "b")
+        for _ in range(3):
+            p.echo.call(0).get(timeout=10)
+        chan = get_router().channels[p._addresses[1]]
+        chan.conn.sock.shutdown(socket.SHUT_WR)  # the next write to rank 1 fails (EPIPE)
+        fut = p.echo.call(1)  # (rank 0's frame still goes: nothing raises here)
+        with pytest.raises(ma.ActorDiedError) as info:
+            fut.get(timeout=10)
+        assert info.value.ranks == (1,)
+        assert p.slice(procs=0).echo.call(2).get(timeout=10).tolist() == [2]
