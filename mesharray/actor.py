@@ -548,6 +548,7 @@ class Endpoint(Generic[_P, _R]):
         """``call()``'s :class:`Fanout` to every actor of ``shape`` (kept in ``_fan`` until the router's
         channel table changes), or None: the general path (a peer not connected yet, dead, or read
         by a thread of its own; code inside an actor, whose calls record telemetry links)."""
+        self._fan = None  # (an old one must not keep dead channels and their buffers)
         if current.get() is not None or shape.size == 0:
             return None
         gen = router.gen  # (read first: a change while we look makes the next call look again)

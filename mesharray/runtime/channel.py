@@ -366,12 +366,19 @@ class Fanout:
             _, frames = pack_calls(kind, _F_REPLY, target, self.vids, parts, self._pendings, cbs, next_id,
                                    SMALL_FRAME, self._limit)
             if frames is not None:
-                for conn, frame in zip(conns, frames):
-                    try:
-                        if not conn.write_frame(frame):
-                            self._send(conn, kind, target, frame, parts)
-                    except _SendErrors:
-                        pass  # the close handler fails the pending call with the death error
+                i = 0
+                try:
+                    for conn, frame in zip(conns, frames):
+                        try:
+                            if not conn.write_frame(frame):
+                                self._send(conn, kind, target, frame, parts)
+                        except _SendErrors:
+                            pass  # the close handler fails the pending call with the death error
+                        i += 1
+                except BaseException:  # (an interrupt, no thread for the writer): no call left unsent
+                    for frame, pending in zip(frames[i:], self._pendings[i:]):
+                        pending.pop(unpack_header(frame, len(frame))[3], None)
+                    raise
                 sent.calls += len(frames)
                 if any(map(_died_of, chans)):  # (died before its call was pending: nobody failed it)
                     for chan in chans:

@@ -784,13 +784,19 @@ class Connection:
                 raise EOFError
             self.bytes_in += n
             end += n
-            try:
-                start, status, err = dispatch_frames(self.handler, self, view, start, end, self.limit, False, None,
-                                                     0.0, self._route_kind, self._route, self._route_counts)
-            except ValueError as e:
-                raise FrameError(f"bad frame from {self.name}: {e}") from None
-            if err is not None:
-                raise err  # (a handler's: start is past its frame)
+            while True:
+                try:
+                    start, status, err = dispatch_frames(self.handler, self, view, start, end, self.limit, False,
+                                                         _clock, _CORK_AGE, self._route_kind, self._route,
+                                                         self._route_counts)
+                except ValueError as e:
+                    raise FrameError(f"bad frame from {self.name}: {e}") from None
+                if err is not None:
+                    raise err  # (a handler's: start is past its frame)
+                if self._out and _clock() - self._out_t0 > _CORK_AGE:
+                    self.flush()  # (frames corked by the handlers or the caller: out within _CORK_AGE)
+                if status != -1:
+                    break  # (-1: it stopped after _CORK_AGE of a long batch, to flush: the rest)
             if status:  # (> 0: a frame longer than the receive buffer)
                 self._big = self._start_big(start, end, status)
                 start = end = 0
@@ -800,8 +806,6 @@ class Connection:
                 view[0:end - start] = view[start:end]
                 end -= start
                 start = 0
-            if self._out and _clock() - self._out_t0 > _CORK_AGE:
-                self.flush()  # (frames the caller corked: out within _CORK_AGE)
         except (BlockingIOError, InterruptedError):
             pass
         except BaseException as e:
@@ -1044,24 +1048,27 @@ class Poller:
         if conn in parked:  # still disarmed since its last call: no syscall
             parked[conn] = now or time.monotonic()
             return
-        parked[conn] = now or time.monotonic()
+        # disarmed first, then marked: a thread that re-arms it in between (the poller ending a
+        # read of it) leaves it armed and parked, read by the poller; the other order could leave
+        # it disarmed and not parked, which nobody reads
         try:
             self._ep.disarm(conn._fd)
         except (OSError, ValueError):
             pass
+        parked[conn] = now or time.monotonic()
         self._start_sweeping()
 
     def park_all(self, conns, now: float) -> None:
         """:meth:`park` for several connections (one clock read): only those not parked yet cost a syscall."""
         parked = self._parked
         fresh = [c for c in conns if c not in parked]
+        for conn in fresh:  # (disarmed before they are marked: see park)
+            try:
+                self._ep.disarm(conn._fd)
+            except (OSError, ValueError):
+                pass
         parked.update(zip(conns, repeat(now)))
         if fresh:
-            for conn in fresh:
-                try:
-                    self._ep.disarm(conn._fd)
-                except (OSError, ValueError):
-                    pass
             self._start_sweeping()
 
     def is_parked(self, conn: Connection) -> bool:

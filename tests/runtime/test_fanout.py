@@ -190,3 +190,80 @@ def test_a_connection_broken_under_a_call_fails_its_future_not_the_send():
             fut.get(timeout=10)
         assert info.value.ranks == (1,)
         assert p.slice(procs=0).echo.call(2).get(timeout=10).tolist() == [2]
+
+
+class _FakeEpoll:
+    """An fd poller that records which fds are armed; ``during_disarm(fd)`` runs inside each disarm
+    (what another thread may do meanwhile: CPython runs other threads during the system call)."""
+
+    def __init__(self) -> None:
+        self.armed: set = set()
+        self.during_disarm = None
+
+    def disarm(self, fd: int) -> None:
+        if self.during_disarm is not None:
+            self.during_disarm(fd)
+        self.armed.discard(fd)
+
+    def arm(self, fd: int) -> None:
+        self.armed.add(fd)
+
+    def wake(self) -> None:
+        pass
+
+
+def test_park_all_never_leaves_a_connection_both_disarmed_and_unparked():
+    from mesharray.transport.connection import Poller
+
+    socks = [socket.socketpair() for _ in range(3)]
+    conns = [Connection(a, name=f"p{i}") for i, (a, _) in enumerate(socks)]
+    poller = Poller.__new__(Poller)  # (its state without its thread: the fake poller below is driven by hand)
+    poller._ep = ep = _FakeEpoll()
+    poller._conns, poller._parked, poller._timeout = {}, {}, -1.0
+    poller._sweep_lock = __import__("threading").Lock()
+    try:
+        for i, c in enumerate(conns):
+            c.poller, c._fd = poller, 100 + i
+            ep.arm(c._fd)
+        # the poller thread ends a read of conns[2] (and re-arms it) while park_all disarms conns[0]
+        ep.during_disarm = lambda fd: poller.rearm(conns[2]) if fd == conns[0]._fd else None
+        poller.park_all(conns, time.monotonic())
+        for c in conns:  # read by someone: the poller (armed) or a caller (parked: the sweep re-arms it)
+            assert c._fd in ep.armed or c in poller._parked, c.name
+        ep.during_disarm = None
+        poller.park(conns[1])  # (already parked: no disarm)
+        assert conns[1] in poller._parked
+    finally:
+        for a, b in socks:
+            a.close()
+            b.close()
+
+
+def test_an_error_while_writing_leaves_no_call_registered_that_was_not_sent():
+    with ma.proc_mesh(procs=3, forward_logs=False) as procs:
+        p = procs.spawn("fan_interrupt", Probe, "x")
+        for _ in range(3):
+            p.echo.call(0).get(timeout=10)
+        fan = _fanout(p.echo.call(0))  # (a future nobody waits on: the poller reads its replies)
+        deadline = time.monotonic() + 10
+        while any(ch.pending for ch in fan.chans) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        victim = fan.chans[1].conn
+
+        def interrupted(frame):
+            raise KeyboardInterrupt
+
+        victim.write_frame = interrupted  # (an interrupt landing between two writes)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                p.echo.call(1)
+        finally:
+            del victim.write_frame
+        assert not fan.chans[1].pending and not fan.chans[2].pending  # (rank 0's was sent: its reply comes)
+        deadline = time.monotonic() + 10
+        while fan.chans[0].pending and time.monotonic() < deadline:
+            fan.unpark()
+            time.sleep(0.01)
+        assert not fan.chans[0].pending
+        assert p.echo.call(2).get(timeout=10).tolist() == [[2, 2, 2]]
+        assert _fanout(p.echo.call(3)) is fan  # the lean path, not corked behind calls nobody sent
