@@ -86,9 +86,14 @@ class _Link:
     """A dedicated connection to one worker for telemetry requests."""
 
     def __init__(self, address: str, secret: bytes, identity: dict) -> None:
-        self.chan = Channel(connect(address, secret, timeout=3.0), name=f"telemetry {address}")
-        self.chan.send(P.HELLO, parts=[pickle.dumps(identity)])
-        self.chan.start(polled=True)
+        sock = connect(address, secret, timeout=3.0)
+        try:  # (a worker gone right after the handshake: its socket closed here, not left to gc)
+            self.chan = Channel(sock, name=f"telemetry {address}")
+            self.chan.send(P.HELLO, parts=[pickle.dumps(identity)])
+            self.chan.start(polled=True)
+        except BaseException:
+            sock.close()
+            raise
 
     def ask(self, req: dict) -> Future[Any]:
         fut: Future[Any] = new_future()

@@ -89,12 +89,16 @@ class Router:
                 return chan
             try:
                 sock = connect(address, self.secret)
+                try:  # (a peer gone right after the handshake: its socket closed here, not left to gc)
+                    chan = Channel(sock, on_close=self._on_close, name=address)
+                    chan.peer["address"] = address
+                    chan.send(P.HELLO, parts=[pickle.dumps(self.identity)])
+                    chan.start(polled=True)
+                except BaseException:
+                    sock.close()
+                    raise
             except (OSError, ConnectionError) as exc:
                 raise ActorDiedError(reason=f"cannot connect to {address}: {exc}") from exc
-            chan = Channel(sock, on_close=self._on_close, name=address)
-            chan.peer["address"] = address
-            chan.send(P.HELLO, parts=[pickle.dumps(self.identity)])
-            chan.start(polled=True)
             table[address] = chan
             self.gen += 1
             return chan
