@@ -784,7 +784,7 @@ class Connection:
                 raise EOFError
             self.bytes_in += n
             end += n
-            while True:
+            while True:  # (_read_some's dispatch step, inline here: one Python call less per read)
                 try:
                     start, status, err = dispatch_frames(self.handler, self, view, start, end, self.limit, False,
                                                          _clock, _CORK_AGE, self._route_kind, self._route,
