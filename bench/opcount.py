@@ -9,6 +9,7 @@ so a change to the control path can be judged by them where timings are noisy.
 Usage::
 
     python bench/opcount.py [--ops 500] [--top 0]
+    python bench/opcount.py --call8 [--ops 500] [--top 0]   # a no-op call() to 8 actors, the controller
 """
 
 from __future__ import annotations
@@ -60,8 +61,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ops", type=int, default=500)
     ap.add_argument("--top", type=int, default=0, help="also list each process's N costliest functions")
+    ap.add_argument("--call8", action="store_true",
+                    help="count a no-op call() to 8 actors at the controller instead of the sum")
     args = ap.parse_args(argv)
     n = args.ops
+    if args.call8:
+        call8(n, args.top)
+        return
     with ma.proc_mesh(procs=2) as procs:
         x = procs.full((), 2.0)
         for _ in range(300):  # plans, groups, channels: warm
@@ -83,6 +89,28 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n{name}:")
         for k, v in collections.Counter(ops).most_common(args.top):
             print(f"  {v / n:7.1f}  {k}")
+
+
+class _Noop(ma.Actor):
+    @ma.endpoint
+    def ping(self) -> None:
+        return None
+
+
+def call8(n: int, top: int) -> None:
+    """Bytecodes of the controller's thread per ``call().get()`` of a no-op endpoint on 8 actors."""
+    with ma.proc_mesh(procs=8) as procs:
+        a = procs.spawn("opcount_noop", _Noop)
+        for _ in range(300):  # channels, views, the endpoint's Fanout: warm
+            a.ping.call().get()
+        mine: collections.Counter = collections.Counter()
+        sys.settrace(_counter(mine))
+        for _ in range(n):
+            a.ping.call().get()
+        sys.settrace(None)
+    print(f"controller bytecodes per call() to 8: {sum(mine.values()) / n:,.0f}")
+    for k, v in mine.most_common(top):
+        print(f"  {v / n:7.1f}  {k}")
 
 
 if __name__ == "__main__":

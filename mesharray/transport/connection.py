@@ -84,7 +84,7 @@ _RECV_BUF = 1 << 18
 #: seconds a connection parked for a caller may stay unread before the poller reads it again
 PARK_MAX = 0.05
 #: payloads up to this many bytes are copied into their frame and written in one ``send``
-SMALL_FRAME = _SMALL = 1 << 14
+SMALL_FRAME = 1 << 14
 _CORK_MAX = 1 << 16  # flush corked frames once this many bytes are queued
 _CORK_AGE = 0.0005  # ... or once the oldest has waited this long while handling a batch
 _clock = time.perf_counter  # (the clock of _out_t0)
@@ -249,7 +249,7 @@ class Connection:
         channel does: it flushes before anyone blocks waiting for a reply).
         """
         # the payload's size and header, and for a small frame the frame itself, in one compiled call
-        n, data = pack_frame(kind, flags, msg_id, target, view, parts, _SMALL, self.limit)
+        n, data = pack_frame(kind, flags, msg_id, target, view, parts, SMALL_FRAME, self.limit)
         if data is None:
             raise SerializationError(framing.too_large(n, self.limit))
         if self._closed:
@@ -257,7 +257,7 @@ class Connection:
         self.bytes_out += n + 24
         self.frames_out += 1
         try:
-            if n <= _SMALL:
+            if n <= SMALL_FRAME:
                 with self._send_lock:
                     out = self._out
                     if cork:
@@ -962,9 +962,11 @@ class ReadSet:
     :meth:`Connection.read_all` sets up on every call (the poll object, the table of
     fds), set up once. For the replies of a ``call()`` on one mesh, in a loop.
 
-    It holds its connections: its owner keeps it only while they are its
-    peers' (the runtime drops it when a connection of the process ends).
-    A closed socket anywhere in the process makes it set up again (fds are reused).
+    It holds its connections, so its owner must not keep it past them: the
+    runtime's ``Fanout`` that owns one is dropped once the router's channel
+    table changes (a peer dead, a mesh stopped), at that endpoint's next
+    ``call()``. A closed socket anywhere in the process makes it set up again
+    (fds are reused).
     """
 
     __slots__ = ("conns", "_locks", "_poll", "_fds", "_at", "_parked", "_set")
