@@ -29,6 +29,7 @@ from ..collectives.hier import HierCollective
 from ..collectives.ring import RingCollective
 from ..collectives.shm import ShmCollective
 from ..engines import Engine, get_engine
+from ..engines.numpy_engine import host_empty, huge_owner
 from ..errors import ActorDiedError, MeshArrayError
 from ..transport import cma
 from ..transport.dataplane import process_plane, rendezvous
@@ -133,21 +134,29 @@ class BlockStore:
         free = self._pool.get(nbytes)
         if free:
             return free.pop().view(dtype).reshape(shape)
-        return np.empty(shape, dtype=dtype)
+        return host_empty(shape, dtype)
 
     def _recycle(self, block: Any) -> None:
-        # a freed NumPy block that owns its memory (nobody else can see it: views were
-        # never handed out beyond this worker's endpoints) is kept for reuse
+        # a freed NumPy block whose memory nobody else can see (views were never handed
+        # out beyond this worker's endpoints, and none of them kept one) is kept for reuse
         if not isinstance(block, np.ndarray) or block.nbytes < self.POOL_MIN:
             return
-        base = block if block.base is None else block.base
-        if not isinstance(base, np.ndarray) or base.base is not None or base.nbytes != block.nbytes:
-            return
-        if sys.getrefcount(base) > 4:  # still referenced elsewhere (an endpoint kept it)
-            return
+        base = block.base
+        if base is None:  # it owns its memory
+            if sys.getrefcount(block) > 2:  # (the argument and getrefcount's): kept, or viewed
+                return
+            mem = block
+        else:
+            if not isinstance(base, np.ndarray) or base.base is not None:
+                return
+            if base.nbytes != block.nbytes and huge_owner(block) is None:
+                return  # (a part of a larger array; its aligned allocation is the one larger owner taken)
+            if sys.getrefcount(block) > 2 or sys.getrefcount(base) > 3:  # kept, or another view of it
+                return
+            mem = block if base.nbytes != block.nbytes else base
         free = self._pool.setdefault(block.nbytes, [])
         if len(free) < self.POOL_PER_SIZE:
-            free.append(base.reshape(-1).view(np.uint8))
+            free.append(mem.reshape(-1).view(np.uint8))
 
 
 #: this worker process's blocks

@@ -6,7 +6,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["NumpyEngine", "ELEMENTWISE_OPS", "REDUCTIONS"]
+__all__ = ["NumpyEngine", "ELEMENTWISE_OPS", "REDUCTIONS", "HUGE_PAGE", "host_empty", "huge_owner"]
+
+#: host blocks of at least this many bytes start on a multiple of it (:func:`host_empty`)
+HUGE_PAGE = 2 << 20
 
 # ufunc names the engines agree on (what MeshArray's operators map to)
 ELEMENTWISE_OPS = frozenset({
@@ -20,6 +23,41 @@ ELEMENTWISE_OPS = frozenset({
     "where", "clip",
 })
 REDUCTIONS = frozenset({"sum", "prod", "min", "max", "mean", "any", "all", "argmin", "argmax", "std", "var"})
+
+
+def host_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
+    """An uninitialised C-contiguous host array; one of :data:`HUGE_PAGE` bytes or more starts on a multiple of it.
+
+    NumPy asks Linux for transparent huge pages on the allocations of 4 MiB and
+    more that it makes (``madvise``), but only the 2 MiB pages lying wholly
+    inside the allocation get one, and malloc's large blocks start just past a
+    page boundary: a 4 MiB array got one huge page of its two. Starting the
+    array on the boundary (allocating ``HUGE_PAGE`` bytes more, never touched)
+    gives it all of them: fewer TLB misses for the kernels, and fewer pages for
+    cross-memory attach to pin. A 4 MiB float32 sum over 2 ranks in shared
+    memory took 0.39 ms against 0.45-0.47 (bench/README.md, "Ninth pass").
+    Elsewhere the alignment costs nothing but the untouched slack.
+    """
+    dt = np.dtype(dtype)
+    shape = tuple(shape)
+    nbytes = dt.itemsize
+    for n in shape:
+        nbytes *= n
+    if nbytes < HUGE_PAGE:
+        return np.empty(shape, dtype=dt)
+    raw = np.empty(nbytes + HUGE_PAGE, dtype=np.uint8)
+    off = -raw.ctypes.data % HUGE_PAGE
+    return raw[off:off + nbytes].view(dt).reshape(shape)
+
+
+def huge_owner(block: np.ndarray) -> np.ndarray | None:
+    """The allocation of a whole array made by :func:`host_empty` with alignment (``block.base``), else None."""
+    raw = block.base
+    if (type(raw) is np.ndarray and raw.base is None and raw.dtype == np.uint8 and raw.ndim == 1
+            and raw.nbytes == block.nbytes + HUGE_PAGE and block.flags.c_contiguous
+            and block.ctypes.data % HUGE_PAGE == 0):
+        return raw
+    return None
 
 
 def _check_op(op: str) -> None:
@@ -48,17 +86,20 @@ class NumpyEngine:
         return (NumpyEngine, ())
 
     # allocation
+    # (large blocks on huge pages: see host_empty)
     def empty(self, shape: Sequence[int], dtype: Any) -> np.ndarray:
-        return np.empty(tuple(shape), dtype=np.dtype(dtype))
+        return host_empty(shape, dtype)
 
     def zeros(self, shape: Sequence[int], dtype: Any) -> np.ndarray:
-        return np.zeros(tuple(shape), dtype=np.dtype(dtype))
+        return self.full(shape, 0, dtype)
 
     def ones(self, shape: Sequence[int], dtype: Any) -> np.ndarray:
-        return np.ones(tuple(shape), dtype=np.dtype(dtype))
+        return self.full(shape, 1, dtype)
 
     def full(self, shape: Sequence[int], value: Any, dtype: Any) -> np.ndarray:
-        return np.full(tuple(shape), value, dtype=np.dtype(dtype))
+        a = host_empty(shape, dtype)
+        np.copyto(a, value, casting="unsafe")  # (what np.full does)
+        return a
 
     def arange(self, n: int, dtype: Any) -> np.ndarray:
         return np.arange(n, dtype=np.dtype(dtype))

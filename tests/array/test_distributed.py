@@ -539,3 +539,26 @@ def test_elementwise_layouts_are_reused_per_operand_layout_not_confused(procs):
             np.testing.assert_array_equal(_np(a + a), src * 2)
     finally:
         other.stop()
+
+
+def test_a_block_an_actor_kept_is_never_reused_for_another_result(procs):
+    # the worker recycles the memory of large freed blocks for the results of collectives;
+    # a block that an endpoint still holds must not be among them (it was: its values
+    # changed under the actor once the controller dropped the array)
+    from _dist_actors import BlockKeeper
+
+    keepers = procs.spawn("keepers", BlockKeeper)
+    n = (2 << 20) // 8  # over the pool's 1 MiB minimum
+    a = procs.full((n,), 1.0) * 2  # (NumPy's own allocation on each rank)
+    assert _np(keepers.keep.call(a).get()).tolist() == [[2.0, 2.0], [2.0, 2.0]]
+    del a
+    gc.collect()
+    data_context(procs).flush_frees()
+    for k in range(3):  # results of the same size, made after the free
+        y = procs.full((n,), 5.0 + k).sum(axis="procs")
+        assert float(_np(y)[0, 0]) == 2 * (5.0 + k)
+        del y
+        gc.collect()
+        data_context(procs).flush_frees()
+    got = _np(keepers.first.call().get())
+    assert [[v[0] for v in row] for row in got.tolist()] == [[2.0, 2.0], [2.0, 2.0]]
