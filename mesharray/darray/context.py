@@ -27,7 +27,7 @@ from .._core import Shape
 from ..actor import ActorMesh
 from ..errors import ActorDiedError, ActorError, MeshStoppedError
 from ..proc import ProcMesh
-from .worker import DataActor, InputFailed, unpack_small
+from .worker import DataActor, InputFailed, meta_dtype, unpack_small
 
 __all__ = ["DataContext", "data_context"]
 
@@ -276,7 +276,8 @@ class DataContext:
     def meta(self, rank: int, bid: int) -> tuple[tuple, Any]:
         """Local shape and dtype of block ``bid`` on ``rank`` (raises the failure of its making)."""
         self.check_live()
-        return self.view([rank]).meta.call_one(bid).get()
+        local, dt = self.view([rank]).meta.call_one(bid).get()
+        return local, meta_dtype(dt)
 
     def raise_failure(self, exc: BaseException, bid: int, hops: int = 0) -> NoReturn:
         """Raise the failure of block ``bid`` that ``exc`` (a fetch's error) stands for: a dead rank's

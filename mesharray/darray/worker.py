@@ -34,7 +34,8 @@ from ..errors import ActorDiedError, MeshArrayError
 from ..transport import cma
 from ..transport.dataplane import process_plane, rendezvous
 
-__all__ = ["BlockStore", "DataActor", "InputFailed", "STORE", "local_block", "pack_small", "unpack_small"]
+__all__ = ["BlockStore", "DataActor", "InputFailed", "STORE", "local_block", "meta_dtype", "pack_small",
+           "unpack_small"]
 
 #: what a mesh-axis reduction runs as a collective (any/all: max/min over uint8)
 COLLECTIVE_OP = {"sum": "sum", "prod": "prod", "min": "min", "max": "max", "mean": "mean",
@@ -176,6 +177,14 @@ def pack_small(a: np.ndarray) -> Any:
 
 
 _DTYPES: dict[str, np.dtype] = {}
+
+
+def meta_dtype(dt: Any) -> np.dtype:
+    """The dtype of a :meth:`DataActor.meta` reply."""
+    d = _DTYPES.get(dt) if type(dt) is str else dt
+    if d is None:
+        d = _DTYPES[dt] = np.dtype(dt)
+    return d
 
 
 def unpack_small(v: Any, block_shape: tuple | None = None, as_shape: tuple | None = None) -> np.ndarray:
@@ -493,9 +502,15 @@ class DataActor(Actor):
 
     @endpoint
     def meta(self, bid: int) -> tuple:
-        """Local shape and dtype of block ``bid`` (raises its failure if it could not be made)."""
+        """Local shape and dtype of block ``bid`` (raises its failure if it could not be made).
+
+        The dtype as its string where that names it exactly (:func:`meta_dtype` turns it back):
+        pickling a ``numpy.dtype`` took 23-26 us of the reply right after a 4 MiB collective
+        (its code paths out of the caches), a string ~1 us.
+        """
         b, eng = STORE.get(bid), STORE.engine(bid)
-        return tuple(eng.shape_of(b)), eng.dtype_of(b)
+        dt = eng.dtype_of(b)
+        return tuple(eng.shape_of(b)), (dt.str if dt.kind in "biufcmM" else dt)
 
     @endpoint
     def run(self, program: list) -> Any:
