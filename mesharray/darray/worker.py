@@ -29,7 +29,7 @@ from ..collectives.hier import HierCollective
 from ..collectives.ring import RingCollective
 from ..collectives.shm import ShmCollective
 from ..engines import Engine, get_engine
-from ..engines.numpy_engine import host_empty, huge_owner
+from ..engines.numpy_engine import HUGE_PAGE, host_empty
 from ..errors import ActorDiedError, MeshArrayError
 from ..transport import cma
 from ..transport.dataplane import process_plane, rendezvous
@@ -150,8 +150,9 @@ class BlockStore:
         else:
             if not isinstance(base, np.ndarray) or base.base is not None:
                 return
-            if base.nbytes != block.nbytes and huge_owner(block) is None:
-                return  # (a part of a larger array; its aligned allocation is the one larger owner taken)
+            if base.nbytes != block.nbytes and not (base.nbytes == block.nbytes + HUGE_PAGE
+                                                    and block.flags.c_contiguous):
+                return  # (a part of a larger array; the one larger owner taken: host_empty's allocation)
             if sys.getrefcount(block) > 2 or sys.getrefcount(base) > 3:  # kept, or another view of it
                 return
             mem = block if base.nbytes != block.nbytes else base

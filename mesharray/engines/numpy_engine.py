@@ -6,6 +6,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .._core import buffer_address
+
 __all__ = ["NumpyEngine", "ELEMENTWISE_OPS", "REDUCTIONS", "HUGE_PAGE", "host_empty", "huge_owner"]
 
 #: host blocks of at least this many bytes start on a multiple of it (:func:`host_empty`)
@@ -46,7 +48,7 @@ def host_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
     if nbytes < HUGE_PAGE:
         return np.empty(shape, dtype=dt)
     raw = np.empty(nbytes + HUGE_PAGE, dtype=np.uint8)
-    off = -raw.ctypes.data % HUGE_PAGE
+    off = -buffer_address(raw)[0] % HUGE_PAGE
     return raw[off:off + nbytes].view(dt).reshape(shape)
 
 
@@ -55,7 +57,7 @@ def huge_owner(block: np.ndarray) -> np.ndarray | None:
     raw = block.base
     if (type(raw) is np.ndarray and raw.base is None and raw.dtype == np.uint8 and raw.ndim == 1
             and raw.nbytes == block.nbytes + HUGE_PAGE and block.flags.c_contiguous
-            and block.ctypes.data % HUGE_PAGE == 0):
+            and buffer_address(block)[0] % HUGE_PAGE == 0):
         return raw
     return None
 

@@ -42,7 +42,7 @@ import pickle
 import struct
 import sys
 
-from .._core import FRAME_HEADER_SIZE, pack_header, unpack_header
+from .._core import FRAME_HEADER_SIZE, buffer_address, pack_header, unpack_header
 from ..errors import SerializationError
 from . import shm
 
@@ -106,9 +106,7 @@ def _rebuild_tensor(buf, dtype: str, shape: tuple, requires_grad: bool):
 
 
 def _address(mv: memoryview) -> int:
-    import numpy as np
-
-    return np.frombuffer(mv, np.uint8).ctypes.data
+    return buffer_address(mv)[0]  # (ndarray.ctypes.data runs Python code: ~1 us warm, ~10 cold)
 
 
 def _reduce_tensor(t):

@@ -47,6 +47,7 @@ import weakref
 import numpy as np
 
 from .. import _platform
+from .._core import buffer_address
 from . import fdpass
 
 __all__ = ["SegmentPool", "pool", "attach", "back_reference", "available", "forget_peer", "release_peer", "trim",
@@ -243,7 +244,7 @@ _attached: dict[tuple[int, int, int], list] = {}
 
 
 def _addr(buf) -> int:
-    return np.frombuffer(buf, np.uint8).ctypes.data
+    return buffer_address(buf)[0]
 
 
 def _mapping(pid: int, fd: int, serial: int) -> mmap.mmap:
