@@ -9,7 +9,7 @@ so a change to the control path can be judged by them where timings are noisy.
 Usage::
 
     python bench/opcount.py [--ops 500] [--top 0]
-    python bench/opcount.py --call8 [--ops 500] [--top 0]   # a no-op call() to 8 actors, the controller
+    python bench/opcount.py --call8 [--ops 500] [--top 0]   # a no-op call() to 8 actors: controller, a worker
 """
 
 from __future__ import annotations
@@ -98,19 +98,24 @@ class _Noop(ma.Actor):
 
 
 def call8(n: int, top: int) -> None:
-    """Bytecodes of the controller's thread per ``call().get()`` of a no-op endpoint on 8 actors."""
+    """Bytecodes per ``call().get()`` of a no-op endpoint on 8 actors: the controller's thread, and
+    the reader thread of one worker (rank 0; each of the 8 runs the same)."""
     with ma.proc_mesh(procs=8) as procs:
         a = procs.spawn("opcount_noop", _Noop)
         for _ in range(300):  # channels, views, the endpoint's Fanout: warm
             a.ping.call().get()
+        probe = procs.spawn("opcount_probe", Probe)
+        probe.install.call().get()
         mine: collections.Counter = collections.Counter()
         sys.settrace(_counter(mine))
         for _ in range(n):
             a.ping.call().get()
         sys.settrace(None)
-    print(f"controller bytecodes per call() to 8: {sum(mine.values()) / n:,.0f}")
-    for k, v in mine.most_common(top):
-        print(f"  {v / n:7.1f}  {k}")
+        theirs = np.asarray(probe.report.call().get().tolist(), dtype=object).reshape(-1)[0]
+    for name, ops in (("controller", mine), ("worker (rank 0)", theirs)):
+        print(f"{name} bytecodes per call() to 8: {sum(ops.values()) / n:,.0f}")
+        for k, v in collections.Counter(ops).most_common(top):
+            print(f"  {v / n:7.1f}  {k}")
 
 
 if __name__ == "__main__":
