@@ -28,7 +28,7 @@ import os
 import runpy
 import sys
 import traceback
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 __all__ = ["main", "info", "run_path", "run_module", "run_command"]
 
@@ -218,8 +218,9 @@ def info(probe: bool = False) -> dict[str, Any]:
         bulk data on one host and between hosts, and why UCX is or is not
         available), ``platform`` (the code paths this OS takes: see
         :mod:`mesharray._platform`), ``launcher`` (or None), ``bootstrap`` (what
-        ``proc_mesh()`` would use here) and, with ``probe``, ``engine_probes``
-        (name -> capabilities).
+        ``proc_mesh()`` would use here), ``workers`` and ``callers`` (how workers
+        and this process would wait for messages: ``spin_us``, and ``spin_why``
+        where it is 0) and, with ``probe``, ``engine_probes`` (name -> capabilities).
 
     Examples
     --------
@@ -228,6 +229,7 @@ def info(probe: bool = False) -> dict[str, Any]:
     True
     """
     import mesharray
+    from mesharray._platform import caller_spin
     from mesharray.bootstrap import detect_launcher, resolve_bootstrap
 
     engines: dict[str, str | None] = {}
@@ -283,6 +285,7 @@ def info(probe: bool = False) -> dict[str, Any]:
         "mpirun": mpirun,
         "platform": _platform_paths(),
         "workers": _worker_policy(),
+        "callers": _spin_policy(caller_spin, "MESHARRAY_CALLER_SPIN_US"),
     }
     if probe:
         from mesharray.engines import probe_engines
@@ -316,7 +319,7 @@ def _platform_paths() -> dict[str, Any]:
 def _worker_policy() -> dict[str, Any]:
     """How worker processes started from here would wait: their scheduling class and read spin
     (``MESHARRAY_WORKER_SCHED``, ``MESHARRAY_WORKER_SPIN_US``), and why the spin is 0 where it is."""
-    from mesharray._platform import LINUX_NATIVE, cpu_quota, usable_cpus, worker_sched, worker_spin
+    from mesharray._platform import LINUX_NATIVE, worker_sched, worker_spin
 
     out: dict[str, Any] = {}
     try:
@@ -324,18 +327,35 @@ def _worker_policy() -> dict[str, Any]:
         out["sched"] = "SCHED_BATCH" if sched == "batch" and LINUX_NATIVE else "the system's default"
     except ValueError as exc:
         out["sched"] = f"invalid: {exc}"
+    out.update(_spin_policy(worker_spin, "MESHARRAY_WORKER_SPIN_US"))
+    return out
+
+
+def _spin_policy(setting: Callable[[], float], var: str) -> dict[str, Any]:
+    """``{"spin_us", "spin_why"}`` of a spin setting (``_platform.worker_spin``/``caller_spin``)."""
+    from mesharray._platform import cpu_quota, usable_cpus
+
+    out: dict[str, Any] = {}
     try:
-        out["spin_us"] = round(worker_spin() * 1e6, 3)
+        out["spin_us"] = round(setting() * 1e6, 3)
     except ValueError as exc:
         out["spin_us"], out["spin_why"] = None, f"invalid: {exc}"
         return out
     if out["spin_us"] == 0:
         quota = cpu_quota()
-        raw = os.environ.get("MESHARRAY_WORKER_SPIN_US", "").strip()
+        raw = os.environ.get(var, "").strip()
         out["spin_why"] = ("one CPU" if usable_cpus() < 2 else
-                           f"MESHARRAY_WORKER_SPIN_US={raw}" if raw else
+                           f"{var}={raw}" if raw else
                            f"a CPU quota of {quota:g} CPUs" if quota is not None else "")
     return out
+
+
+def _spin_text(w: dict[str, Any], what: str, var: str) -> str:
+    if w["spin_us"] is None:
+        return w["spin_why"]
+    if w["spin_us"]:
+        return f"poll {w['spin_us']:g} µs {what}before blocking ({var})"
+    return f"block at once: {w['spin_why']}"
 
 
 _HINTS = {"torch": "pip install 'mesharray[torch]'", "xla": "pip install torch_xla",
@@ -369,10 +389,8 @@ def _print_info(data: dict[str, Any]) -> None:
           f"process stats: {plat['process_stats']}")
     w = data["workers"]
     sched = w["sched"] if w["sched"].startswith("invalid") else f"{w['sched']} (MESHARRAY_WORKER_SCHED)"
-    spin = w["spin_why"] if w["spin_us"] is None else (
-        f"poll {w['spin_us']:g} µs before blocking (MESHARRAY_WORKER_SPIN_US)" if w["spin_us"] else
-        f"block at once: {w['spin_why']}")
-    print(f"workers: {sched}; {spin}")
+    print(f"workers: {sched}; {_spin_text(w, '', 'MESHARRAY_WORKER_SPIN_US')}")
+    print(f"callers: {_spin_text(data['callers'], 'for a reply ', 'MESHARRAY_CALLER_SPIN_US')}")
     launcher = data["launcher"]
     print(f"launcher: {launcher['description'] if launcher else 'none (plain process)'}")
     print(f"bootstrap: {data['bootstrap']}  (what proc_mesh() uses here)")

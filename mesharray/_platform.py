@@ -30,7 +30,7 @@ import tempfile
 
 __all__ = ["PORTABLE", "LINUX_NATIVE", "abstract_sockets", "memfd_via_proc", "shm_open", "shm_unlink",
            "anonymous_shm", "runtime_dir", "socket_file", "sweep_socket_files", "worker_sched", "worker_spin",
-           "WORKER_SPIN_DEFAULT_US", "sched_batch", "usable_cpus", "cpu_quota"]
+           "caller_spin", "WORKER_SPIN_DEFAULT_US", "CALLER_SPIN_DEFAULT_US", "sched_batch", "usable_cpus", "cpu_quota"]
 
 #: ``MESHARRAY_PORTABLE`` set (to anything but ``0`` or nothing): the non-Linux paths everywhere
 PORTABLE = os.environ.get("MESHARRAY_PORTABLE", "").strip() not in ("", "0")
@@ -129,6 +129,8 @@ def _quota_in(d: str, v2: bool) -> float | None:
 
 #: a worker's read spin when ``MESHARRAY_WORKER_SPIN_US`` is not set (microseconds)
 WORKER_SPIN_DEFAULT_US = 100
+#: a caller's reply spin when ``MESHARRAY_CALLER_SPIN_US`` is not set (microseconds)
+CALLER_SPIN_DEFAULT_US = 50
 
 
 def worker_spin(raw: str | None = None) -> float:
@@ -142,14 +144,29 @@ def worker_spin(raw: str | None = None) -> float:
     period (100 ms by default); set the variable to poll anyway. ``raw``: a value to check
     instead of the variable's (``""``: the default).
     """
+    return _spin_setting("MESHARRAY_WORKER_SPIN_US", WORKER_SPIN_DEFAULT_US, raw)
+
+
+def caller_spin(raw: str | None = None) -> float:
+    """How long a caller waiting for its replies polls for them before blocking (seconds):
+    ``$MESHARRAY_CALLER_SPIN_US``, default :data:`CALLER_SPIN_DEFAULT_US`.
+
+    The same rules as :func:`worker_spin` (0 on one CPU, 0 by default under a CPU quota,
+    ``ValueError`` for a bad value). Set in the controller by ``proc_mesh``/``attach``
+    (:func:`~mesharray.transport.connection.set_reply_spin`).
+    """
+    return _spin_setting("MESHARRAY_CALLER_SPIN_US", CALLER_SPIN_DEFAULT_US, raw)
+
+
+def _spin_setting(var: str, default: float, raw: str | None) -> float:
     if raw is None:
-        raw = os.environ.get("MESHARRAY_WORKER_SPIN_US", "")
+        raw = os.environ.get(var, "")
     try:
-        value = float(raw) if raw.strip() else float(WORKER_SPIN_DEFAULT_US)
+        value = float(raw) if raw.strip() else float(default)
     except ValueError:
         value = -1.0
     if not value >= 0 or value == float("inf"):
-        raise ValueError(f"MESHARRAY_WORKER_SPIN_US must be a number of microseconds >= 0, got {raw!r}")
+        raise ValueError(f"{var} must be a number of microseconds >= 0, got {raw!r}")
     if usable_cpus() < 2 or (not raw.strip() and cpu_quota() is not None):
         return 0.0
     return value * 1e-6

@@ -31,7 +31,7 @@ from typing import Any, ParamSpec, Protocol, TypeVar, overload
 import numpy as np
 
 from ._core import Shape
-from ._platform import worker_sched, worker_spin
+from ._platform import caller_spin, worker_sched, worker_spin
 from .actor import Actor, ActorMesh, endpoints_of, future_callback
 from .array import MeshArray
 from .bootstrap import local as _local
@@ -45,6 +45,7 @@ from .runtime import protocol as P
 from .runtime.controller import Controller
 from .runtime.future import Future, new_future
 from .transport import framing, shm
+from .transport.connection import set_reply_spin
 
 __all__ = ["ProcMesh", "proc_mesh", "this_host", "attach", "HostMesh", "install_array_factory"]
 
@@ -596,6 +597,15 @@ class ProcMesh(MeshTrait):
         return f"<ProcMesh {{{sizes}}}{state}>"
 
 
+def _wait_policy() -> None:
+    """Check the workers' waiting settings and set this process's, before any process starts: a bad
+    ``MESHARRAY_WORKER_SCHED``, ``MESHARRAY_WORKER_SPIN_US`` or ``MESHARRAY_CALLER_SPIN_US`` is an
+    error here; this process polls for its replies as ``MESHARRAY_CALLER_SPIN_US`` says."""
+    worker_sched()
+    worker_spin()
+    set_reply_spin(caller_spin())
+
+
 def proc_mesh(hosts: int | None = None, procs: int | None = None, *, bootstrap: str = "auto",
               forward_logs: bool = True, heartbeat_timeout: float = 5.0,
               heartbeat_interval: float = 0.5, timeout: float | None = None, owner=None,
@@ -647,8 +657,7 @@ def proc_mesh(hosts: int | None = None, procs: int | None = None, *, bootstrap: 
     {'hosts': 1, 'procs': 2}
     >>> procs.stop()                              # doctest: +SKIP
     """
-    worker_sched()  # a bad MESHARRAY_WORKER_SCHED is an error here, before any process starts
-    worker_spin()  # (and MESHARRAY_WORKER_SPIN_US)
+    _wait_policy()
     if resolve_bootstrap(bootstrap) == "mpi":
         launch = _mpi.bootstrap(hosts=hosts, procs=procs, timeout=timeout, name=name,
                                 heartbeat_timeout=heartbeat_timeout, heartbeat_interval=heartbeat_interval,
@@ -897,5 +906,6 @@ def attach(addresses: Sequence[str], *, secret: str | bytes | None = None, timeo
         raise BootstrapError("attach needs the agents' secret: set MESHARRAY_SECRET (as on the agents) or "
                              "pass secret=")
     kind = plane_kind(transport)
+    _wait_policy()
     agents = _remote.attach_agents(addresses, key, get_router().secret, timeout=timeout)
     return HostMesh(Shape({"hosts": len(agents)}), _Hosts(agents, kind))

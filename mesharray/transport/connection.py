@@ -75,7 +75,7 @@ from .hostid import memory_domain
 from .poller import READ, WRITE, fd_poller
 
 __all__ = ["Connection", "Listener", "Poller", "ReadSet", "Writer", "connect", "default_poller", "default_writer",
-           "parse_address", "dual_address", "peer_uid", "set_read_spin", "BACKLOG_MAX", "MAX_HANDSHAKES",
+           "parse_address", "dual_address", "peer_uid", "set_read_spin", "set_reply_spin", "BACKLOG_MAX", "MAX_HANDSHAKES",
            "SMALL_FRAME"]
 
 log = logging.getLogger("mesharray.transport")
@@ -90,6 +90,8 @@ _CORK_AGE = 0.0005  # ... or once the oldest has waited this long while handling
 _clock = time.perf_counter  # (the clock of _out_t0)
 #: how long a reader thread polls its socket before it blocks in ``recv`` (seconds; see set_read_spin)
 _spin = 0.0
+#: how long a caller waiting for a reply polls before it blocks (seconds; see set_reply_spin)
+_reply_spin = 0.0
 #: a ``sched_yield`` this long means another thread wanted this CPU: stop polling, block
 _CONTENDED = 20e-6
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
@@ -160,6 +162,53 @@ def parse_address(address: str):
             raise ValueError(f"bad tcp address {address!r}; expected 'tcp:host:port'")
         return socket.AF_INET, (host.strip("[]"), int(port))
     raise ValueError(f"bad address {address!r}; expected 'unix:PATH' or 'tcp:HOST:PORT'")
+
+
+def set_reply_spin(seconds: float) -> None:
+    """Make this process's callers poll for their replies for up to ``seconds`` before blocking.
+
+    A thread waiting for the reply of a call (:meth:`Connection.read_until`,
+    :meth:`Connection.read_all`, :class:`ReadSet`) tries ``poll`` without
+    waiting, yielding the CPU between tries, and blocks once nothing came
+    within ``seconds``, or as soon as a yield shows that another thread
+    wanted the CPU; after a wait whose polling found nothing, its next 1, 2,
+    4 ... 64 waits block at once (a caller of long calls hardly polls). A reply that comes while it polls needs no wake-up
+    of the caller: on a virtual machine whose idle CPUs halt, a no-op
+    ``call_one`` took 11-12 µs against 25-27, a ``call()`` to 8 actors 116-120
+    against 134-149 (bench/README.md, "Ninth pass"). ``0`` (the default)
+    blocks at once; the controller's ``proc_mesh``/``attach`` set
+    ``MESHARRAY_CALLER_SPIN_US`` (:func:`~mesharray._platform.caller_spin`).
+    """
+    global _reply_spin
+    if not seconds >= 0:
+        raise ValueError(f"reply spin must be >= 0 seconds, got {seconds!r}")
+    _reply_spin = float(seconds)
+
+
+def _spin_poll(p, state: list) -> list:
+    """A waiting caller's polling (:func:`set_reply_spin`): what ``p.poll(0)`` found ready, or
+    ``[]`` (block). ``state``: the waiter's ``[waits left to block at once, back-off]``."""
+    if state[0]:
+        state[0] -= 1
+        return []
+    t = _clock()
+    end = t + _reply_spin
+    while True:
+        ready = p.poll(0)
+        if ready:
+            state[1] = 0
+            return ready
+        if t > end:
+            break
+        _yield()
+        now = _clock()
+        if now - t > _CONTENDED:
+            # another thread ran on this CPU meanwhile (the callee, on a machine of few cores):
+            # leave it the CPU (the 4 MiB sum of 2 ranks on 2 cores: 0.77 ms, 0.80 polling on)
+            break
+        t = now
+    state[0] = state[1] = min(64, 2 * state[1] or 1)
+    return ready
 
 
 def set_read_spin(seconds: float) -> None:
@@ -577,8 +626,9 @@ class Connection:
         self._polled = threading.Event()
         self._rlock = threading.Lock()
         (poller or default_poller()).add(self)
-        self._pollobj = select.poll()  # for callers that read with a deadline
+        self._pollobj = select.poll()  # for callers that read with a deadline, or poll first
         self._pollobj.register(self._fd, select.POLLIN)
+        self._wait_spin = [0, 0]  # (read_until's polling: see _spin_poll)
 
     def read_until(self, done, deadline: float | None) -> bool | None:
         """Read this (polled) connection in the calling thread until ``done()`` is true.
@@ -599,16 +649,19 @@ class Connection:
         if self not in poller._parked:
             poller.disarm(self)  # keep the poller thread asleep while we read
         try:
+            p = self._pollobj
             if deadline is None:
                 while not done():
-                    ok = self._read_some(0)
+                    if _reply_spin and _spin_poll(p, self._wait_spin):
+                        ok = self._read_polled()
+                    else:
+                        ok = self._read_some(0)
                     if not ok:
                         break
             else:
-                p = self._pollobj
                 while not done():
-                    ms = int(max(0.0, deadline - time.monotonic()) * 1000)
-                    if p.poll(ms):
+                    if ((_reply_spin and _spin_poll(p, self._wait_spin))
+                            or p.poll(int(max(0.0, deadline - time.monotonic()) * 1000))):
                         ok = self._read_polled()
                         if not ok:
                             break
@@ -921,10 +974,14 @@ def _poll_of(conns) -> select.poll:
     return p
 
 
-def _read_held(held: list | tuple, p, by_fd: dict, done, deadline: float | None, parked: bool = False) -> list:
+def _read_held(held: list | tuple, p, by_fd: dict, done, deadline: float | None, parked: bool = False,
+               spin: list | None = None) -> list:
     """The loop of :meth:`Connection.read_all` over polled connections whose read locks the caller
     holds: read what comes until ``done()``; the connections that ended (finished here).
-    ``parked``: the caller knows them all parked (no poller reads them meanwhile)."""
+    ``parked``: the caller knows them all parked (no poller reads them meanwhile). ``spin``:
+    the caller's polling state (:func:`_spin_poll`), kept from one wait to the next."""
+    if spin is None:
+        spin = [0, 0]
     ended: list[Connection] = []
     finished: list[Connection] = []
     try:
@@ -935,7 +992,8 @@ def _read_held(held: list | tuple, p, by_fd: dict, done, deadline: float | None,
                 if c not in poller._parked:
                     poller.disarm(c)
         while not done() and by_fd:
-            ready = p.poll(None if deadline is None else int(max(0.0, deadline - time.monotonic()) * 1000))
+            ready = ((_reply_spin and _spin_poll(p, spin))
+                     or p.poll(None if deadline is None else int(max(0.0, deadline - time.monotonic()) * 1000)))
             for fd, _ in ready:
                 c = by_fd.get(fd)
                 if c is not None and not c._read_polled():
@@ -969,7 +1027,7 @@ class ReadSet:
     (fds are reused).
     """
 
-    __slots__ = ("conns", "_locks", "_poll", "_fds", "_at", "_parked", "_set")
+    __slots__ = ("conns", "_locks", "_poll", "_fds", "_at", "_parked", "_set", "_spin")
 
     def __init__(self, conns) -> None:
         self.conns = tuple(conns)
@@ -981,6 +1039,7 @@ class ReadSet:
         # (one poller for all, the process's: whether all are parked is one set comparison)
         self._parked = pollers.pop()._parked if len(pollers) == 1 and None not in pollers else None
         self._set = frozenset(self.conns)
+        self._spin = [0, 0]  # (its polling before each wait: see _spin_poll)
 
     def read(self, done, deadline: float | None) -> list | None:
         """:meth:`Connection.read_all` of these connections: ``None`` at once if another thread
@@ -999,7 +1058,7 @@ class ReadSet:
                 self._fds = {c._fd: c for c in self.conns}
             parked = self._parked
             ended = _read_held(self.conns, p, self._fds, done, deadline,
-                               parked is not None and parked.keys() >= self._set)
+                               parked is not None and parked.keys() >= self._set, self._spin)
             if ended:
                 self._poll = None  # (taken out of both: set up again next time)
             return ended

@@ -58,6 +58,20 @@ def test_info_says_how_workers_would_wait_here():
             "invalid: MESHARRAY_WORKER_SPIN_US must be a number of microseconds >= 0, got 'soon'") in out.stdout
 
 
+def test_info_says_how_callers_would_wait_for_replies_here():
+    from mesharray import _platform
+
+    data = json.loads(cli("info", "--json").stdout)
+    assert data["callers"]["spin_us"] == pytest.approx(_platform.caller_spin() * 1e6)
+    assert "callers: block at once: MESHARRAY_CALLER_SPIN_US=0" in cli("info", MESHARRAY_CALLER_SPIN_US="0").stdout
+    if data["callers"]["spin_us"]:
+        assert "callers: poll 50 µs for a reply before blocking (MESHARRAY_CALLER_SPIN_US)" in cli("info").stdout
+    out = cli("info", MESHARRAY_CALLER_SPIN_US="later")
+    assert out.returncode == 0, out.stderr
+    assert ("callers: invalid: MESHARRAY_CALLER_SPIN_US must be a number of microseconds >= 0, got 'later'"
+            in out.stdout)
+
+
 def test_info_reports_the_detected_launcher_without_starting_mpi():
     out = cli("info", "--json", PMI_RANK="3", PMI_SIZE="8")
     assert out.returncode == 0, out.stderr

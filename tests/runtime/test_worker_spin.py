@@ -1,8 +1,10 @@
-"""How long workers' readers poll before blocking (``MESHARRAY_WORKER_SPIN_US``)."""
+"""How long workers' readers poll before blocking (``MESHARRAY_WORKER_SPIN_US``), and callers
+waiting for their replies (``MESHARRAY_CALLER_SPIN_US``)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -32,6 +34,11 @@ class Spin(ma.Actor):
     @ma.endpoint
     def noop(self) -> None:
         return None
+
+    @ma.endpoint
+    def nap(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
 
 
 def test_workers_poll_100_us_by_default_where_they_have_cores(procs):
@@ -146,3 +153,52 @@ def test_a_real_cgroup_quota_turns_polling_off(tmp_path):
         assert out.stdout.split() == ["1.5", "0.0"]
     finally:
         os.rmdir(d)  # (its only process has exited)
+
+
+def test_the_controller_polls_for_its_replies_50_us_by_default(procs):
+    from mesharray.transport import connection
+
+    # set by proc_mesh(): 50 µs unless the machine says otherwise (one CPU, a CPU quota, the variable)
+    assert connection._reply_spin == pytest.approx(_platform.caller_spin())
+    assert _platform.caller_spin("") == pytest.approx(50e-6 if _platform.usable_cpus() > 1
+                                                      and _platform.cpu_quota() is None else 0.0)
+
+
+@pytest.mark.parametrize("bad", ["fast", "-5", "inf"])
+def test_a_bad_caller_spin_is_an_error_before_any_process_starts(monkeypatch, bad):
+    monkeypatch.setenv("MESHARRAY_CALLER_SPIN_US", bad)
+    with pytest.raises(ValueError, match=f"MESHARRAY_CALLER_SPIN_US must be a number of microseconds >= 0, "
+                                         f"got '{bad}'"):
+        ma.proc_mesh(procs=2)
+
+
+def test_a_caller_of_long_calls_hardly_polls(procs):
+    # polling is for replies that come within microseconds: a caller waiting out long calls,
+    # one at a time and 8 at once, spends next to no CPU doing it
+    nappers = procs.spawn("nappers", Spin)
+    one = nappers.slice(procs=0)
+    one.noop.call_one().get(timeout=30)
+    t = time.thread_time()
+    for _ in range(5):
+        assert one.nap.call_one(0.1).get() == 0.1
+        assert one.nap.call_one(0.05).get(timeout=30) == 0.05  # (the deadline's path)
+    for _ in range(3):
+        nappers.nap.call(0.1).get(timeout=30)
+    used = time.thread_time() - t
+    assert used < 0.05, f"waiting 1.05 s for replies took {used * 1000:.0f} ms of the caller's CPU"
+
+
+def test_a_caller_that_polls_still_hears_of_a_death_at_once():
+    # a reply that never comes: the rank's death ends the wait (polling, then blocking) as before
+    with ma.proc_mesh(procs=2) as mesh:
+        spin = mesh.spawn("s", Spin)
+        victim = spin.slice(procs=1)
+        victim.noop.call_one().get(timeout=30)
+        fut = victim.nap.call_one(30.0)
+        time.sleep(0.05)
+        os.kill(mesh.pids[1], signal.SIGKILL)
+        t = time.monotonic()
+        with pytest.raises(ma.ActorDiedError):
+            fut.get()
+        assert time.monotonic() - t < 5
+        assert spin.slice(procs=0).noop.call_one().get(timeout=30) is None
