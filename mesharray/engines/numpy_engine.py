@@ -8,7 +8,7 @@ import numpy as np
 
 from .._core import buffer_address
 
-__all__ = ["NumpyEngine", "ELEMENTWISE_OPS", "REDUCTIONS", "HUGE_PAGE", "host_empty", "huge_owner"]
+__all__ = ["NumpyEngine", "ELEMENTWISE_OPS", "REDUCTIONS", "HUGE_PAGE", "host_empty"]
 
 #: host blocks of at least this many bytes start on a multiple of it (:func:`host_empty`)
 HUGE_PAGE = 2 << 20
@@ -38,28 +38,20 @@ def host_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
     gives it all of them: fewer TLB misses for the kernels, and fewer pages for
     cross-memory attach to pin. A 4 MiB float32 sum over 2 ranks in shared
     memory took 0.39 ms against 0.45-0.47 (bench/README.md, "Ninth pass").
-    Elsewhere the alignment costs nothing but the untouched slack.
+    Elsewhere the alignment costs nothing but the untouched slack. The
+    array's ``base`` is that allocation (``HUGE_PAGE`` bytes longer): the
+    worker's block pool recognises it by that.
     """
     dt = np.dtype(dtype)
     shape = tuple(shape)
     nbytes = dt.itemsize
     for n in shape:
         nbytes *= n
-    if nbytes < HUGE_PAGE:
+    if nbytes < HUGE_PAGE or dt.hasobject:  # (object slots must start as None: NumPy's own)
         return np.empty(shape, dtype=dt)
     raw = np.empty(nbytes + HUGE_PAGE, dtype=np.uint8)
     off = -buffer_address(raw)[0] % HUGE_PAGE
     return raw[off:off + nbytes].view(dt).reshape(shape)
-
-
-def huge_owner(block: np.ndarray) -> np.ndarray | None:
-    """The allocation of a whole array made by :func:`host_empty` with alignment (``block.base``), else None."""
-    raw = block.base
-    if (type(raw) is np.ndarray and raw.base is None and raw.dtype == np.uint8 and raw.ndim == 1
-            and raw.nbytes == block.nbytes + HUGE_PAGE and block.flags.c_contiguous
-            and buffer_address(block)[0] % HUGE_PAGE == 0):
-        return raw
-    return None
 
 
 def _check_op(op: str) -> None:

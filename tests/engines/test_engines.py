@@ -173,7 +173,8 @@ def test_import_mesharray_does_not_import_torch_and_missing_torch_names_the_extr
 
 
 def test_large_numpy_blocks_start_on_a_huge_page_and_fill_as_numpy_does():
-    from mesharray.engines.numpy_engine import HUGE_PAGE, host_empty, huge_owner
+    from mesharray._core import buffer_address
+    from mesharray.engines.numpy_engine import HUGE_PAGE, host_empty
 
     eng = get_engine("numpy")
     n = HUGE_PAGE // 4
@@ -182,12 +183,15 @@ def test_large_numpy_blocks_start_on_a_huge_page_and_fill_as_numpy_does():
                        (lambda: eng.full((n,), 7, "int32"), np.full(n, 7, "int32")),
                        (lambda: eng.empty((n + 3,), "float32"), None)]:
         a = make()
-        assert a.ctypes.data % HUGE_PAGE == 0 and a.flags.c_contiguous and huge_owner(a) is not None
+        assert buffer_address(a)[0] % HUGE_PAGE == 0 and a.flags.c_contiguous
+        assert a.base is not None and a.base.nbytes == a.nbytes + HUGE_PAGE  # (what the block pool looks for)
         if want is not None:
             np.testing.assert_array_equal(a, want)
             assert a.dtype == want.dtype and a.shape == want.shape
     small = eng.full((2, 3), [1, 2, 3], "int8")  # what np.full does: the value broadcast, cast
     np.testing.assert_array_equal(small, np.full((2, 3), [1, 2, 3], "int8"))
-    assert huge_owner(small) is None and huge_owner(np.empty(n, "float32")) is None
-    assert huge_owner(host_empty((n,), "float32")[1:]) is None  # a part of one is not one
+    assert small.base is None
+    objs = host_empty((HUGE_PAGE,), object)  # object slots: NumPy's own array, every one None
+    assert objs.base is None and objs[0] is None and objs[-1] is None
+    assert eng.full((n,), None, object)[5] is None
     assert eng.zeros((0, n), "float32").shape == (0, n) and eng.full((), 2.5, "float64") == 2.5
