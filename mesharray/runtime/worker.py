@@ -111,8 +111,8 @@ def set_spin() -> None:
     A message that comes within the spin is read without a wake-up: on a virtual machine whose
     idle CPUs halt, the 8-byte sum of a loss loop on 2 ranks took 0.71x the time and a
     ``call_one`` 0.83x (with the tiny reduction's uncorked broadcast; bench/README.md,
-    "Seventh pass"). A reader whose core another thread wants, or
-    whose polls find nothing, backs off (:func:`~mesharray.transport.connection.set_read_spin`).
+    "Seventh pass"). A reader whose polls find nothing backs off
+    (:func:`~mesharray.transport.connection.set_read_spin`).
     """
     try:
         seconds = worker_spin()

@@ -92,8 +92,6 @@ _clock = time.perf_counter  # (the clock of _out_t0)
 _spin = 0.0
 #: how long a caller waiting for a reply polls before it blocks (seconds; see set_reply_spin)
 _reply_spin = 0.0
-#: a ``sched_yield`` this long means another thread wanted this CPU: stop polling, block
-_CONTENDED = 20e-6
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0x40)
 #: bytes a connection may hold unwritten before its senders wait for the peer to read
@@ -170,14 +168,14 @@ def set_reply_spin(seconds: float) -> None:
     A thread waiting for the reply of a call (:meth:`Connection.read_until`,
     :meth:`Connection.read_all`, :class:`ReadSet`) tries ``poll`` without
     waiting, yielding the CPU between tries, and blocks once nothing came
-    within ``seconds``, or as soon as a yield shows that another thread
-    wanted the CPU; after a wait whose polling found nothing, its next 1, 2,
-    4 ... 64 waits block at once (a caller of long calls hardly polls). A reply that comes while it polls needs no wake-up
-    of the caller: on a virtual machine whose idle CPUs halt, a no-op
-    ``call_one`` took 11-12 µs against 25-27, a ``call()`` to 8 actors 116-120
-    against 134-149 (bench/README.md, "Ninth pass"). ``0`` (the default)
-    blocks at once; the controller's ``proc_mesh``/``attach`` set
-    ``MESHARRAY_CALLER_SPIN_US`` (:func:`~mesharray._platform.caller_spin`).
+    within ``seconds``; after a wait whose polling found nothing, its next 1,
+    2, 4 ... 64 waits block at once (a caller of long calls hardly polls). A
+    reply that comes while it polls needs no wake-up of the caller: on a
+    virtual machine whose idle CPUs halt, a no-op ``call_one`` took 11-12 µs
+    against 25-27, a ``call()`` to 8 actors 116-120 against 134-149
+    (bench/README.md, "Ninth pass"). ``0`` (the default) blocks at once; the
+    controller's ``proc_mesh``/``attach`` set ``MESHARRAY_CALLER_SPIN_US``
+    (:func:`~mesharray._platform.caller_spin`).
     """
     global _reply_spin
     if not seconds >= 0:
@@ -191,22 +189,15 @@ def _spin_poll(p, state: list) -> list:
     if state[0]:
         state[0] -= 1
         return []
-    t = _clock()
-    end = t + _reply_spin
+    end = _clock() + _reply_spin
     while True:
         ready = p.poll(0)
         if ready:
             state[1] = 0
             return ready
-        if t > end:
+        if _clock() > end:
             break
-        _yield()
-        now = _clock()
-        if now - t > _CONTENDED:
-            # another thread ran on this CPU meanwhile (the callee, on a machine of few cores):
-            # leave it the CPU (the 4 MiB sum of 2 ranks on 2 cores: 0.77 ms, 0.80 polling on)
-            break
-        t = now
+        _yield()  # (a thread that wants this CPU runs: see set_read_spin)
     state[0] = state[1] = min(64, 2 * state[1] or 1)
     return ready
 
@@ -215,15 +206,19 @@ def set_read_spin(seconds: float) -> None:
     """Make this process's reader threads poll their sockets for up to ``seconds`` before blocking.
 
     After a read, a thread-mode reader (:meth:`Connection.start`) tries its
-    socket without waiting, yielding the CPU between tries, and blocks in
-    ``recv`` once nothing came within ``seconds``, or as soon as a yield shows
-    that another thread wanted the CPU. Either way it then blocks at once for
-    its next 1, 2, 4 ... 64 reads, and polls every read again once a message
-    comes while it polls: it polls in a loop of messages on a core of its own,
-    hardly ever when idle or when the cores are shared. A message that comes
-    while it polls needs no wake-up: on a virtual machine whose idle CPUs halt,
-    waking one costs the sender ~15 µs and the reader ~30 µs (bench/README.md,
-    "Seventh pass"). ``0`` (the default) blocks at once.
+    socket without waiting, yielding the CPU between tries (so that any thread
+    that wants it runs), and blocks in ``recv`` once nothing came within
+    ``seconds``; it then blocks at once for its next 1, 2, 4 ... 64 reads, and
+    polls every read again once a message comes while it polls: it polls in a
+    loop of messages, hardly ever when idle. A message that comes while it
+    polls needs no wake-up: on a virtual machine whose idle CPUs halt, waking
+    one costs the sender ~15 µs and the reader ~30 µs (bench/README.md,
+    "Seventh pass"). Readers sharing a core poll in turns, which keeps that
+    core awake through a ``call()`` to all of them: it stopped at the first
+    yield that another thread took over 20 µs, until the ninth pass, and a
+    ``call()`` to 8 actors on 2 cores took 114-128 µs against 81-91 (the
+    first of 8 workers ran ~45 µs after its message, its core waking from a
+    halt). ``0`` (the default) blocks at once.
     """
     global _spin
     if not seconds >= 0:
@@ -713,8 +708,7 @@ class Connection:
         if self._spin_skip:
             self._spin_skip -= 1
             return sock.recv_into(buf, 0, 0)
-        t = _clock()
-        deadline = t + _spin
+        deadline = _clock() + _spin
         while True:
             try:
                 n = sock.recv_into(buf, 0, _DONTWAIT)
@@ -723,13 +717,9 @@ class Connection:
             else:
                 self._spin_backoff = 0
                 return n
-            if t > deadline:
+            if _clock() > deadline:
                 break
             _yield()
-            now = _clock()
-            if now - t > _CONTENDED:
-                break  # another thread ran on this CPU meanwhile: leave it the CPU
-            t = now
         self._spin_skip = self._spin_backoff = min(64, 2 * self._spin_backoff or 1)
         return sock.recv_into(buf, 0, 0)
 
