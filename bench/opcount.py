@@ -10,6 +10,7 @@ Usage::
 
     python bench/opcount.py [--ops 500] [--top 0]
     python bench/opcount.py --call8 [--ops 500] [--top 0]   # a no-op call() to 8 actors: controller, a worker
+    python bench/opcount.py --call-one [--ops 500] [--top 0] # a no-op call_one(): controller, the worker
 """
 
 from __future__ import annotations
@@ -62,11 +63,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ops", type=int, default=500)
     ap.add_argument("--top", type=int, default=0, help="also list each process's N costliest functions")
     ap.add_argument("--call8", action="store_true",
-                    help="count a no-op call() to 8 actors at the controller instead of the sum")
+                    help="count a no-op call() to 8 actors (the controller and one worker) instead of the sum")
+    ap.add_argument("--call-one", action="store_true", help="the same for a no-op call_one() to one of them")
     args = ap.parse_args(argv)
     n = args.ops
-    if args.call8:
-        call8(n, args.top)
+    if args.call8 or args.call_one:
+        call8(n, args.top, one=args.call_one)
         return
     with ma.proc_mesh(procs=2) as procs:
         x = procs.full((), 2.0)
@@ -97,23 +99,27 @@ class _Noop(ma.Actor):
         return None
 
 
-def call8(n: int, top: int) -> None:
-    """Bytecodes per ``call().get()`` of a no-op endpoint on 8 actors: the controller's thread, and
-    the reader thread of one worker (rank 0; each of the 8 runs the same)."""
+def call8(n: int, top: int, one: bool = False) -> None:
+    """Bytecodes per ``call().get()`` of a no-op endpoint on 8 actors (``one``: per ``call_one().get()``
+    to the first): the controller's thread, and the reader thread of one worker (rank 0; each of
+    the 8 runs the same). Under the tracer a reply comes late: the caller's polling
+    (``MESHARRAY_CALLER_SPIN_US``) finds nothing and it blocks, so the count is that path's."""
     with ma.proc_mesh(procs=8) as procs:
         a = procs.spawn("opcount_noop", _Noop)
+        call = a.slice(procs=0).ping.call_one if one else a.ping.call
         for _ in range(300):  # channels, views, the endpoint's Fanout: warm
-            a.ping.call().get()
+            call().get()
         probe = procs.spawn("opcount_probe", Probe)
         probe.install.call().get()
         mine: collections.Counter = collections.Counter()
         sys.settrace(_counter(mine))
         for _ in range(n):
-            a.ping.call().get()
+            call().get()
         sys.settrace(None)
         theirs = np.asarray(probe.report.call().get().tolist(), dtype=object).reshape(-1)[0]
+    what = "call_one()" if one else "call() to 8"
     for name, ops in (("controller", mine), ("worker (rank 0)", theirs)):
-        print(f"{name} bytecodes per call() to 8: {sum(ops.values()) / n:,.0f}")
+        print(f"{name} bytecodes per {what}: {sum(ops.values()) / n:,.0f}")
         for k, v in collections.Counter(ops).most_common(top):
             print(f"  {v / n:7.1f}  {k}")
 
