@@ -597,12 +597,14 @@ class ProcMesh(MeshTrait):
         return f"<ProcMesh {{{sizes}}}{state}>"
 
 
-def _wait_policy() -> None:
-    """Check the workers' waiting settings and set this process's, before any process starts: a bad
-    ``MESHARRAY_WORKER_SCHED``, ``MESHARRAY_WORKER_SPIN_US`` or ``MESHARRAY_CALLER_SPIN_US`` is an
-    error here; this process polls for its replies as ``MESHARRAY_CALLER_SPIN_US`` says."""
-    worker_sched()
-    worker_spin()
+def _wait_policy(workers: bool = True) -> None:
+    """Check the waiting settings and set this process's, before any process starts: a bad
+    ``MESHARRAY_CALLER_SPIN_US`` (and, for ``workers`` started from here with this environment,
+    ``MESHARRAY_WORKER_SCHED`` or ``MESHARRAY_WORKER_SPIN_US``) is an error here; this process
+    polls for its replies as ``MESHARRAY_CALLER_SPIN_US`` says."""
+    if workers:
+        worker_sched()
+        worker_spin()
     set_reply_spin(caller_spin())
 
 
@@ -906,6 +908,6 @@ def attach(addresses: Sequence[str], *, secret: str | bytes | None = None, timeo
         raise BootstrapError("attach needs the agents' secret: set MESHARRAY_SECRET (as on the agents) or "
                              "pass secret=")
     kind = plane_kind(transport)
-    _wait_policy()
+    _wait_policy(workers=False)  # (the agents' workers get the agents' environment, not this one)
     agents = _remote.attach_agents(addresses, key, get_router().secret, timeout=timeout)
     return HostMesh(Shape({"hosts": len(agents)}), _Hosts(agents, kind))

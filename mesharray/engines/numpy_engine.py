@@ -27,7 +27,7 @@ ELEMENTWISE_OPS = frozenset({
 REDUCTIONS = frozenset({"sum", "prod", "min", "max", "mean", "any", "all", "argmin", "argmax", "std", "var"})
 
 
-def host_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
+def host_empty(shape: Sequence[int], dtype: Any, zeros: bool = False) -> np.ndarray:
     """An uninitialised C-contiguous host array; one of :data:`HUGE_PAGE` bytes or more starts on a multiple of it.
 
     NumPy asks Linux for transparent huge pages on the allocations of 4 MiB and
@@ -37,19 +37,26 @@ def host_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
     array on the boundary (allocating ``HUGE_PAGE`` bytes more, never touched)
     gives it all of them: fewer TLB misses for the kernels, and fewer pages for
     cross-memory attach to pin. A 4 MiB float32 sum over 2 ranks in shared
-    memory took 0.39 ms against 0.45-0.47 (bench/README.md, "Ninth pass").
+    memory took 0.38-0.42 ms against 0.42-0.47 (bench/README.md, "Ninth pass").
     Elsewhere the alignment costs nothing but the untouched slack. The
     array's ``base`` is that allocation (``HUGE_PAGE`` bytes longer): the
-    worker's block pool recognises it by that.
+    worker's block pool recognises it by that. ``zeros``: what ``np.zeros``
+    gives (zero bytes, from calloc: pages taken as they are first written).
+    Object and subarray dtypes, and shapes NumPy refuses, are NumPy's own.
     """
     dt = np.dtype(dtype)
     shape = tuple(shape)
     nbytes = dt.itemsize
     for n in shape:
         nbytes *= n
-    if nbytes < HUGE_PAGE or dt.hasobject:  # (object slots must start as None: NumPy's own)
-        return np.empty(shape, dtype=dt)
-    raw = np.empty(nbytes + HUGE_PAGE, dtype=np.uint8)
+    make = np.zeros if zeros else np.empty
+    # (object slots must start as None; a subarray dtype adds axes; a bad shape: NumPy's error)
+    if nbytes < HUGE_PAGE or dt.hasobject or dt.subdtype is not None or any(n < 0 for n in shape):
+        return make(shape, dtype=dt)
+    try:
+        raw = make(nbytes + HUGE_PAGE, dtype=np.uint8)
+    except ValueError:  # (too large to index: NumPy says so in its words)
+        return make(shape, dtype=dt)
     off = -buffer_address(raw)[0] % HUGE_PAGE
     return raw[off:off + nbytes].view(dt).reshape(shape)
 
@@ -85,7 +92,7 @@ class NumpyEngine:
         return host_empty(shape, dtype)
 
     def zeros(self, shape: Sequence[int], dtype: Any) -> np.ndarray:
-        return self.full(shape, 0, dtype)
+        return host_empty(shape, dtype, zeros=True)
 
     def ones(self, shape: Sequence[int], dtype: Any) -> np.ndarray:
         return self.full(shape, 1, dtype)

@@ -183,13 +183,15 @@ def set_reply_spin(seconds: float) -> None:
     _reply_spin = float(seconds)
 
 
-def _spin_poll(p, state: list) -> list:
+def _spin_poll(p, state: list, deadline: float | None = None) -> list:
     """A waiting caller's polling (:func:`set_reply_spin`): what ``p.poll(0)`` found ready, or
-    ``[]`` (block). ``state``: the waiter's ``[waits left to block at once, back-off]``."""
+    ``[]`` (block). ``state``: the waiter's ``[waits left to block at once, back-off]``;
+    ``deadline`` (``time.monotonic()``): the wait's, which the polling never passes."""
     if state[0]:
         state[0] -= 1
         return []
-    end = _clock() + _reply_spin
+    spin = _reply_spin if deadline is None else min(_reply_spin, deadline - time.monotonic())
+    end = _clock() + spin
     while True:
         ready = p.poll(0)
         if ready:
@@ -630,9 +632,10 @@ class Connection:
 
         Returns ``None`` at once if another thread is reading it; else whether
         the connection is still open. Stops at ``deadline``
-        (``time.monotonic()``), or when the connection ends. Without a
-        deadline it blocks in ``recv`` itself (one syscall per reply, no
-        ``poll``); closing the connection wakes it. On return the connection
+        (``time.monotonic()``), or when the connection ends. It first polls
+        for what comes (:func:`set_reply_spin`); then, without a deadline, it
+        blocks in ``recv`` itself (one syscall per reply, no ``poll``), and
+        closing the connection wakes it. On return the connection
         is disarmed: the caller gives it back to the poller (``rearm``) or
         leaves it parked (``keep_parked``).
         """
@@ -655,7 +658,7 @@ class Connection:
                         break
             else:
                 while not done():
-                    if ((_reply_spin and _spin_poll(p, self._wait_spin))
+                    if ((_reply_spin and _spin_poll(p, self._wait_spin, deadline))
                             or p.poll(int(max(0.0, deadline - time.monotonic()) * 1000))):
                         ok = self._read_polled()
                         if not ok:
@@ -697,8 +700,8 @@ class Connection:
             if cached is None or cached[1] != _sockets_closed:
                 if len(_polls) >= 64:
                     _polls.clear()
-                cached = _polls[key] = (_poll_of(held), _sockets_closed)
-            return _read_held(held, cached[0], {c._fd: c for c in held}, done, deadline)
+                cached = _polls[key] = (_poll_of(held), _sockets_closed, [0, 0])  # (+ its polling's state)
+            return _read_held(held, cached[0], {c._fd: c for c in held}, done, deadline, spin=cached[2])
         finally:
             for c in held:
                 c._rlock.release()
@@ -982,7 +985,7 @@ def _read_held(held: list | tuple, p, by_fd: dict, done, deadline: float | None,
                 if c not in poller._parked:
                     poller.disarm(c)
         while not done() and by_fd:
-            ready = ((_reply_spin and _spin_poll(p, spin))
+            ready = ((_reply_spin and _spin_poll(p, spin, deadline))
                      or p.poll(None if deadline is None else int(max(0.0, deadline - time.monotonic()) * 1000)))
             for fd, _ in ready:
                 c = by_fd.get(fd)
@@ -1269,7 +1272,7 @@ class Writer:
 
 
 _threads: dict = {}  # class -> the process's one instance (Poller, Writer)
-#: Connection.read_all's poll objects: tuple of fds -> (poll, _sockets_closed when made)
+#: Connection.read_all's poll objects: tuple of fds -> (poll, _sockets_closed when made, its polling's state)
 _polls: dict = {}
 _sockets_closed = 0  # sockets closed by Connection._finish so far (their fds may be reused)
 _threads_lock = threading.Lock()

@@ -188,6 +188,9 @@ def test_large_numpy_blocks_start_on_a_huge_page_and_fill_as_numpy_does():
         if want is not None:
             np.testing.assert_array_equal(a, want)
             assert a.dtype == want.dtype and a.shape == want.shape
+    for dt in ("U4", "S8", "c16", [("a", "f4"), ("b", "i8")]):  # zeros: zero bytes, as np.zeros
+        z = eng.zeros((n,), dt)
+        assert buffer_address(z)[0] % HUGE_PAGE == 0 and (z == np.zeros(n, dt)).all()
     small = eng.full((2, 3), [1, 2, 3], "int8")  # what np.full does: the value broadcast, cast
     np.testing.assert_array_equal(small, np.full((2, 3), [1, 2, 3], "int8"))
     assert small.base is None
@@ -195,3 +198,6 @@ def test_large_numpy_blocks_start_on_a_huge_page_and_fill_as_numpy_does():
     assert objs.base is None and objs[0] is None and objs[-1] is None
     assert eng.full((n,), None, object)[5] is None
     assert eng.zeros((0, n), "float32").shape == (0, n) and eng.full((), 2.5, "float64") == 2.5
+    assert host_empty((HUGE_PAGE,), ("f4", (3,))).shape == (HUGE_PAGE, 3)  # (a subarray dtype: NumPy's)
+    with pytest.raises(ValueError, match="negative dimensions"):
+        host_empty((-1, HUGE_PAGE), "f4")

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -189,16 +190,30 @@ def test_a_caller_of_long_calls_hardly_polls(procs):
 
 
 def test_a_caller_that_polls_still_hears_of_a_death_at_once():
-    # a reply that never comes: the rank's death ends the wait (polling, then blocking) as before
+    # a reply that never comes: the rank's death ends the wait, whether it comes while the
+    # caller polls (a long polling set here) or once it blocks; a deadline is kept while polling
+    from mesharray.transport import connection
+
     with ma.proc_mesh(procs=2) as mesh:
         spin = mesh.spawn("s", Spin)
         victim = spin.slice(procs=1)
         victim.noop.call_one().get(timeout=30)
-        fut = victim.nap.call_one(30.0)
-        time.sleep(0.05)
-        os.kill(mesh.pids[1], signal.SIGKILL)
-        t = time.monotonic()
-        with pytest.raises(ma.ActorDiedError):
-            fut.get()
-        assert time.monotonic() - t < 5
+        saved = connection._reply_spin
+        try:
+            connection.set_reply_spin(5.0)
+            t = time.monotonic()
+            with pytest.raises(TimeoutError):
+                victim.nap.call_one(1.0).get(timeout=0.05)  # (polling, then its deadline)
+            assert time.monotonic() - t < 0.5
+            victim.noop.call_one().get(timeout=30)  # (the nap's reply comes first: drained)
+            fut = victim.nap.call_one(30.0)
+            killer = threading.Timer(0.3, os.kill, (mesh.pids[1], signal.SIGKILL))
+            killer.start()
+            t = time.monotonic()
+            with pytest.raises(ma.ActorDiedError):
+                fut.get()  # dies 0.3 s into 5 s of polling
+            assert time.monotonic() - t < 3
+            killer.join()
+        finally:
+            connection.set_reply_spin(saved)
         assert spin.slice(procs=0).noop.call_one().get(timeout=30) is None
