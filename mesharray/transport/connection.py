@@ -171,9 +171,9 @@ def set_reply_spin(seconds: float) -> None:
     within ``seconds``; after a wait whose polling found nothing, its next 1,
     2, 4 ... 64 waits block at once (a caller of long calls hardly polls). A
     reply that comes while it polls needs no wake-up of the caller: on a
-    virtual machine whose idle CPUs halt, a no-op ``call_one`` took 11-12 µs
-    against 25-27, a ``call()`` to 8 actors 116-120 against 134-149
-    (bench/README.md, "Ninth pass"). ``0`` (the default) blocks at once; the
+    virtual machine whose idle CPUs halt, a no-op ``call_one`` took 11 µs
+    against 26, a ``call()`` to 8 actors 0.9x the time (bench/README.md,
+    "Ninth pass"). ``0`` (the default) blocks at once; the
     controller's ``proc_mesh``/``attach`` set ``MESHARRAY_CALLER_SPIN_US``
     (:func:`~mesharray._platform.caller_spin`).
     """
