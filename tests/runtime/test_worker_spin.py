@@ -189,6 +189,26 @@ def test_a_caller_of_long_calls_hardly_polls(procs):
     assert used < 0.05, f"waiting 1.05 s for replies took {used * 1000:.0f} ms of the caller's CPU"
 
 
+def test_a_caller_whose_polling_finds_nothing_backs_off(procs):
+    # with a long polling set here (20 ms), waits of 60 ms each: polling every wait would
+    # take 12 x 20 ms of the caller's CPU; backing off (the next 1, 2, 4 ... waits block at
+    # once) polls in 4 of the 12
+    from mesharray.transport import connection
+
+    one = procs.spawn("backoff", Spin).slice(procs=0)
+    one.noop.call_one().get(timeout=30)
+    saved = connection._reply_spin
+    try:
+        connection.set_reply_spin(0.02)
+        t = time.thread_time()
+        for _ in range(12):
+            assert one.nap.call_one(0.06).get() == 0.06
+        used = time.thread_time() - t
+    finally:
+        connection.set_reply_spin(saved)
+    assert used < 0.16, f"12 waits of 60 ms took {used * 1000:.0f} ms of the caller's CPU (240 without back-off)"
+
+
 def test_a_caller_that_polls_still_hears_of_a_death_at_once():
     # a reply that never comes: the rank's death ends the wait, whether it comes while the
     # caller polls (a long polling set here) or once it blocks; a deadline is kept while polling
