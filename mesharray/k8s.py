@@ -123,7 +123,13 @@ def attach(name: str, namespace: str = "default", hosts: int | None = None, time
     >>> procs = hosts.spawn_procs(per_host={"procs": 8})  # doctest: +SKIP
     """
     api = _k8s.load_api(kubeconfig, context)
-    return _attach_found(api, name, namespace, hosts, timeout, secret, transport, watch)
+    try:
+        mesh = _attach_found(api, name, namespace, hosts, timeout, secret, transport, watch)
+    except BaseException:
+        _k8s.close_api(api)
+        raise
+    mesh.add_detach_callback(lambda: _k8s.close_api(api))  # (after the pod watch's stop: added before)
+    return mesh
 
 
 def create(name: str, hosts: int, image: str, *, namespace: str = "default", procs_per_host: int = 8,
@@ -152,11 +158,22 @@ def create(name: str, hosts: int, image: str, *, namespace: str = "default", pro
                     resources=resources, secret_name=secret_name, secret=key, port=port,
                     node_selector=node_selector, service_account=service_account, python=python)
     api = _k8s.load_api(kubeconfig, context)
-    made = _k8s.create_objects(api, objs)
     try:
-        mesh = _attach_found(api, name, namespace, hosts, timeout, key, transport, watch)
+        made = _k8s.create_objects(api, objs)
+        try:
+            mesh = _attach_found(api, name, namespace, hosts, timeout, key, transport, watch)
+        except BaseException:
+            _k8s.delete_objects(api, made)
+            raise
     except BaseException:
-        _k8s.delete_objects(api, made)
+        _k8s.close_api(api)
         raise
-    mesh.add_detach_callback(lambda: _k8s.delete_objects(api, made))
+
+    def delete() -> None:
+        try:
+            _k8s.delete_objects(api, made)
+        finally:
+            _k8s.close_api(api)
+
+    mesh.add_detach_callback(delete)  # (after the pod watch's stop: added before)
     return mesh

@@ -37,7 +37,7 @@ import secrets as _secrets
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Generator, Iterable, Mapping, Sequence
 
 from ..errors import BootstrapError
 from .agent import DEFAULT_PORT
@@ -360,6 +360,42 @@ def load_api(kubeconfig: str | None = None, context: str | None = None) -> Any:
                              f"({exc}); set KUBECONFIG or pass kubeconfig=") from exc
 
 
+def close_api(api: Any) -> None:
+    """Close an ``ApiClient``'s connections to the API server.
+
+    Its pool keeps idle connections open until the client is collected, and a
+    client kept alive by a traceback (an error raised through it) keeps them
+    open as long as that; whoever made the client closes it.
+    """
+    # each pool closes its idle connections, and those still out close when they come back; the pool
+    # manager's clear() (all that the client's own close does to them) only forgets the pools, whose
+    # connections then stay open as long as anything holds a pool: an answer in a traceback does
+    manager = getattr(getattr(api, "rest_client", None), "pool_manager", None)
+    try:
+        if manager is not None:
+            pools = manager.pools
+            for key in list(pools.keys()):
+                pool = pools.get(key)
+                if pool is not None:
+                    pool.close()
+    finally:
+        api.close()
+
+
+def _body(raw: Any) -> bytes:
+    """The body of a raw answer (``_preload_content=False``), read to its end; its connection goes back to the pool.
+
+    An answer nobody reads holds its connection, open, until it is collected:
+    in a reference cycle (a traceback), perhaps after the socket's own
+    finalizer, which then warns of an unclosed socket.
+    """
+    data = raw.data
+    release = getattr(raw, "release_conn", None)
+    if release is not None:
+        release()
+    return data
+
+
 def _api_error(exc: BaseException) -> str:
     body = getattr(exc, "body", None)
     try:
@@ -389,14 +425,14 @@ def create_objects(api: Any, objs: Sequence[Mapping[str, Any]]) -> list[tuple[st
         kind, ns, name = obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"]
         try:
             if kind == "Secret":
-                core.create_namespaced_secret(ns, obj, _preload_content=False)
+                _body(core.create_namespaced_secret(ns, obj, _preload_content=False))
             elif kind == "Service":
-                core.create_namespaced_service(ns, obj, _preload_content=False)
+                _body(core.create_namespaced_service(ns, obj, _preload_content=False))
             elif kind == "Job":
-                batch.create_namespaced_job(ns, obj, _preload_content=False)
+                _body(batch.create_namespaced_job(ns, obj, _preload_content=False))
             elif kind == "JobSet":
-                custom.create_namespaced_custom_object(JOBSET_API[0], JOBSET_API[1], ns, JOBSET_API[2], obj,
-                                                       _preload_content=False)
+                _body(custom.create_namespaced_custom_object(JOBSET_API[0], JOBSET_API[1], ns, JOBSET_API[2],
+                                                                obj, _preload_content=False))
             else:
                 raise ValueError(f"cannot create a {kind}")
         except client.ApiException as exc:
@@ -418,14 +454,14 @@ def delete_objects(api: Any, made: Sequence[tuple[str, str, str]]) -> None:
     for kind, ns, name in reversed(list(made)):
         try:
             if kind == "Secret":
-                core.delete_namespaced_secret(name, ns, _preload_content=False)
+                _body(core.delete_namespaced_secret(name, ns, _preload_content=False))
             elif kind == "Service":
-                core.delete_namespaced_service(name, ns, _preload_content=False)
+                _body(core.delete_namespaced_service(name, ns, _preload_content=False))
             elif kind == "Job":
-                batch.delete_namespaced_job(name, ns, body=body, _preload_content=False)
+                _body(batch.delete_namespaced_job(name, ns, body=body, _preload_content=False))
             elif kind == "JobSet":
-                custom.delete_namespaced_custom_object(JOBSET_API[0], JOBSET_API[1], ns, JOBSET_API[2], name,
-                                                       body=body, _preload_content=False)
+                _body(custom.delete_namespaced_custom_object(JOBSET_API[0], JOBSET_API[1], ns, JOBSET_API[2],
+                                                                name, body=body, _preload_content=False))
         except client.ApiException as exc:
             if exc.status != 404:
                 log.warning("could not delete %s %s/%s: %s", kind, ns, name, _api_error(exc))
@@ -441,7 +477,7 @@ def read_secret(api: Any, namespace: str, name: str, key: str = SECRET_KEY) -> b
     except client.ApiException as exc:
         raise BootstrapError(f"could not read the agents' secret from Secret {namespace}/{name}: "
                              f"{_api_error(exc)} (or set MESHARRAY_SECRET)") from exc
-    data = json.loads(raw.data).get("data") or {}
+    data = json.loads(_body(raw)).get("data") or {}
     if key not in data:
         raise BootstrapError(f"Secret {namespace}/{name} has no key {key!r}")
     return base64.b64decode(data[key])
@@ -582,25 +618,32 @@ def pick_hosts(pods: Iterable[Mapping[str, Any]], hosts: int | None) -> tuple[li
 def _list_pods(core: Any, namespace: str, selector: str, timeout: float) -> tuple[list[dict], str]:
     raw = core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False,
                                    _request_timeout=max(timeout, 1.0))
-    data = json.loads(raw.data)
+    data = json.loads(_body(raw))
     return list(data.get("items") or []), str((data.get("metadata") or {}).get("resourceVersion") or "")
 
 
 def _watch_pods(w: Any, core: Any, namespace: str, selector: str, rv: str, timeout: int,
-                request_timeout: float) -> Iterable[dict]:
-    """Watch events as plain dicts (``type``, ``object``): no model of the client stands between a server and us."""
+                request_timeout: float) -> Generator[dict, None, None]:
+    """Watch events as plain dicts (``type``, ``object``): no model of the client stands between a server and us.
+
+    Closing this generator (callers do, in a ``finally``) closes the watch's
+    answer and its connection at once, not whenever the generator is collected.
+    """
     kw = dict(label_selector=selector, resource_version=rv, timeout_seconds=timeout,
               _request_timeout=request_timeout)
+    stream = w.stream(core.list_namespaced_pod, namespace, deserialize=False, **kw)
     try:
-        stream = w.stream(core.list_namespaced_pod, namespace, deserialize=False, **kw)
-        first = next(stream, None)
-    except TypeError:  # a client older than Watch.stream(deserialize=)
-        stream = w.stream(core.list_namespaced_pod, namespace, **kw)
-        first = next(stream, None)
-    if first is None:
-        return
-    for ev in itertools.chain([first], stream):
-        yield {"type": ev.get("type"), "object": ev.get("raw_object") or ev.get("object") or {}}
+        try:
+            first = next(stream, None)
+        except TypeError:  # a client older than Watch.stream(deserialize=)
+            stream = w.stream(core.list_namespaced_pod, namespace, **kw)
+            first = next(stream, None)
+        if first is None:
+            return
+        for ev in itertools.chain([first], stream):
+            yield {"type": ev.get("type"), "object": ev.get("raw_object") or ev.get("object") or {}}
+    finally:
+        stream.close()  # (the client's generator closes its answer in its own finally)
 
 
 def wait_for_hosts(api: Any, name: str, namespace: str = "default", hosts: int | None = None,
@@ -632,9 +675,10 @@ def wait_for_hosts(api: Any, name: str, namespace: str = "default", hosts: int |
         if left <= 0:
             break
         w = watch.Watch()
+        events = _watch_pods(w, core, namespace, selector, rv, max(1, min(int(math.ceil(left)), 30)),
+                             min(left, 30.0) + 5.0)
         try:
-            for ev in _watch_pods(w, core, namespace, selector, rv, max(1, min(int(math.ceil(left)), 30)),
-                                  min(left, 30.0) + 5.0):
+            for ev in events:
                 obj = ev["object"]
                 uid = (obj.get("metadata") or {}).get("uid")
                 if ev.get("type") == "DELETED":
@@ -656,6 +700,7 @@ def wait_for_hosts(api: Any, name: str, namespace: str = "default", hosts: int |
             time.sleep(max(0.0, min(0.2, deadline - time.monotonic())))
         finally:
             w.stop()
+            events.close()
         if time.monotonic() >= deadline:
             break
     raise BootstrapError(f"Kubernetes mesh {name!r} in namespace {namespace!r} not ready after {timeout:g} s: {why}")
@@ -714,10 +759,14 @@ class PodWatcher:
                 for p in items:
                     self._check("MODIFIED", p)
                 self._watch = w = watch.Watch()
-                for ev in _watch_pods(w, core, self.namespace, selector, rv, 5, 15.0):
-                    self._check(str(ev["type"]), ev["object"])
-                    if self._stop.is_set():
-                        break
+                events = _watch_pods(w, core, self.namespace, selector, rv, 5, 15.0)
+                try:
+                    for ev in events:
+                        self._check(str(ev["type"]), ev["object"])
+                        if self._stop.is_set():
+                            break
+                finally:
+                    events.close()
             except Exception as exc:
                 if not self._stop.is_set():
                     log.debug("pod watch of mesh %s: %s; watching again", self.name, exc)

@@ -20,3 +20,11 @@ def wait_until(cond, timeout: float = 10.0, step: float = 0.05) -> bool:
             return True
         time.sleep(step)
     return cond()
+
+
+def api_connections(cluster) -> list:
+    """This process's open TCP connections to the fake API server."""
+    import psutil
+
+    port = int(cluster.url.rsplit(":", 1)[1])
+    return [c for c in psutil.Process().net_connections("tcp") if c.raddr and c.raddr.port == port]

@@ -85,8 +85,7 @@ def _pod_manifest(mesh: str, index: int, hosts: int, name: str | None = None) ->
                                      "ports": [{"name": "mesharray", "containerPort": 26600}]}]}}
 
 
-def test_watching_finds_pods_created_in_any_order(cluster, kubeconfig):
-    api = K.load_api()
+def test_watching_finds_pods_created_in_any_order(cluster, api):
     try:
         for i in (2, 0):
             cluster.create("pods", "default", _pod_manifest("order", i, 3))
@@ -111,11 +110,10 @@ def test_watching_finds_pods_created_in_any_order(cluster, kubeconfig):
         assert wait_until(lambda: not cluster.pods(selector=f"{K.MESH_LABEL}=order"), 10)
 
 
-def test_an_expired_watch_lists_again(cluster, kubeconfig):
+def test_an_expired_watch_lists_again(cluster, api):
     """410 Gone (the server compacted the version the watch asked for): list again, then watch from there."""
     import threading
 
-    api = K.load_api()
     cluster.compacted = 10**9  # every watch from a version expires
     try:
         cluster.create("pods", "default", _pod_manifest("gone", 0, 2))
@@ -139,8 +137,7 @@ def test_an_expired_watch_lists_again(cluster, kubeconfig):
         assert wait_until(lambda: not cluster.pods(selector=f"{K.MESH_LABEL}=gone"), 10)
 
 
-def test_a_restarted_pod_is_found_through_the_api(cluster, kubeconfig):
-    api = K.load_api()
+def test_a_restarted_pod_is_found_through_the_api(cluster, api):
     try:
         cluster.create("pods", "default", _pod_manifest("restart", 0, 2))
         cluster.create("pods", "default", _pod_manifest("restart", 1, 2, name="restart-1-old"))
@@ -158,8 +155,7 @@ def test_a_restarted_pod_is_found_through_the_api(cluster, kubeconfig):
         assert wait_until(lambda: not cluster.pods(selector=f"{K.MESH_LABEL}=restart"), 10)
 
 
-def test_a_pod_stuck_pending_times_out_naming_the_missing_indices(cluster, kubeconfig):
-    api = K.load_api()
+def test_a_pod_stuck_pending_times_out_naming_the_missing_indices(cluster, api):
     cluster.kubelet.unschedulable = lambda p: p["metadata"]["name"] == "stuck-1"
     try:
         for i in range(3):
@@ -184,8 +180,11 @@ def test_api_errors_are_bootstrap_errors_naming_the_answer(cluster, tmp_path, mo
     path = tmp_path / "bad"
     path.write_text(path.read_text().replace("fake-cluster-token", "wrong-token"))
     api = K.load_api(kubeconfig=bad)
-    with pytest.raises(BootstrapError, match="401"):
-        K.wait_for_hosts(api, "any", "default", 1, timeout=2)
+    try:
+        with pytest.raises(BootstrapError, match="401"):
+            K.wait_for_hosts(api, "any", "default", 1, timeout=2)
+    finally:
+        K.close_api(api)
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     with pytest.raises(BootstrapError, match="kubeconfig"):

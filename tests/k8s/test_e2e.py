@@ -7,14 +7,14 @@ import time
 import numpy as np
 import pytest
 from k8s_actors import Where
-from k8s_util import free_port, wait_until
+from k8s_util import api_connections, free_port, wait_until
 
 import mesharray as ma
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def test_create_attach_compute_lose_a_pod_and_delete(cluster, kubeconfig):
+def test_create_attach_compute_lose_a_pod_and_delete(cluster, api):
     port = free_port()
     hosts = ma.k8s.create("e2e", hosts=3, image="local/python", procs_per_host=2, port=port, timeout=60)
     try:
@@ -35,9 +35,9 @@ def test_create_attach_compute_lose_a_pod_and_delete(cluster, kubeconfig):
         # delete the pod of index 1: its ranks (2, 3) die, the others keep working
         pod = next(p for p in cluster.pods(selector="mesharray/mesh=e2e")
                    if p["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"] == "1")
-        from kubernetes import client, config
+        from kubernetes import client
 
-        core = client.CoreV1Api(config.new_client_from_config(config_file=kubeconfig))
+        core = client.CoreV1Api(api)
         t = time.monotonic()
         core.delete_namespaced_pod(pod["metadata"]["name"], "default")
         with pytest.raises(ma.ActorDiedError) as ei:
@@ -63,18 +63,12 @@ def test_create_attach_compute_lose_a_pod_and_delete(cluster, kubeconfig):
     assert not cluster.kubelet.procs
 
 
-def _core(kubeconfig):
-    from kubernetes import client, config
-
-    return client.CoreV1Api(config.new_client_from_config(config_file=kubeconfig))
-
-
-def test_two_command_launch_manifest_apply_then_attach_from_a_script(cluster, kubeconfig, tmp_path):
+def test_two_command_launch_manifest_apply_then_attach_from_a_script(cluster, api, tmp_path):
     """`python -m mesharray k8s manifest ... | kubectl apply -f -`, then a script calling ma.k8s.attach."""
     import subprocess
     import sys
 
-    from kubernetes import config, utils
+    from kubernetes import utils
 
     port = free_port()
     out = subprocess.run([sys.executable, "-m", "mesharray", "k8s", "manifest", "--name", "two", "--hosts", "2",
@@ -83,7 +77,7 @@ def test_two_command_launch_manifest_apply_then_attach_from_a_script(cluster, ku
     path = tmp_path / "two.yaml"
     path.write_text(out.stdout)
     # what `kubectl apply -f -` does with it: create each object through the API
-    utils.create_from_yaml(config.new_client_from_config(config_file=kubeconfig), str(path))
+    utils.create_from_yaml(api, str(path))
     script = tmp_path / "train.py"
     script.write_text(
         "import numpy as np, mesharray as ma\n"
@@ -174,3 +168,29 @@ def test_create_cleans_up_when_it_cannot_finish(cluster, kubeconfig):
     assert wait_until(lambda: not cluster.pods(selector="mesharray/mesh=nogpu"), 10)
     for plural in ("jobs", "services", "secrets"):
         assert cluster.list(plural, "default", "mesharray/mesh=nogpu")[0] == []
+
+
+def test_no_connection_to_the_api_server_outlives_a_detach_or_a_failure(cluster, kubeconfig):
+    """``ma.k8s`` closes the client it made when the mesh detaches and when create or attach fail.
+
+    A failure's traceback (kept here by ``pytest.raises``, as by any caller that
+    keeps the error) holds the client: its connections would stay open until a
+    collection, and a socket collected unclosed is a ResourceWarning.
+    """
+    hosts = ma.k8s.create("conns", hosts=1, image="local/python", procs_per_host=1, port=free_port(), timeout=60)
+    try:
+        assert wait_until(lambda: len(api_connections(cluster)) >= 1, 5)  # the pod watch
+    finally:
+        hosts.detach()
+    assert api_connections(cluster) == []
+    cluster.create("services", "default", {"metadata": {"name": "taken"}, "spec": {"clusterIP": "None"}})
+    try:
+        with pytest.raises(ma.BootstrapError, match="409") as failed_create:
+            ma.k8s.create("taken", hosts=1, image="local/python", timeout=5)
+    finally:
+        cluster.delete("services", "default", "taken")
+    with pytest.raises(ma.BootstrapError, match="not ready after 1 s") as failed_attach:
+        ma.k8s.attach("nothing", hosts=1, timeout=1)
+    assert api_connections(cluster) == []
+    assert failed_create.value.__cause__ is not None and failed_attach.value is not None  # (both still alive)
+    assert wait_until(lambda: not cluster.pods(selector="mesharray/mesh=conns"), 15)
