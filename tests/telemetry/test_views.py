@@ -28,6 +28,11 @@ def served():
     with pytest.raises(ma.ActorError):
         busy.slice(procs=1).boom.call_one().get()
     busy.say.call("a line for the web view").get()
+    # (a printed line travels from the worker's pipe on its own, after the call's reply: wait for all four)
+    deadline = time.monotonic() + 10
+    while (len(procs.telemetry.sql("SELECT rank FROM logs WHERE text = 'a line for the web view'")) < 4
+           and time.monotonic() < deadline):
+        time.sleep(0.02)
     url = procs.telemetry.serve(port=0)
     yield procs, busy, url
     procs.stop()
