@@ -27,4 +27,6 @@ def api_connections(cluster) -> list:
     import psutil
 
     port = int(cluster.url.rsplit(":", 1)[1])
-    return [c for c in psutil.Process().net_connections("tcp") if c.raddr and c.raddr.port == port]
+    me = psutil.Process()
+    conns = me.net_connections if hasattr(me, "net_connections") else me.connections  # (psutil < 6)
+    return [c for c in conns("tcp") if c.raddr and c.raddr.port == port]
