@@ -171,9 +171,9 @@ def set_reply_spin(seconds: float) -> None:
     within ``seconds``; after a wait whose polling found nothing, its next 1,
     2, 4 ... 64 waits block at once (a caller of long calls hardly polls). A
     reply that comes while it polls needs no wake-up of the caller: on a
-    virtual machine whose idle CPUs halt, a no-op ``call_one`` took 11 µs
-    against 26, a ``call()`` to 8 actors 0.9x the time (bench/README.md,
-    "Ninth pass"). ``0`` (the default) blocks at once; the
+    virtual machine whose idle CPUs halt, with the workers polling too, a
+    no-op ``call_one`` took 11.1 µs against 25.9 (bench/README.md, "Ninth
+    pass"). ``0`` (the default) blocks at once; the
     controller's ``proc_mesh``/``attach`` set ``MESHARRAY_CALLER_SPIN_US``
     (:func:`~mesharray._platform.caller_spin`).
     """
@@ -218,9 +218,9 @@ def set_read_spin(seconds: float) -> None:
     "Seventh pass"). Readers sharing a core poll in turns, which keeps that
     core awake through a ``call()`` to all of them: it stopped at the first
     yield that another thread took over 20 µs, until the ninth pass, and a
-    ``call()`` to 8 actors on 2 cores took 114-128 µs against 81-91 (the
-    first of 8 workers ran ~45 µs after its message, its core waking from a
-    halt). ``0`` (the default) blocks at once.
+    ``call()`` to 8 actors on 2 cores took 134.1 µs against 94.1 (the first
+    of 8 workers ran ~45 µs after its message, its core waking from a halt;
+    bench/README.md, "Ninth pass"). ``0`` (the default) blocks at once.
     """
     global _spin
     if not seconds >= 0:
