@@ -370,10 +370,9 @@ def close_api(api: Any) -> None:
     # each pool closes its idle connections, and those still out close when they come back; the pool
     # manager's clear() (all that the client's own close does to them) only forgets the pools, whose
     # connections then stay open as long as anything holds a pool: an answer in a traceback does
-    manager = getattr(getattr(api, "rest_client", None), "pool_manager", None)
+    pools = getattr(getattr(getattr(api, "rest_client", None), "pool_manager", None), "pools", None)
     try:
-        if manager is not None:
-            pools = manager.pools
+        if pools is not None:
             for key in list(pools.keys()):
                 pool = pools.get(key)
                 if pool is not None:
