@@ -298,9 +298,9 @@ def _platform_paths() -> dict[str, Any]:
     """The OS-specific code paths this process takes (``MESHARRAY_PORTABLE=1`` forces the portable ones)."""
     from mesharray._platform import LINUX_NATIVE, PORTABLE, abstract_sockets, memfd_via_proc
     from mesharray.transport import shm
-    from mesharray.transport.poller import READ, fd_poller
+    from mesharray.transport.readiness import READ, readiness_set
 
-    poller = fd_poller(READ, oneshot=True)
+    readiness = readiness_set(READ, oneshot=True)
     if shm.available():
         memory = "memfd, opened through /proc" if memfd_via_proc() else \
             "shm_open, descriptors passed over unix sockets (SCM_RIGHTS)"
@@ -309,7 +309,7 @@ def _platform_paths() -> dict[str, Any]:
     return {
         "system": sys.platform,
         "portable": PORTABLE,
-        "poller": poller.kind,
+        "poller": readiness.kind,
         "listeners": "abstract unix sockets" if abstract_sockets() else "unix socket files (0700 directory)",
         "shared_memory": memory,
         "process_stats": "/proc" if LINUX_NATIVE else "psutil",

@@ -72,7 +72,7 @@ from ..errors import (
 )
 from . import auth, framing
 from .hostid import memory_domain
-from .poller import READ, WRITE, fd_poller
+from .readiness import READ, WRITE, readiness_set
 
 __all__ = ["Connection", "Listener", "Poller", "ReadSet", "Writer", "connect", "default_poller", "default_writer",
            "parse_address", "dual_address", "peer_uid", "set_read_spin", "set_reply_spin", "BACKLOG_MAX", "MAX_HANDSHAKES",
@@ -1061,7 +1061,7 @@ class ReadSet:
 
 
 class Poller:
-    """One thread that reads many connections (epoll, or a selector: :mod:`.poller`); see :meth:`Connection.start_polled`.
+    """One thread that reads many connections (epoll, or a selector: :mod:`.readiness`); see :meth:`Connection.start_polled`.
 
     Each connection is armed one-shot and has a read lock. Whoever holds the
     lock reads: normally the poller thread, but a caller blocked on the reply
@@ -1071,7 +1071,7 @@ class Poller:
     """
 
     def __init__(self) -> None:
-        self._ep = fd_poller(READ, oneshot=True)
+        self._readiness = readiness_set(READ, oneshot=True)
         self._conns: dict[int, Connection] = {}
         # connections disarmed by a caller about to wait for its reply (see park())
         self._parked: dict[Connection, float] = {}
@@ -1085,7 +1085,7 @@ class Poller:
         conn.poller = self
         conn._fd = fd
         self._conns[fd] = conn
-        self._ep.register(fd)
+        self._readiness.register(fd)
 
     def park(self, conn: Connection, now: float = 0.0) -> None:
         """Disarm ``conn`` *before* a call is sent on it whose caller will likely read the reply.
@@ -1106,7 +1106,7 @@ class Poller:
         # read of it) leaves it armed and parked, read by the poller; the other order could leave
         # it disarmed and not parked, which nobody reads
         try:
-            self._ep.disarm(conn._fd)
+            self._readiness.disarm(conn._fd)
         except (OSError, ValueError):
             pass
         parked[conn] = now or time.monotonic()
@@ -1118,7 +1118,7 @@ class Poller:
         fresh = [c for c in conns if c not in parked]
         for conn in fresh:  # (disarmed before they are marked: see park)
             try:
-                self._ep.disarm(conn._fd)
+                self._readiness.disarm(conn._fd)
             except (OSError, ValueError):
                 pass
         parked.update(zip(conns, repeat(now)))
@@ -1151,7 +1151,7 @@ class Poller:
         with self._sweep_lock:
             if self._timeout < 0:
                 self._timeout = PARK_MAX
-                self._ep.wake()
+                self._readiness.wake()
 
     def unpark(self, conn: Connection) -> None:
         """Re-arm a parked connection (no-op if it is not parked)."""
@@ -1161,13 +1161,13 @@ class Poller:
     def rearm(self, conn: Connection) -> None:
         self._parked.pop(conn, None)
         try:
-            self._ep.arm(conn._fd)
+            self._readiness.arm(conn._fd)
         except (OSError, ValueError):
             pass
 
     def disarm(self, conn: Connection) -> None:
         try:
-            self._ep.disarm(conn._fd)
+            self._readiness.disarm(conn._fd)
         except (OSError, ValueError):
             pass
 
@@ -1176,14 +1176,14 @@ class Poller:
         if self._conns.get(conn._fd) is conn:
             del self._conns[conn._fd]
             try:
-                self._ep.unregister(conn._fd)
+                self._readiness.unregister(conn._fd)
             except (OSError, ValueError):
                 pass
 
     def _loop(self) -> None:
         parked = self._parked
         while True:
-            events = self._ep.poll(self._timeout)
+            events = self._readiness.poll(self._timeout)
             if parked:
                 now = time.monotonic()
                 for conn, t in list(parked.items()):
@@ -1222,12 +1222,12 @@ class Writer:
 
     A connection whose socket buffer is full keeps the rest of its frames in
     its backlog (see :meth:`Connection._write_locked`) and is watched here
-    (level-triggered write readiness, :mod:`.poller`) until the backlog is empty, so a
+    (level-triggered write readiness, :mod:`.readiness`) until the backlog is empty, so a
     sender never blocks on one slow peer while it has frames for the others.
     """
 
     def __init__(self) -> None:
-        self._ep = fd_poller(WRITE)
+        self._readiness = readiness_set(WRITE)
         self._conns: dict[int, Connection] = {}
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._loop, name="mesharray-writer", daemon=True)
@@ -1241,7 +1241,7 @@ class Writer:
                 raise OSError("socket is closed")
             with self._lock:
                 self._conns[fd] = conn
-                self._ep.register(fd)
+                self._readiness.register(fd)
         except (OSError, ValueError) as exc:
             conn._fail_writes_locked(ClosedTransportError(f"connection {conn.name} is closed: {exc}"))
 
@@ -1252,13 +1252,13 @@ class Writer:
                 if c is conn:
                     del self._conns[fd]
                     try:
-                        self._ep.unregister(fd)
+                        self._readiness.unregister(fd)
                     except (OSError, ValueError):
                         pass
 
     def _loop(self) -> None:
         while True:
-            events = self._ep.poll(None)
+            events = self._readiness.poll(None)
             for fd in events:
                 conn = self._conns.get(fd)
                 if conn is None:

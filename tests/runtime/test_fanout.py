@@ -197,7 +197,7 @@ def test_a_connection_broken_under_a_call_fails_its_future_not_the_send():
 
 
 class _FakeEpoll:
-    """An fd poller that records which fds are armed; ``during_disarm(fd)`` runs inside each disarm
+    """A readiness set that records which fds are armed; ``during_disarm(fd)`` runs inside each disarm
     (what another thread may do meanwhile: CPython runs other threads during the system call)."""
 
     def __init__(self) -> None:
@@ -222,7 +222,7 @@ def test_park_all_never_leaves_a_connection_both_disarmed_and_unparked():
     socks = [socket.socketpair() for _ in range(3)]
     conns = [Connection(a, name=f"p{i}") for i, (a, _) in enumerate(socks)]
     poller = Poller.__new__(Poller)  # (its state without its thread: the fake poller below is driven by hand)
-    poller._ep = ep = _FakeEpoll()
+    poller._readiness = ep = _FakeEpoll()
     poller._conns, poller._parked, poller._timeout = {}, {}, -1.0
     poller._sweep_lock = __import__("threading").Lock()
     try:

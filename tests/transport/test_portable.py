@@ -21,23 +21,23 @@ import pytest
 
 from mesharray import _platform, _proc_stat
 from mesharray.transport import fdpass
-from mesharray.transport.poller import READ, WRITE, _EpollPoller, _SelectorPoller, fd_poller
+from mesharray.transport.readiness import READ, WRITE, _EpollSet, _SelectorSet, readiness_set
 
 
-def _pollers(event, oneshot):
-    out = [_SelectorPoller(event, oneshot, selectors.PollSelector())]
+def _sets(event, oneshot):
+    out = [_SelectorSet(event, oneshot, selectors.PollSelector())]
     if hasattr(selectors, "EpollSelector"):
-        out.append(_SelectorPoller(event, oneshot, selectors.EpollSelector()))
-        out.append(_EpollPoller(event, oneshot))
+        out.append(_SelectorSet(event, oneshot, selectors.EpollSelector()))
+        out.append(_EpollSet(event, oneshot))
     return out
 
 
 @pytest.mark.parametrize("make", range(3), ids=["poll", "epoll-selector", "epoll"])
 def test_oneshot_read_reports_once_until_armed(make):
-    pollers = _pollers(READ, True)
-    if make >= len(pollers):
+    sets = _sets(READ, True)
+    if make >= len(sets):
         pytest.skip("no epoll on this platform")
-    p = pollers[make]
+    p = sets[make]
     a, b = socket.socketpair()
     try:
         p.register(a.fileno())
@@ -60,10 +60,10 @@ def test_oneshot_read_reports_once_until_armed(make):
 
 @pytest.mark.parametrize("make", range(3), ids=["poll", "epoll-selector", "epoll"])
 def test_arm_from_another_thread_wakes_a_blocked_poll(make):
-    pollers = _pollers(READ, True)
-    if make >= len(pollers):
+    sets = _sets(READ, True)
+    if make >= len(sets):
         pytest.skip("no epoll on this platform")
-    p = pollers[make]
+    p = sets[make]
     a, b = socket.socketpair()
     got: list = []
     try:
@@ -74,7 +74,7 @@ def test_arm_from_another_thread_wakes_a_blocked_poll(make):
         t.start()
         time.sleep(0.1)
         t0 = time.monotonic()
-        p.arm(a.fileno())  # poll(2) does not see this by itself: the poller must wake its thread
+        p.arm(a.fileno())  # poll(2) does not see this by itself: the set must wake its thread
         t.join(5.0)
         assert got and time.monotonic() - t0 < 2.0
         # a wake-up reports nothing, or the fd that became ready with it
@@ -84,7 +84,7 @@ def test_arm_from_another_thread_wakes_a_blocked_poll(make):
 
 
 def test_level_triggered_write_readiness():
-    for p in _pollers(WRITE, False):
+    for p in _sets(WRITE, False):
         a, b = socket.socketpair()
         try:
             p.register(a.fileno())
@@ -96,14 +96,14 @@ def test_level_triggered_write_readiness():
             a.close(); b.close()
 
 
-def test_fd_poller_follows_the_switch():
-    p = fd_poller(READ, oneshot=True)
+def test_readiness_set_follows_the_switch():
+    p = readiness_set(READ, oneshot=True)
     if _platform.LINUX_NATIVE:
         assert p.kind == "epoll"
     else:
         assert p.kind != "epoll"
     with pytest.raises(ValueError, match="event must be"):
-        fd_poller("both")
+        readiness_set("both")
 
 
 def test_runtime_dir_is_private(tmp_path, monkeypatch):
@@ -209,7 +209,7 @@ def test_whole_runtime_in_portable_mode(tmp_path):
         from mesharray.transport import fdpass, shm
         from mesharray.transport.connection import default_poller
         assert _platform.PORTABLE and not _platform.LINUX_NATIVE
-        assert default_poller()._ep.kind != "epoll"
+        assert default_poller()._readiness.kind != "epoll"
         assert shm.available()
         class Echo(ma.Actor):
             @ma.endpoint

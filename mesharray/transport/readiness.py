@@ -1,11 +1,12 @@
-"""Readiness polling for the transport's threads: ``epoll`` on Linux, :mod:`selectors` elsewhere.
+"""The operating system's readiness notification, for the transport's threads: ``epoll`` on Linux,
+:mod:`selectors` elsewhere.
 
-The :class:`~mesharray.transport.connection.Poller` needs *one-shot* read
-readiness (a connection reported once stays quiet until whoever read it arms
-it again, so that a caller reading its own connection is not raced by the
+A :class:`ReadinessSet` is a set of file descriptors watched for one kind of
+readiness. The :class:`~mesharray.transport.connection.Poller` needs *one-shot*
+read readiness (a connection reported once stays quiet until whoever read it
+arms it again, so that a caller reading its own connection is not raced by the
 poller thread), and the :class:`~mesharray.transport.connection.Writer` needs
-level-triggered write readiness. Both are :class:`FdPoller`\\ s made by
-:func:`fd_poller`:
+level-triggered write readiness. Both get theirs from :func:`readiness_set`:
 
 - Linux (native): ``epoll``, ``EPOLLONESHOT`` for one-shot; arming and
   disarming are ``epoll_ctl`` from any thread, seen at once by a thread
@@ -28,18 +29,18 @@ import threading
 
 from .. import _platform
 
-__all__ = ["FdPoller", "fd_poller", "READ", "WRITE"]
+__all__ = ["ReadinessSet", "readiness_set", "READ", "WRITE"]
 
 READ = "read"
 WRITE = "write"
 
 
-class FdPoller:
+class ReadinessSet:
     """A set of file descriptors watched for one kind of readiness.
 
     ``register(fd)`` starts watching (armed); ``poll(timeout)`` waits up to
     ``timeout`` seconds (``None`` or negative: forever) and returns the ready
-    fds. A one-shot poller disarms every fd it returns until ``arm(fd)``.
+    fds. A one-shot set disarms every fd it returns until ``arm(fd)``.
     ``disarm``/``arm`` are cheap no-ops when the state does not change.
     ``wake()`` makes a blocked ``poll`` return (with nothing, if nothing is
     ready). Methods may be called from any thread while one thread polls.
@@ -67,7 +68,7 @@ class FdPoller:
 
 
 class _Wake:
-    """A pipe whose read end a poller watches: a byte written makes ``poll`` return."""
+    """A pipe whose read end a readiness set watches: a byte written makes ``poll`` return."""
 
     def __init__(self) -> None:
         self.r, self.w = os.pipe()
@@ -87,7 +88,7 @@ class _Wake:
             pass
 
 
-class _EpollPoller(FdPoller):
+class _EpollSet(ReadinessSet):
     kind = "epoll"
 
     def __init__(self, event: str, oneshot: bool) -> None:
@@ -126,7 +127,7 @@ _LIVE = tuple(getattr(selectors, n) for n in ("EpollSelector", "KqueueSelector",
               if hasattr(selectors, n))
 
 
-class _SelectorPoller(FdPoller):
+class _SelectorSet(ReadinessSet):
     def __init__(self, event: str, oneshot: bool, selector: selectors.BaseSelector) -> None:
         self._sel = selector
         self.kind = type(selector).__name__
@@ -198,8 +199,8 @@ class _SelectorPoller(FdPoller):
         self._wake.wake()
 
 
-def fd_poller(event: str, oneshot: bool = False) -> FdPoller:
-    """A new :class:`FdPoller` for ``event`` (:data:`READ` or :data:`WRITE`) readiness.
+def readiness_set(event: str, oneshot: bool = False) -> ReadinessSet:
+    """A new :class:`ReadinessSet` for ``event`` (:data:`READ` or :data:`WRITE`) readiness.
 
     ``epoll`` on Linux; in portable mode or where there is no ``epoll``, a
     :mod:`selectors` one (``poll(2)`` on Linux, the platform's best elsewhere).
@@ -207,9 +208,9 @@ def fd_poller(event: str, oneshot: bool = False) -> FdPoller:
     if event not in (READ, WRITE):
         raise ValueError(f"event must be {READ!r} or {WRITE!r}, got {event!r}")
     if _platform.LINUX_NATIVE and hasattr(select, "epoll"):
-        return _EpollPoller(event, oneshot)
+        return _EpollSet(event, oneshot)
     if hasattr(select, "epoll") and hasattr(selectors, "PollSelector"):
         sel: selectors.BaseSelector = selectors.PollSelector()  # forced portable on Linux: see the docstring
     else:
         sel = selectors.DefaultSelector()
-    return _SelectorPoller(event, oneshot, sel)
+    return _SelectorSet(event, oneshot, sel)
