@@ -153,7 +153,7 @@ def caller_spin(raw: str | None = None) -> float:
 
     The same rules as :func:`worker_spin` (0 on one CPU, 0 by default under a CPU quota,
     ``ValueError`` for a bad value). Set in the controller by ``proc_mesh``/``attach``
-    (:func:`~mesharray.transport.connection.set_reply_spin`).
+    (:func:`~mesharray.transport.spin.set_reply_spin`).
     """
     return _spin_setting("MESHARRAY_CALLER_SPIN_US", CALLER_SPIN_DEFAULT_US, raw)
 

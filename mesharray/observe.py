@@ -58,7 +58,7 @@ from .runtime.controller import Controller
 from .runtime.future import Future, new_future
 from .runtime.recorder import BUCKETS
 from .telemetry import compress_labels  # noqa: F401  (re-exported)
-from .transport.connection import connect
+from .transport.address import connect
 
 __all__ = ["Telemetry", "QueryResult", "RETENTION"]
 

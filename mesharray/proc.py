@@ -45,7 +45,7 @@ from .runtime import protocol as P
 from .runtime.controller import Controller
 from .runtime.future import Future, new_future
 from .transport import framing, shm
-from .transport.connection import set_reply_spin
+from .transport.spin import set_reply_spin
 
 __all__ = ["ProcMesh", "proc_mesh", "this_host", "attach", "HostMesh", "install_array_factory"]
 

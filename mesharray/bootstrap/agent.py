@@ -49,7 +49,7 @@ from typing import Any
 
 from ..errors import BootstrapError
 from ..transport import auth
-from ..transport.connection import Listener
+from ..transport.listener import Listener
 from ..transport.sockio import recv_exactly
 from .local import LocalBootstrap
 

@@ -35,7 +35,8 @@ from threading import get_ident
 
 from .._core import pack_calls, unpack_header
 from ..errors import ActorDiedError, BackpressureError, BrokenTransportError, ClosedTransportError
-from ..transport.connection import SMALL_FRAME, Connection, ReadSet
+from ..transport.connection import SMALL_FRAME, Connection
+from ..transport.poller import ReadSet
 from . import protocol as P
 from .recorder import REC, SPAN
 

@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 from ..errors import ActorDiedError, BootstrapError, MeshFailure, MeshStoppedError
 from ..telemetry import Counters, LogSink
-from ..transport.connection import Listener
+from ..transport.listener import Listener
 from . import protocol as P
 from .channel import Channel
 from .router import get_router

@@ -25,7 +25,7 @@ import time
 from .._proc_stat import state as _proc_state
 from ..errors import ActorDiedError, MeshStoppedError
 from ..transport import framing, shm
-from ..transport.connection import connect
+from ..transport.address import connect
 from . import protocol as P
 from .channel import Channel, flush_all, next_id, sent
 from .context import current

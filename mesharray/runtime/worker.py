@@ -46,9 +46,11 @@ from typing import Any
 from .._platform import sched_batch, worker_sched, worker_spin
 from ..errors import SerializationError
 from ..transport import framing
-from ..transport.connection import Listener, connect, dual_address, set_read_spin
+from ..transport.address import connect, dual_address
 from ..transport.dataplane import start_process_plane
 from ..transport.hostid import host_id, memory_domain
+from ..transport.listener import Listener
+from ..transport.spin import set_read_spin
 from . import protocol as P
 from .channel import Channel
 from .context import Context, current
@@ -112,7 +114,7 @@ def set_spin() -> None:
     idle CPUs halt, the 8-byte sum of a loss loop on 2 ranks took 0.71x the time and a
     ``call_one`` 0.83x (with the tiny reduction's uncorked broadcast; bench/README.md,
     "Seventh pass"). A reader whose polls find nothing backs off
-    (:func:`~mesharray.transport.connection.set_read_spin`).
+    (:func:`~mesharray.transport.spin.set_read_spin`).
     """
     try:
         seconds = worker_spin()

@@ -1,10 +1,8 @@
-"""Connections and listeners: one authenticated socket per peer pair and direction.
+"""Connections: one authenticated socket per peer pair and direction, with framing.
 
-Addresses are strings: ``"unix:@name"`` (same host, the default on Linux: an
-abstract socket, so a killed process leaves no file behind), ``"unix:/path"``
-(same host elsewhere; unix sockets have ~60% of TCP's loopback latency) or
-``"tcp:host:port"`` (other hosts; listeners bind 127.0.0.1 unless told
-otherwise).
+A :class:`Connection` is made of a socket that :func:`~.address.connect` or a
+:class:`~.listener.Listener` handed over, already authenticated. It knows
+nothing of the runtime.
 
 Design, for latency:
 
@@ -15,8 +13,8 @@ Design, for latency:
   :meth:`Connection.send`).
 - **A send never blocks on a slow peer.** Writes are non-blocking; what the
   socket does not take at once waits in the connection's *backlog*, which one
-  :class:`Writer` thread per process drains as the peer reads. Blocking in
-  ``sendall`` would let one busy peer stall the sender, and with it every
+  :class:`~.poller.Writer` thread per process drains as the peer reads.
+  Blocking in ``sendall`` would let one busy peer stall the sender, and with it every
   frame the sender still had for the others: a worker whose reader thread
   waits in a collective for a peer whose part of that collective is still in
   the sender's hands would then never be released (a deadlock across peers).
@@ -29,10 +27,11 @@ Design, for latency:
   connection does blocking ``recv_into`` into a reused buffer, parses every
   complete frame in it and calls the handler inline for each. **Poll mode**
   (:meth:`Connection.start_polled`; callers' connections, whose handlers only
-  resolve futures): one :class:`Poller` thread per process reads them all, and
-  a caller blocked on one reply reads its connection itself. Both modes use
-  one reader (``Connection._read_some``: recv, parse, hand frames over),
-  blocking in thread mode, non-blocking under the poller.
+  resolve futures): one :class:`~.poller.Poller` thread per process reads them
+  all, and a caller blocked on one reply reads its connection itself. Both
+  modes use one reader (``Connection._read_some``: recv, parse, hand frames
+  over), blocking in thread mode, non-blocking under the poller; either may
+  poll its socket before it blocks (:mod:`.spin`).
 - A frame longer than the receive buffer gets a buffer of its own, which
   grows as the bytes arrive (by at most 64 MiB at a time, see :func:`_grow`),
   so a header that lies about its length costs nothing; the length was checked
@@ -53,53 +52,40 @@ import itertools
 import logging
 import os
 import select
-import selectors
 import socket
-import struct
 import threading
 import time
-from itertools import repeat
 
-from .. import _platform
 from .._core import dispatch_frames, pack_frame, take_frame
 from ..errors import (
-    AuthenticationError,
     BrokenTransportError,
     ClosedTransportError,
     FrameError,
     SerializationError,
     TransportError,
 )
-from . import auth, framing
-from .hostid import memory_domain
-from .readiness import READ, WRITE, readiness_set
+from . import framing
+from .poller import Poller, Writer, _poller_thread, default_poller, default_writer, read_all, socket_closed
+from .spin import _spin_poll, _spin_recv, mirror
 
-__all__ = ["Connection", "Listener", "Poller", "ReadSet", "Writer", "connect", "default_poller", "default_writer",
-           "parse_address", "dual_address", "peer_uid", "set_read_spin", "set_reply_spin", "BACKLOG_MAX", "MAX_HANDSHAKES",
-           "SMALL_FRAME"]
+__all__ = ["Connection", "BACKLOG_MAX", "SMALL_FRAME"]
 
 log = logging.getLogger("mesharray.transport")
 
 _RECV_BUF = 1 << 18
-#: seconds a connection parked for a caller may stay unread before the poller reads it again
-PARK_MAX = 0.05
 #: payloads up to this many bytes are copied into their frame and written in one ``send``
 SMALL_FRAME = 1 << 14
 _CORK_MAX = 1 << 16  # flush corked frames once this many bytes are queued
 _CORK_AGE = 0.0005  # ... or once the oldest has waited this long while handling a batch
 _clock = time.perf_counter  # (the clock of _out_t0)
-#: how long a reader thread polls its socket before it blocks in ``recv`` (seconds; see set_read_spin)
-_spin = 0.0
-#: how long a caller waiting for a reply polls before it blocks (seconds; see set_reply_spin)
-_reply_spin = 0.0
-_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
+# the spin settings (spin.set_read_spin, spin.set_reply_spin), tested on every read as
+# globals of this module: mirror() makes the setters keep these copies
+_spin = _reply_spin = 0.0
+mirror(globals())
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0x40)
 #: bytes a connection may hold unwritten before its senders wait for the peer to read
 #: (env ``MESHARRAY_SEND_BACKLOG``); they resume once half of it is written
 BACKLOG_MAX = int(os.environ.get("MESHARRAY_SEND_BACKLOG", str(64 << 20)))
-#: connections a listener may hold unauthenticated at once (env ``MESHARRAY_MAX_HANDSHAKES``);
-#: one more closes the oldest of them
-MAX_HANDSHAKES = int(os.environ.get("MESHARRAY_MAX_HANDSHAKES", "128"))
 #: the payload buffer of a frame longer than the receive buffer grows as its bytes
 #: arrive, by what it holds (at least _GROW_MIN, at most _GROW_MAX) at a time: a
 #: header that lies about its length costs what arrived plus one such step, never
@@ -117,115 +103,6 @@ def _grow(payload: bytearray, length: int) -> None:
     """
     n = len(payload)
     payload += bytes(min(length - n, max(n, _GROW_MIN), _GROW_MAX))
-
-
-def dual_address(tcp: str, unix: str, domain: str) -> str:
-    """One address for a process that listens on TCP (for other hosts) and on a unix socket (for its own).
-
-    ``connect`` takes the unix socket when the caller is in the same memory
-    domain (:func:`~mesharray.transport.hostid.memory_domain`: same host, same
-    host id), so large payloads between them keep the shared-memory path;
-    everyone else connects over TCP.
-
-    Examples
-    --------
-    >>> a = dual_address("tcp:10.0.0.7:4000", "unix:@w1", "abcd")
-    >>> a
-    'tcp:10.0.0.7:4000;unix:@w1;dom=abcd'
-    >>> parse_address(a)[1]
-    ('10.0.0.7', 4000)
-    """
-    return f"{tcp};{unix};dom={domain}"
-
-
-def _split_dual(address: str) -> tuple[str, str | None, str | None]:
-    tcp, _, rest = address.partition(";")
-    unix, _, dom = rest.partition(";")
-    return tcp, unix or None, dom[4:] if dom.startswith("dom=") else None
-
-
-def parse_address(address: str):
-    """Split an address string into ``(family, sockaddr)`` (the TCP part of a :func:`dual_address`)."""
-    if not isinstance(address, str):
-        raise TypeError(f"address must be a str, got {type(address).__name__}")
-    if ";" in address:
-        address = _split_dual(address)[0]
-    if address.startswith("unix:@"):  # Linux abstract namespace: no file, nothing to leak
-        return socket.AF_UNIX, "\0" + address[6:]
-    if address.startswith("unix:"):
-        return socket.AF_UNIX, address[5:]
-    if address.startswith("tcp:"):
-        host, _, port = address[4:].rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"bad tcp address {address!r}; expected 'tcp:host:port'")
-        return socket.AF_INET, (host.strip("[]"), int(port))
-    raise ValueError(f"bad address {address!r}; expected 'unix:PATH' or 'tcp:HOST:PORT'")
-
-
-def set_reply_spin(seconds: float) -> None:
-    """Make this process's callers poll for their replies for up to ``seconds`` before blocking.
-
-    A thread waiting for the reply of a call (:meth:`Connection.read_until`,
-    :meth:`Connection.read_all`, :class:`ReadSet`) tries ``poll`` without
-    waiting, yielding the CPU between tries, and blocks once nothing came
-    within ``seconds``; after a wait whose polling found nothing, its next 1,
-    2, 4 ... 64 waits block at once (a caller of long calls hardly polls). A
-    reply that comes while it polls needs no wake-up of the caller: on a
-    virtual machine whose idle CPUs halt, with the workers polling too, a
-    no-op ``call_one`` took 11.1 µs against 25.9 (bench/README.md, "Ninth
-    pass"). ``0`` (the default) blocks at once; the
-    controller's ``proc_mesh``/``attach`` set ``MESHARRAY_CALLER_SPIN_US``
-    (:func:`~mesharray._platform.caller_spin`).
-    """
-    global _reply_spin
-    if not seconds >= 0:
-        raise ValueError(f"reply spin must be >= 0 seconds, got {seconds!r}")
-    _reply_spin = float(seconds)
-
-
-def _spin_poll(p, state: list, deadline: float | None = None) -> list:
-    """A waiting caller's polling (:func:`set_reply_spin`): what ``p.poll(0)`` found ready, or
-    ``[]`` (block). ``state``: the waiter's ``[waits left to block at once, back-off]``;
-    ``deadline`` (``time.monotonic()``): the wait's, which the polling never passes."""
-    if state[0]:
-        state[0] -= 1
-        return []
-    spin = _reply_spin if deadline is None else min(_reply_spin, deadline - time.monotonic())
-    end = _clock() + spin
-    while True:
-        ready = p.poll(0)
-        if ready:
-            state[1] = 0
-            return ready
-        if _clock() > end:
-            break
-        _yield()  # (a thread that wants this CPU runs: see set_read_spin)
-    state[0] = state[1] = min(64, 2 * state[1] or 1)
-    return ready
-
-
-def set_read_spin(seconds: float) -> None:
-    """Make this process's reader threads poll their sockets for up to ``seconds`` before blocking.
-
-    After a read, a thread-mode reader (:meth:`Connection.start`) tries its
-    socket without waiting, yielding the CPU between tries (so that any thread
-    that wants it runs), and blocks in ``recv`` once nothing came within
-    ``seconds``; it then blocks at once for its next 1, 2, 4 ... 64 reads, and
-    polls every read again once a message comes while it polls: it polls in a
-    loop of messages, hardly ever when idle. A message that comes while it
-    polls needs no wake-up: on a virtual machine whose idle CPUs halt, waking
-    one costs the sender ~15 µs and the reader ~30 µs (bench/README.md,
-    "Seventh pass"). Readers sharing a core poll in turns, which keeps that
-    core awake through a ``call()`` to all of them: it stopped at the first
-    yield that another thread took over 20 µs, until the ninth pass, and a
-    ``call()`` to 8 actors on 2 cores took 134.1 µs against 94.1 (the first
-    of 8 workers ran ~45 µs after its message, its core waking from a halt;
-    bench/README.md, "Ninth pass"). ``0`` (the default) blocks at once.
-    """
-    global _spin
-    if not seconds >= 0:
-        raise ValueError(f"read spin must be >= 0 seconds, got {seconds!r}")
-    _spin = float(seconds)
 
 
 class Connection:
@@ -601,7 +478,7 @@ class Connection:
         self._big = None  # (payload, its view, bytes read, length) of a frame longer than _buf; header in _big_hdr
         self._big_hdr: tuple = ()
         self._read_exc: BaseException | None = None
-        self._spin_skip = self._spin_backoff = 0  # (_spin_recv's backing off)
+        self._spin_skip = self._spin_backoff = 0  # (the read spin's back-off: spin._spin_recv)
 
     def _read_loop(self) -> None:
         # thread mode: the same reader as poll mode, blocking, looping inside (its state
@@ -633,7 +510,7 @@ class Connection:
         Returns ``None`` at once if another thread is reading it; else whether
         the connection is still open. Stops at ``deadline``
         (``time.monotonic()``), or when the connection ends. It first polls
-        for what comes (:func:`set_reply_spin`); then, without a deadline, it
+        for what comes (:func:`~.spin.set_reply_spin`); then, without a deadline, it
         blocks in ``recv`` itself (one syscall per reply, no ``poll``), and
         closing the connection wakes it. On return the connection
         is disarmed: the caller gives it back to the poller (``rearm``) or
@@ -675,56 +552,9 @@ class Connection:
                 self._rlock.release()
         return ok
 
-    @staticmethod
-    def read_all(conns, done, deadline: float | None) -> list | None:
-        """:meth:`read_until` over several polled connections (the replies of one ``call()``).
-
-        The calling thread reads them all (one ``poll`` for the lot, no hand-off
-        to the poller thread). Returns ``None`` at once, reading nothing, if
-        another thread is reading any of them; else the connections that
-        ended. The others are left disarmed, as by :meth:`read_until`.
-        """
-        held: list[Connection] = []
-        for c in conns:
-            if not c._rlock.acquire(False):
-                for h in held:
-                    h._rlock.release()
-                return None
-            held.append(c)
-        try:
-            # one poll object per set of fds, kept: a call() loop on one mesh registers its
-            # fds once (rebuilt once any socket closed: fds are reused). It holds fds only,
-            # never connections: a cache must not keep dead connections and their buffers
-            key = tuple(c._fd for c in held)
-            cached = _polls.get(key)
-            if cached is None or cached[1] != _sockets_closed:
-                if len(_polls) >= 64:
-                    _polls.clear()
-                cached = _polls[key] = (_poll_of(held), _sockets_closed, [0, 0])  # (+ its polling's state)
-            return _read_held(held, cached[0], {c._fd: c for c in held}, done, deadline, spin=cached[2])
-        finally:
-            for c in held:
-                c._rlock.release()
-
-    def _spin_recv(self, sock: socket.socket, buf) -> int:
-        """``sock.recv_into(buf)`` for a reader thread, polled first (:func:`set_read_spin`)."""
-        if self._spin_skip:
-            self._spin_skip -= 1
-            return sock.recv_into(buf, 0, 0)
-        deadline = _clock() + _spin
-        while True:
-            try:
-                n = sock.recv_into(buf, 0, _DONTWAIT)
-            except BlockingIOError:
-                pass
-            else:
-                self._spin_backoff = 0
-                return n
-            if _clock() > deadline:
-                break
-            _yield()
-        self._spin_skip = self._spin_backoff = min(64, 2 * self._spin_backoff or 1)
-        return sock.recv_into(buf, 0, 0)
+    #: :meth:`read_until` over several polled connections (the replies of one ``call()``), in the
+    #: calling thread with one ``poll``: :func:`~.poller.read_all`
+    read_all = staticmethod(read_all)
 
     def _read_some(self, flags: int = socket.MSG_DONTWAIT, loop: bool = False) -> bool:
         """The reader of both modes: read what is there, hand every complete frame to the
@@ -766,7 +596,7 @@ class Connection:
                         self.flush()  # the reply to a large frame: out now, not at the flusher's next round
                     continue
                 if loop and _spin:
-                    n = self._spin_recv(sock, view[end:])
+                    n = _spin_recv(self, sock, view[end:])
                 else:
                     n = sock.recv_into(view[end:], 0, flags)
                 if n == 0:
@@ -903,12 +733,11 @@ class Connection:
             self._polled.set()
 
     def _finish(self, exc) -> None:
-        global _sockets_closed
         self._closed = True
         if self.closed_error is None:
             self.closed_error = exc
         self._drop_backlog()
-        _sockets_closed += 1  # read_all's cached poll objects may name this fd: rebuild them
+        socket_closed()  # read_all's and ReadSet's poll objects may name this fd: rebuild them
         try:
             self.sock.close()
         except OSError:
@@ -958,654 +787,3 @@ class Connection:
                 cb(self, None)
         elif join and t is not threading.current_thread():
             t.join(5.0)
-
-
-def _poll_of(conns) -> select.poll:
-    p = select.poll()
-    for c in conns:
-        p.register(c._fd, select.POLLIN)
-    return p
-
-
-def _read_held(held: list | tuple, p, by_fd: dict, done, deadline: float | None, parked: bool = False,
-               spin: list | None = None) -> list:
-    """The loop of :meth:`Connection.read_all` over polled connections whose read locks the caller
-    holds: read what comes until ``done()``; the connections that ended (finished here).
-    ``parked``: the caller knows them all parked (no poller reads them meanwhile). ``spin``:
-    the caller's polling state (:func:`_spin_poll`), kept from one wait to the next."""
-    if spin is None:
-        spin = [0, 0]
-    ended: list[Connection] = []
-    finished: list[Connection] = []
-    try:
-        if not parked:
-            for c in held:
-                poller = c.poller
-                assert poller is not None, "read_all is for polled connections"
-                if c not in poller._parked:
-                    poller.disarm(c)
-        while not done() and by_fd:
-            ready = ((_reply_spin and _spin_poll(p, spin, deadline))
-                     or p.poll(None if deadline is None else int(max(0.0, deadline - time.monotonic()) * 1000)))
-            for fd, _ in ready:
-                c = by_fd.get(fd)
-                if c is not None and not c._read_polled():
-                    ended.append(c)
-                    del by_fd[fd]
-                    p.unregister(fd)
-                    # finished now, under its read lock (see read_until), not after the
-                    # loop: its close handler fails the calls waiting on it, which is
-                    # what done() may be waiting for while the others' frames
-                    # (heartbeats) keep this loop going
-                    finished.append(c)
-                    c._end_polled()
-            if not ready and deadline is not None and time.monotonic() >= deadline:
-                break
-    finally:
-        for c in ended:
-            if c not in finished:  # (an error between its end and finishing it above)
-                c._end_polled()
-    return ended
-
-
-class ReadSet:
-    """Polled connections that one caller reads together again and again: what
-    :meth:`Connection.read_all` sets up on every call (the poll object, the table of
-    fds), set up once. For the replies of a ``call()`` on one mesh, in a loop.
-
-    It holds its connections, so its owner must not keep it past them: the
-    runtime's ``Fanout`` that owns one is dropped once the router's channel
-    table changes (a peer dead, a mesh stopped), at that endpoint's next
-    ``call()``. A closed socket anywhere in the process makes it set up again
-    (fds are reused).
-    """
-
-    __slots__ = ("conns", "_locks", "_poll", "_fds", "_at", "_parked", "_set", "_spin")
-
-    def __init__(self, conns) -> None:
-        self.conns = tuple(conns)
-        self._locks = tuple(c._rlock for c in self.conns)
-        self._poll: select.poll | None = None
-        self._fds: dict = {}
-        self._at = -1
-        pollers = {c.poller for c in self.conns}
-        # (one poller for all, the process's: whether all are parked is one set comparison)
-        self._parked = pollers.pop()._parked if len(pollers) == 1 and None not in pollers else None
-        self._set = frozenset(self.conns)
-        self._spin = [0, 0]  # (its polling before each wait: see _spin_poll)
-
-    def read(self, done, deadline: float | None) -> list | None:
-        """:meth:`Connection.read_all` of these connections: ``None`` at once if another thread
-        reads any of them, else the connections that ended."""
-        locks = self._locks
-        for i, lock in enumerate(locks):
-            if not lock.acquire(False):
-                for held in locks[:i]:
-                    held.release()
-                return None
-        try:
-            p = self._poll
-            if p is None or self._at != _sockets_closed:
-                self._at = _sockets_closed
-                p = self._poll = _poll_of(self.conns)
-                self._fds = {c._fd: c for c in self.conns}
-            parked = self._parked
-            ended = _read_held(self.conns, p, self._fds, done, deadline,
-                               parked is not None and parked.keys() >= self._set, self._spin)
-            if ended:
-                self._poll = None  # (taken out of both: set up again next time)
-            return ended
-        finally:
-            for lock in locks:
-                lock.release()
-
-
-class Poller:
-    """One thread that reads many connections (epoll, or a selector: :mod:`.readiness`); see :meth:`Connection.start_polled`.
-
-    Each connection is armed one-shot and has a read lock. Whoever holds the
-    lock reads: normally the poller thread, but a caller blocked on the reply
-    of a single call reads its connection itself (:meth:`Connection.read_until`),
-    which saves one thread wake-up per round trip; the lock holder re-arms the
-    connection when done.
-    """
-
-    def __init__(self) -> None:
-        self._readiness = readiness_set(READ, oneshot=True)
-        self._conns: dict[int, Connection] = {}
-        # connections disarmed by a caller about to wait for its reply (see park())
-        self._parked: dict[Connection, float] = {}
-        self._timeout = -1.0  # PARK_MAX while anything is parked
-        self._sweep_lock = threading.Lock()
-        self.thread = threading.Thread(target=self._loop, name="mesharray-poller", daemon=True)
-        self.thread.start()
-
-    def add(self, conn: Connection) -> None:
-        fd = conn.sock.fileno()
-        conn.poller = self
-        conn._fd = fd
-        self._conns[fd] = conn
-        self._readiness.register(fd)
-
-    def park(self, conn: Connection, now: float = 0.0) -> None:
-        """Disarm ``conn`` *before* a call is sent on it whose caller will likely read the reply.
-
-        ``now``: ``time.monotonic()`` if the caller has it (one clock read per ``call()``).
-
-        Disarming only once the caller waits would race with the reply: on a
-        busy machine the poller thread often won, and its hand-off cost a
-        thread wake-up. A parked connection is re-armed by whoever reads it,
-        by :meth:`Future.done`/callbacks, or by the poller itself after at most
-        ~2 x ``PARK_MAX`` (heartbeats and deaths are noticed late by that much).
-        """
-        parked = self._parked
-        if conn in parked:  # still disarmed since its last call: no syscall
-            parked[conn] = now or time.monotonic()
-            return
-        # disarmed first, then marked: a thread that re-arms it in between (the poller ending a
-        # read of it) leaves it armed and parked, read by the poller; the other order could leave
-        # it disarmed and not parked, which nobody reads
-        try:
-            self._readiness.disarm(conn._fd)
-        except (OSError, ValueError):
-            pass
-        parked[conn] = now or time.monotonic()
-        self._start_sweeping()
-
-    def park_all(self, conns, now: float) -> None:
-        """:meth:`park` for several connections (one clock read): only those not parked yet cost a syscall."""
-        parked = self._parked
-        fresh = [c for c in conns if c not in parked]
-        for conn in fresh:  # (disarmed before they are marked: see park)
-            try:
-                self._readiness.disarm(conn._fd)
-            except (OSError, ValueError):
-                pass
-        parked.update(zip(conns, repeat(now)))
-        if fresh:
-            self._start_sweeping()
-
-    def is_parked(self, conn: Connection) -> bool:
-        """Whether ``conn`` is parked (disarmed for a caller that may read it)."""
-        return conn in self._parked
-
-    def keep_parked(self, conn: Connection) -> None:
-        """A reader is done with ``conn`` (disarmed) and nothing is pending on it: leave it so.
-
-        The next call parks it again without a syscall; if none comes within
-        ``PARK_MAX`` the poller re-arms it (heartbeats, logs, EOF).
-        """
-        self._parked[conn] = time.monotonic()
-        self._start_sweeping()
-
-    def keep_parked_all(self, conns) -> None:
-        """:meth:`keep_parked` for several connections (one clock read, one sweep check)."""
-        self._parked.update(zip(conns, repeat(time.monotonic())))
-        self._start_sweeping()
-
-    def _start_sweeping(self) -> None:
-        # the poller sleeps without a timeout while nothing is parked: wake it so
-        # that it starts looking at the clock (once per burst of calls, not per call)
-        if self._timeout >= 0:  # (sweeping already: read without the lock, checked again under it)
-            return
-        with self._sweep_lock:
-            if self._timeout < 0:
-                self._timeout = PARK_MAX
-                self._readiness.wake()
-
-    def unpark(self, conn: Connection) -> None:
-        """Re-arm a parked connection (no-op if it is not parked)."""
-        if self._parked.pop(conn, None) is not None:
-            self.rearm(conn)
-
-    def rearm(self, conn: Connection) -> None:
-        self._parked.pop(conn, None)
-        try:
-            self._readiness.arm(conn._fd)
-        except (OSError, ValueError):
-            pass
-
-    def disarm(self, conn: Connection) -> None:
-        try:
-            self._readiness.disarm(conn._fd)
-        except (OSError, ValueError):
-            pass
-
-    def discard(self, conn: Connection) -> None:
-        self._parked.pop(conn, None)
-        if self._conns.get(conn._fd) is conn:
-            del self._conns[conn._fd]
-            try:
-                self._readiness.unregister(conn._fd)
-            except (OSError, ValueError):
-                pass
-
-    def _loop(self) -> None:
-        parked = self._parked
-        while True:
-            events = self._readiness.poll(self._timeout)
-            if parked:
-                now = time.monotonic()
-                for conn, t in list(parked.items()):
-                    if now - t > PARK_MAX and conn._rlock.acquire(False):
-                        # nobody came to read it: take it back (a reader re-arms it itself)
-                        try:
-                            self.unpark(conn)
-                        finally:
-                            conn._rlock.release()
-            if not parked and self._timeout >= 0:
-                with self._sweep_lock:  # (a park checks the timeout under this lock too)
-                    if not parked:  # idle again: sleep until an event or the next park
-                        self._timeout = -1.0
-                        if parked:  # a park that read the old timeout without the lock (_start_sweeping)
-                            self._timeout = PARK_MAX
-            for fd in events:
-                got = self._conns.get(fd)
-                if got is None:  # discarded by a caller that saw it end
-                    continue
-                conn = got
-                if not conn._rlock.acquire(False):
-                    continue  # a caller is reading it; it re-arms when done
-                try:
-                    ok = conn._read_polled()
-                    if not ok:  # finished under its read lock (see read_until)
-                        self.discard(conn)
-                        conn._poll_done()
-                finally:
-                    conn._rlock.release()
-                if ok:
-                    self.rearm(conn)
-
-
-class Writer:
-    """One thread that finishes the writes the peers' sockets could not take at once.
-
-    A connection whose socket buffer is full keeps the rest of its frames in
-    its backlog (see :meth:`Connection._write_locked`) and is watched here
-    (level-triggered write readiness, :mod:`.readiness`) until the backlog is empty, so a
-    sender never blocks on one slow peer while it has frames for the others.
-    """
-
-    def __init__(self) -> None:
-        self._readiness = readiness_set(WRITE)
-        self._conns: dict[int, Connection] = {}
-        self._lock = threading.Lock()
-        self.thread = threading.Thread(target=self._loop, name="mesharray-writer", daemon=True)
-        self.thread.start()
-
-    def watch(self, conn: Connection) -> None:
-        """Start draining ``conn`` (its send lock is held by the caller)."""
-        try:
-            fd = conn.sock.fileno()
-            if fd < 0:
-                raise OSError("socket is closed")
-            with self._lock:
-                self._conns[fd] = conn
-                self._readiness.register(fd)
-        except (OSError, ValueError) as exc:
-            conn._fail_writes_locked(ClosedTransportError(f"connection {conn.name} is closed: {exc}"))
-
-    def unwatch(self, conn: Connection) -> None:
-        """Stop draining ``conn`` (its backlog is empty, or it is closing)."""
-        with self._lock:  # a handful of entries: only connections with a backlog
-            for fd, c in list(self._conns.items()):
-                if c is conn:
-                    del self._conns[fd]
-                    try:
-                        self._readiness.unregister(fd)
-                    except (OSError, ValueError):
-                        pass
-
-    def _loop(self) -> None:
-        while True:
-            events = self._readiness.poll(None)
-            for fd in events:
-                conn = self._conns.get(fd)
-                if conn is None:
-                    continue
-                with conn._send_lock:
-                    if conn._writer is not self:
-                        continue
-                    if conn._drain_locked():
-                        conn._writer = None
-                        self.unwatch(conn)
-
-
-_threads: dict = {}  # class -> the process's one instance (Poller, Writer)
-#: Connection.read_all's poll objects: tuple of fds -> (poll, _sockets_closed when made, its polling's state)
-_polls: dict = {}
-_sockets_closed = 0  # sockets closed by Connection._finish so far (their fds may be reused)
-_threads_lock = threading.Lock()
-
-
-def _process_thread(cls):
-    """The process's one ``cls`` (an object owning a thread): started on first use, again after fork."""
-    obj = _threads.get(cls)
-    if obj is None or not obj.thread.is_alive():
-        with _threads_lock:
-            obj = _threads.get(cls)
-            if obj is None or not obj.thread.is_alive():
-                obj = _threads[cls] = cls()
-    return obj
-
-
-def default_poller() -> Poller:
-    """The process's poller (started on first use, recreated after fork)."""
-    return _process_thread(Poller)
-
-
-def default_writer() -> Writer:
-    """The process's writer thread (started on first use, recreated after fork)."""
-    return _process_thread(Writer)
-
-
-def _poller_thread():
-    p = _threads.get(Poller)
-    return p.thread if p is not None else None
-
-
-def connect(address: str, secret: bytes, timeout: float = 10.0) -> socket.socket:
-    """Open and authenticate a socket to ``address`` (raises :class:`AuthenticationError`)."""
-    if ";" in address:
-        tcp, unix, dom = _split_dual(address)
-        if unix and dom == memory_domain():
-            try:
-                return connect(unix, secret, timeout)
-            except OSError:
-                pass  # (another network namespace with the same memory: TCP still reaches it)
-        address = tcp
-    family, sockaddr = parse_address(address)
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(timeout)
-        sock.connect(sockaddr)
-        auth.client_handshake(sock, secret)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-class Listener:
-    """Accepts connections on a unix or TCP address; authenticates each one.
-
-    ``on_connection(sock)`` receives every authenticated socket (a blocking
-    socket, in the listener's thread: it must return quickly). One thread per
-    listener accepts and runs every pending handshake without blocking (a
-    selector), so that peers cannot exhaust it:
-
-    - a unix-socket peer of another uid (``SO_PEERCRED``; root excepted) is
-      closed before the handshake: abstract sockets have no file permissions;
-    - each peer has ``handshake_timeout`` seconds (:data:`auth.HANDSHAKE_TIMEOUT`,
-      env ``MESHARRAY_HANDSHAKE_TIMEOUT``) for the *whole* exchange, however
-      it trickles its bytes in;
-    - at most ``max_handshakes`` (:data:`MAX_HANDSHAKES`, env
-      ``MESHARRAY_MAX_HANDSHAKES``) handshakes are pending at once: a new
-      connection beyond that closes the oldest pending one (an idle socket,
-      most likely; a real peer answers in microseconds);
-    - a peer that fails the challenge, or stays silent, is logged and dropped,
-      and no exception (not even a failed ``accept`` or ``on_connection``)
-      ends the thread: it logs and keeps accepting.
-
-    A TCP listener binds loopback by default; one bound elsewhere needs a
-    secret (``ValueError`` without), and one bound to every interface
-    (``0.0.0.0``, ``::``, ``""``) warns (``RuntimeWarning``).
-    """
-
-    def __init__(self, secret: bytes, on_connection, kind: str = "unix", host: str = "127.0.0.1",
-                 path: str | None = None, port: int = 0, handshake_timeout: float | None = None,
-                 max_handshakes: int | None = None) -> None:
-        if kind == "tcp":
-            _check_bind(host, secret)
-        self.secret = secret
-        self.on_connection = on_connection
-        self.refused = 0
-        self.handshake_timeout = auth.HANDSHAKE_TIMEOUT if handshake_timeout is None else handshake_timeout
-        self.max_handshakes = MAX_HANDSHAKES if max_handshakes is None else max(1, max_handshakes)
-        self._path: str | None = None
-        if kind == "unix":
-            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            if path is None and _platform.abstract_sockets():
-                # abstract socket: no file is left behind by a killed process; no file
-                # permissions either, hence the peer's uid check and the HMAC challenge
-                name = f"mesharray-{os.getpid()}-{os.urandom(6).hex()}"
-                self.sock.bind("\0" + name)
-                self.address = "unix:@" + name
-            else:
-                # default: a socket file in this user's 0700 runtime directory (only this user
-                # reaches it; a killed process's file is swept by the next one)
-                self._dir = os.path.dirname(path) if path is not None else None
-                if path is None:
-                    path = _platform.socket_file("l")
-                self.sock.bind(path)
-                self.address = "unix:" + path
-                self._path = path
-        elif kind == "tcp":
-            self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self.sock.bind((host, port))
-            h, p = self.sock.getsockname()[:2]
-            self.address = f"tcp:{h}:{p}"
-        else:
-            raise ValueError(f"listener kind must be 'unix' or 'tcp', got {kind!r}")
-        self.sock.listen(512)
-        self.sock.setblocking(False)
-        # unauthenticated sockets, oldest first (so also in order of their deadlines)
-        self._pending: dict[socket.socket, auth.ServerHandshake] = {}
-        self._sel = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._sel.register(self.sock, selectors.EVENT_READ)
-        self._sel.register(self._wake_r, selectors.EVENT_READ)
-        self._evicted = 0
-        self._t_evict_log = 0.0
-        self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="mesharray-accept", daemon=True)
-        self._thread.start()
-
-    # -- the listener's thread ----------------------------------------------------
-    def _loop(self) -> None:
-        while not self._closed:
-            try:
-                self._step()
-            except BaseException:  # nothing may end the thread: every later peer would time out
-                if self._closed:
-                    break
-                log.exception("listener %s: unexpected error; still accepting", self.address)
-                time.sleep(0.01)
-        for s in list(self._pending):
-            s.close()
-        self._pending.clear()
-        self._sel.close()
-        self._wake_r.close()
-        self._wake_w.close()
-
-    def _step(self) -> None:
-        timeout = None
-        if self._pending:
-            first = next(iter(self._pending.values()))
-            timeout = max(0.0, first.deadline - time.monotonic())
-        for key, _ in self._sel.select(timeout):
-            obj = key.fileobj
-            if obj is self.sock:
-                self._accept()
-            elif obj is self._wake_r:
-                try:
-                    self._wake_r.recv(64)
-                except OSError:
-                    pass
-            else:
-                self._advance(obj)  # type: ignore[arg-type]  # a pending socket
-        now = time.monotonic()
-        while self._pending:  # deadlines passed (the oldest first)
-            s, hs = next(iter(self._pending.items()))
-            if hs.deadline > now:
-                break
-            got = len(hs.buf)
-            self._refuse(s, f"handshake not finished within {self.handshake_timeout:g} s "
-                            f"({got} of {auth.CLIENT_MSG} bytes received; MESHARRAY_HANDSHAKE_TIMEOUT)")
-
-    def _accept(self) -> None:
-        for _ in range(64):  # a batch, then the pending handshakes get their turn
-            if self._closed:
-                return
-            try:
-                s, _ = self.sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if self._closed:
-                    return
-                # out of descriptors or memory: the kernel keeps the connection queued
-                # (listen backlog); retry shortly rather than spin, and never stop accepting
-                log.warning("listener %s: accept failed (%s); retrying", self.address, exc)
-                time.sleep(0.05)
-                return
-            try:
-                self._admit(s)
-            except Exception as exc:
-                self._pending.pop(s, None)
-                self.refused += 1
-                log.warning("refused a connection on %s: %s", self.address, exc)
-                try:
-                    self._sel.unregister(s)
-                except (KeyError, ValueError):
-                    pass
-                s.close()
-
-    def _admit(self, s: socket.socket) -> None:
-        if s.family == socket.AF_UNIX:
-            uid = peer_uid(s)
-            if uid is not None and uid != os.geteuid() and uid != 0:
-                self.refused += 1
-                log.warning("refused a connection on %s from uid %d (this process runs as uid %d)",
-                            self.address, uid, os.geteuid())
-                s.close()
-                return
-        s.setblocking(False)
-        hs = auth.ServerHandshake(self.secret, time.monotonic() + self.handshake_timeout)
-        if s.send(hs.hello) != len(hs.hello):  # a fresh socket takes 36 bytes at once
-            raise BrokenTransportError("peer does not take the handshake's first message")
-        if len(self._pending) >= self.max_handshakes:
-            self._evict()
-        self._pending[s] = hs
-        self._sel.register(s, selectors.EVENT_READ)
-
-    def _evict(self) -> None:
-        oldest = next(iter(self._pending))
-        self._refuse(oldest, None)
-        self._evicted += 1
-        now = time.monotonic()
-        if now - self._t_evict_log > 1.0:  # a flood of idle sockets: one line a second, not one each
-            self._t_evict_log = now
-            log.warning("listener %s: over %d pending handshakes (MESHARRAY_MAX_HANDSHAKES); closed the "
-                        "oldest (%d so far)", self.address, self.max_handshakes, self._evicted)
-
-    def _advance(self, s: socket.socket) -> None:
-        hs = self._pending.get(s)
-        if hs is None:
-            return
-        try:
-            data = s.recv(auth.CLIENT_MSG - len(hs.buf))
-            if not data:
-                raise BrokenTransportError("peer closed the connection during the handshake")
-            answer = hs.feed(data)
-        except (BlockingIOError, InterruptedError):
-            return
-        except (AuthenticationError, OSError, BrokenTransportError) as exc:
-            self._refuse(s, str(exc))
-            return
-        if answer is None:
-            return
-        del self._pending[s]
-        self._sel.unregister(s)
-        try:
-            if s.send(answer) != len(answer):
-                raise BrokenTransportError("peer does not take the handshake's answer")
-            s.setblocking(True)
-        except OSError as exc:
-            self.refused += 1
-            log.warning("refused a connection on %s: %s", self.address, exc)
-            s.close()
-            return
-        try:
-            self.on_connection(s)
-        except Exception:
-            log.exception("connection handler failed on %s", self.address)
-            s.close()
-
-    def _refuse(self, s: socket.socket, why: str | None) -> None:
-        self._pending.pop(s, None)
-        try:
-            self._sel.unregister(s)
-        except (KeyError, ValueError):
-            pass
-        s.close()
-        self.refused += 1
-        if why is not None:
-            log.warning("refused a connection on %s: %s", self.address, why)
-
-    @property
-    def pending_handshakes(self) -> int:
-        """Connections accepted and not yet authenticated."""
-        return len(self._pending)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()  # new peers are refused from now on
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
-        if self._thread is not threading.current_thread():
-            self._thread.join(2.0)
-        if self._path is not None:
-            try:
-                os.unlink(self._path)
-                if self._dir is not None:
-                    os.rmdir(self._dir)
-            except OSError:
-                pass
-
-
-_PEERCRED = struct.Struct("3i")  # pid, uid, gid
-
-
-def peer_uid(sock: socket.socket) -> int | None:
-    """The uid of the process at the other end of a unix socket (``None`` where the OS does not say)."""
-    opt = getattr(socket, "SO_PEERCRED", None)
-    if opt is None:
-        return None
-    try:
-        _, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, opt, _PEERCRED.size))
-    except OSError:
-        return None
-    return uid
-
-
-def _check_bind(host: str, secret: bytes) -> None:
-    """Refuse a TCP listener reachable from other hosts without a secret; warn for all interfaces."""
-    import ipaddress
-
-    wildcard = host in ("", "0.0.0.0", "::")
-    try:
-        loopback = not wildcard and (host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback)
-    except ValueError:  # a host name: it may resolve to any interface
-        loopback = False
-    if loopback:
-        return
-    if not secret:
-        raise ValueError(f"refusing to listen on {host or 'every interface'!r} without a secret: other hosts "
-                         f"could connect; give a secret, or bind 127.0.0.1")
-    if wildcard:
-        import warnings
-
-        warnings.warn(f"listening on every interface ({host or '0.0.0.0'!r}): any host that reaches the port can "
-                      f"try the handshake (the job secret still protects it); bind the one interface the "
-                      f"peers use instead", RuntimeWarning, stacklevel=3)

@@ -44,7 +44,8 @@ from typing import Callable, Protocol
 
 from ..errors import BootstrapError
 from . import auth
-from .connection import Listener, parse_address
+from .address import parse_address
+from .listener import Listener
 from .sockio import recv_exactly, recv_exactly_into
 
 __all__ = ["Link", "DataPlane", "TcpPlane", "TcpLink", "Rendezvous", "plane_kind", "ucx_status", "MAX_TAG",

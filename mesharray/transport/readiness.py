@@ -2,10 +2,10 @@
 :mod:`selectors` elsewhere.
 
 A :class:`ReadinessSet` is a set of file descriptors watched for one kind of
-readiness. The :class:`~mesharray.transport.connection.Poller` needs *one-shot*
+readiness. The :class:`~mesharray.transport.poller.Poller` needs *one-shot*
 read readiness (a connection reported once stays quiet until whoever read it
 arms it again, so that a caller reading its own connection is not raced by the
-poller thread), and the :class:`~mesharray.transport.connection.Writer` needs
+poller thread), and the :class:`~mesharray.transport.poller.Writer` needs
 level-triggered write readiness. Both get theirs from :func:`readiness_set`:
 
 - Linux (native): ``epoll``, ``EPOLLONESHOT`` for one-shot; arming and

@@ -33,7 +33,9 @@ from mesharray._core import pack_header
 from mesharray.errors import AuthenticationError, BrokenTransportError, SerializationError
 from mesharray.runtime import protocol as P
 from mesharray.transport import auth, framing
-from mesharray.transport.connection import Connection, Listener, connect, parse_address
+from mesharray.transport.address import connect, parse_address
+from mesharray.transport.connection import Connection
+from mesharray.transport.listener import Listener
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -478,8 +480,8 @@ def test_F10_idle_sockets_make_no_threads_and_are_capped():
 
 def test_F10_handshake_settings_come_from_the_environment():
     assert Listener(SECRET, lambda s: s.close()).handshake_timeout == auth.HANDSHAKE_TIMEOUT
-    out = subprocess.run([sys.executable, "-c", "from mesharray.transport import auth, connection; "
-                          "print(auth.HANDSHAKE_TIMEOUT, connection.MAX_HANDSHAKES)"],
+    out = subprocess.run([sys.executable, "-c", "from mesharray.transport import auth, listener; "
+                          "print(auth.HANDSHAKE_TIMEOUT, listener.MAX_HANDSHAKES)"],
                          env={**os.environ, "MESHARRAY_HANDSHAKE_TIMEOUT": "2.5", "MESHARRAY_MAX_HANDSHAKES": "7"},
                          capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.split() == ["2.5", "7"]

@@ -25,9 +25,9 @@ def spawn(world, cls, *args):
 
 
 def _read_spin() -> float:
-    from mesharray.transport import connection
+    from mesharray.transport import spin
 
-    return connection._spin
+    return spin._spin
 
 
 class Probe(ma.Actor):

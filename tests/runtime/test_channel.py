@@ -37,7 +37,8 @@ def test_a_connection_has_no_runtime_state():
 
 
 def test_transport_imports_nothing_of_the_runtime():
-    code = ("import sys, mesharray.transport.connection, mesharray.transport.shm, mesharray.transport.auth; "
+    code = ("import sys, mesharray.transport.connection, mesharray.transport.listener, mesharray.transport.address, "
+            "mesharray.transport.shm, mesharray.transport.auth; "
             "print([m for m in sys.modules if m.startswith(('mesharray.runtime', 'mesharray.actor'))])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -217,7 +217,7 @@ class _FakeEpoll:
 
 
 def test_park_all_never_leaves_a_connection_both_disarmed_and_unparked():
-    from mesharray.transport.connection import Poller
+    from mesharray.transport.poller import Poller
 
     socks = [socket.socketpair() for _ in range(3)]
     conns = [Connection(a, name=f"p{i}") for i, (a, _) in enumerate(socks)]
@@ -277,7 +277,7 @@ def test_a_peer_gone_right_after_the_handshake_is_a_death_and_leaves_no_socket_o
     import gc
 
     from mesharray.runtime.channel import Channel
-    from mesharray.transport.connection import Listener
+    from mesharray.transport.listener import Listener
 
     router = get_router()
     accepted = []

@@ -23,9 +23,9 @@ pytestmark = pytest.mark.timeout(90)
 class Spin(ma.Actor):
     @ma.endpoint
     def spin(self) -> float:
-        from mesharray.transport import connection
+        from mesharray.transport import spin as policy
 
-        return connection._spin
+        return policy._spin
 
     @ma.endpoint
     def cpu(self) -> float:
@@ -157,10 +157,10 @@ def test_a_real_cgroup_quota_turns_polling_off(tmp_path):
 
 
 def test_the_controller_polls_for_its_replies_50_us_by_default(procs):
-    from mesharray.transport import connection
+    from mesharray.transport import spin as policy
 
     # set by proc_mesh(): 50 µs unless the machine says otherwise (one CPU, a CPU quota, the variable)
-    assert connection._reply_spin == pytest.approx(_platform.caller_spin())
+    assert policy._reply_spin == pytest.approx(_platform.caller_spin())
     assert _platform.caller_spin("") == pytest.approx(50e-6 if _platform.usable_cpus() > 1
                                                       and _platform.cpu_quota() is None else 0.0)
 
@@ -193,34 +193,34 @@ def test_a_caller_whose_polling_finds_nothing_backs_off(procs):
     # with a long polling set here (20 ms), waits of 60 ms each: polling every wait would
     # take 12 x 20 ms of the caller's CPU; backing off (the next 1, 2, 4 ... waits block at
     # once) polls in 4 of the 12
-    from mesharray.transport import connection
+    from mesharray.transport import spin as policy
 
     one = procs.spawn("backoff", Spin).slice(procs=0)
     one.noop.call_one().get(timeout=30)
-    saved = connection._reply_spin
+    saved = policy._reply_spin
     try:
-        connection.set_reply_spin(0.02)
+        policy.set_reply_spin(0.02)
         t = time.thread_time()
         for _ in range(12):
             assert one.nap.call_one(0.06).get() == 0.06
         used = time.thread_time() - t
     finally:
-        connection.set_reply_spin(saved)
+        policy.set_reply_spin(saved)
     assert used < 0.16, f"12 waits of 60 ms took {used * 1000:.0f} ms of the caller's CPU (240 without back-off)"
 
 
 def test_a_caller_that_polls_still_hears_of_a_death_at_once():
     # a reply that never comes: the rank's death ends the wait, whether it comes while the
     # caller polls (a long polling set here) or once it blocks; a deadline is kept while polling
-    from mesharray.transport import connection
+    from mesharray.transport import spin as policy
 
     with ma.proc_mesh(procs=2) as mesh:
         spin = mesh.spawn("s", Spin)
         victim = spin.slice(procs=1)
         victim.noop.call_one().get(timeout=30)
-        saved = connection._reply_spin
+        saved = policy._reply_spin
         try:
-            connection.set_reply_spin(5.0)
+            policy.set_reply_spin(5.0)
             t = time.monotonic()
             with pytest.raises(TimeoutError):
                 victim.nap.call_one(1.0).get(timeout=0.05)  # (polling, then its deadline)
@@ -235,5 +235,5 @@ def test_a_caller_that_polls_still_hears_of_a_death_at_once():
             assert time.monotonic() - t < 3
             killer.join()
         finally:
-            connection.set_reply_spin(saved)
+            policy.set_reply_spin(saved)
         assert spin.slice(procs=0).noop.call_one().get(timeout=30) is None

@@ -12,7 +12,9 @@ import pytest
 from mesharray import AuthenticationError
 from mesharray._core import pack_header
 from mesharray.transport import auth
-from mesharray.transport.connection import Connection, Listener, connect, parse_address
+from mesharray.transport.address import connect, parse_address
+from mesharray.transport.connection import Connection
+from mesharray.transport.listener import Listener
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -11,7 +11,7 @@ import pytest
 
 from mesharray.errors import AuthenticationError, BootstrapError
 from mesharray.transport import dataplane
-from mesharray.transport.connection import dual_address, parse_address
+from mesharray.transport.address import dual_address, parse_address
 from mesharray.transport.dataplane import Rendezvous, TcpPlane, plane_kind
 
 pytestmark = pytest.mark.timeout(60)
@@ -117,8 +117,9 @@ def test_plane_kind_resolves_settings(monkeypatch):
 
 
 def test_dual_addresses_pick_the_unix_socket_on_the_same_host():
-    from mesharray.transport.connection import Listener, connect
+    from mesharray.transport.address import connect
     from mesharray.transport.hostid import memory_domain
+    from mesharray.transport.listener import Listener
 
     got = []
     tcp = Listener(SECRET, lambda s: got.append(("tcp", s)), kind="tcp")

@@ -207,7 +207,7 @@ def test_whole_runtime_in_portable_mode(tmp_path):
         import mesharray as ma
         from mesharray import _platform
         from mesharray.transport import fdpass, shm
-        from mesharray.transport.connection import default_poller
+        from mesharray.transport.poller import default_poller
         assert _platform.PORTABLE and not _platform.LINUX_NATIVE
         assert default_poller()._readiness.kind != "epoll"
         assert shm.available()
@@ -235,7 +235,8 @@ def test_whole_runtime_in_portable_mode(tmp_path):
 
 
 def test_portable_listener_uses_a_private_socket_file(tmp_path, monkeypatch):
-    from mesharray.transport.connection import Listener, connect
+    from mesharray.transport.address import connect
+    from mesharray.transport.listener import Listener
 
     monkeypatch.setenv("MESHARRAY_RUNTIME_DIR", str(tmp_path / "rt"))
     monkeypatch.setattr(_platform, "LINUX_NATIVE", False)

@@ -1,4 +1,5 @@
-"""A reader thread that polls its socket before blocking (``set_read_spin``)."""
+"""A reader thread that polls its socket before blocking (``set_read_spin``), and the spin
+settings' copies that the per-message paths read."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import time
 
 import pytest
 
-from mesharray.transport import connection
-from mesharray.transport.connection import Connection, set_read_spin
+from mesharray.transport import connection, poller
+from mesharray.transport import spin as policy
+from mesharray.transport.connection import Connection
+from mesharray.transport.spin import _spin_recv, set_read_spin, set_reply_spin
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -18,7 +21,7 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.fixture
 def spin():
     """The process's read spin, set by the test and put back after it."""
-    before = connection._spin
+    before = policy._spin
     yield set_read_spin
     set_read_spin(before)
 
@@ -58,11 +61,11 @@ def test_a_poll_that_finds_nothing_backs_off_and_a_message_while_polling_resets_
     try:
         late = threading.Timer(0.3, b.send, (b"x",))
         late.start()
-        assert conn._spin_recv(a, buf) == 1  # polled 50 µs, then blocked until it came (0.3 s)
+        assert _spin_recv(conn, a, buf) == 1  # polled 50 µs, then blocked until it came (0.3 s)
         late.join()
         assert (conn._spin_backoff, conn._spin_skip) == (1, 1)
         b.send(b"y")
-        assert conn._spin_recv(a, buf) == 1  # (skipped: a blocking read)
+        assert _spin_recv(conn, a, buf) == 1  # (skipped: a blocking read)
         assert (conn._spin_backoff, conn._spin_skip) == (1, 0)
         # (8 -> 16 -> 32 are the same step, not timed: from 32 it doubles to the cap, and stays)
         for expect, preset in ((2, None), (4, None), (8, None), (64, 32), (64, None)):
@@ -70,14 +73,14 @@ def test_a_poll_that_finds_nothing_backs_off_and_a_message_while_polling_resets_
                 conn._spin_backoff = preset
             late = threading.Timer(0.3, b.send, (b"z",))
             late.start()
-            assert conn._spin_recv(a, buf) == 1
+            assert _spin_recv(conn, a, buf) == 1
             late.join()
             assert conn._spin_backoff == expect
             for _ in range(conn._spin_skip):
                 b.send(b"s")
-                conn._spin_recv(a, buf)
+                _spin_recv(conn, a, buf)
         b.send(b"w")
-        assert conn._spin_recv(a, buf) == 1  # there while polling: polls every read again
+        assert _spin_recv(conn, a, buf) == 1  # there while polling: polls every read again
         assert (conn._spin_backoff, conn._spin_skip) == (0, 0)
     finally:
         conn.close()
@@ -85,10 +88,26 @@ def test_a_poll_that_finds_nothing_backs_off_and_a_message_while_polling_resets_
 
 
 def test_a_negative_spin_is_refused(spin):
-    before = connection._spin
+    before = policy._spin
     with pytest.raises(ValueError, match="read spin must be >= 0 seconds, got -1"):
         spin(-1)
-    assert connection._spin == before
+    assert policy._spin == connection._spin == before
+
+
+def test_the_setters_keep_every_copy_the_hot_paths_read(spin):
+    # Connection's reads and the callers' waits test a setting as a global of their own module
+    # (no attribute lookup per message): each setter must update those copies too
+    before = policy._reply_spin
+    try:
+        spin(123e-6)
+        set_reply_spin(45e-6)
+        for module in (policy, connection, poller):
+            assert (module._spin, module._reply_spin) == (123e-6, 45e-6), module.__name__
+        with pytest.raises(ValueError, match="reply spin must be >= 0 seconds, got -1"):
+            set_reply_spin(-1)
+        assert poller._reply_spin == connection._reply_spin == 45e-6
+    finally:
+        set_reply_spin(before)
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_yield"), reason="no sched_yield on this system")
@@ -99,6 +118,6 @@ def test_the_end_of_a_spin_returns_the_eof(spin):
     conn._init_reading()
     try:
         threading.Timer(0.3, b.close).start()
-        assert conn._spin_recv(a, bytearray(8)) == 0  # the peer closed: recv's 0, as without polling
+        assert _spin_recv(conn, a, bytearray(8)) == 0  # the peer closed: recv's 0, as without polling
     finally:
         conn.close()

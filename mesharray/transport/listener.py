@@ -1,0 +1,315 @@
+"""The listening side: a :class:`Listener` accepts connections on a unix or TCP address and
+authenticates each one (:mod:`.auth`) before it hands the socket over.
+
+Addresses are described in :mod:`.address`. The bounds that keep peers from
+exhausting a listener (one thread, a deadline per handshake, a cap on pending
+handshakes, the peer's uid on unix sockets) are in :class:`Listener`'s
+docstring and ``docs/internals.md``, "Wire".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import socket
+import struct
+import threading
+import time
+
+from .. import _platform
+from ..errors import AuthenticationError, BrokenTransportError
+from . import auth
+
+__all__ = ["Listener", "peer_uid", "MAX_HANDSHAKES"]
+
+log = logging.getLogger("mesharray.transport")
+
+#: connections a listener may hold unauthenticated at once (env ``MESHARRAY_MAX_HANDSHAKES``);
+#: one more closes the oldest of them
+MAX_HANDSHAKES = int(os.environ.get("MESHARRAY_MAX_HANDSHAKES", "128"))
+
+
+class Listener:
+    """Accepts connections on a unix or TCP address; authenticates each one.
+
+    ``on_connection(sock)`` receives every authenticated socket (a blocking
+    socket, in the listener's thread: it must return quickly). One thread per
+    listener accepts and runs every pending handshake without blocking (a
+    selector), so that peers cannot exhaust it:
+
+    - a unix-socket peer of another uid (``SO_PEERCRED``; root excepted) is
+      closed before the handshake: abstract sockets have no file permissions;
+    - each peer has ``handshake_timeout`` seconds (:data:`auth.HANDSHAKE_TIMEOUT`,
+      env ``MESHARRAY_HANDSHAKE_TIMEOUT``) for the *whole* exchange, however
+      it trickles its bytes in;
+    - at most ``max_handshakes`` (:data:`MAX_HANDSHAKES`, env
+      ``MESHARRAY_MAX_HANDSHAKES``) handshakes are pending at once: a new
+      connection beyond that closes the oldest pending one (an idle socket,
+      most likely; a real peer answers in microseconds);
+    - a peer that fails the challenge, or stays silent, is logged and dropped,
+      and no exception (not even a failed ``accept`` or ``on_connection``)
+      ends the thread: it logs and keeps accepting.
+
+    A TCP listener binds loopback by default; one bound elsewhere needs a
+    secret (``ValueError`` without), and one bound to every interface
+    (``0.0.0.0``, ``::``, ``""``) warns (``RuntimeWarning``).
+    """
+
+    def __init__(self, secret: bytes, on_connection, kind: str = "unix", host: str = "127.0.0.1",
+                 path: str | None = None, port: int = 0, handshake_timeout: float | None = None,
+                 max_handshakes: int | None = None) -> None:
+        if kind == "tcp":
+            _check_bind(host, secret)
+        self.secret = secret
+        self.on_connection = on_connection
+        self.refused = 0
+        self.handshake_timeout = auth.HANDSHAKE_TIMEOUT if handshake_timeout is None else handshake_timeout
+        self.max_handshakes = MAX_HANDSHAKES if max_handshakes is None else max(1, max_handshakes)
+        self._path: str | None = None
+        if kind == "unix":
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            if path is None and _platform.abstract_sockets():
+                # abstract socket: no file is left behind by a killed process; no file
+                # permissions either, hence the peer's uid check and the HMAC challenge
+                name = f"mesharray-{os.getpid()}-{os.urandom(6).hex()}"
+                self.sock.bind("\0" + name)
+                self.address = "unix:@" + name
+            else:
+                # default: a socket file in this user's 0700 runtime directory (only this user
+                # reaches it; a killed process's file is swept by the next one)
+                self._dir = os.path.dirname(path) if path is not None else None
+                if path is None:
+                    path = _platform.socket_file("l")
+                self.sock.bind(path)
+                self.address = "unix:" + path
+                self._path = path
+        elif kind == "tcp":
+            self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.sock.bind((host, port))
+            h, p = self.sock.getsockname()[:2]
+            self.address = f"tcp:{h}:{p}"
+        else:
+            raise ValueError(f"listener kind must be 'unix' or 'tcp', got {kind!r}")
+        self.sock.listen(512)
+        self.sock.setblocking(False)
+        # unauthenticated sockets, oldest first (so also in order of their deadlines)
+        self._pending: dict[socket.socket, auth.ServerHandshake] = {}
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._sel.register(self.sock, selectors.EVENT_READ)
+        self._sel.register(self._wake_r, selectors.EVENT_READ)
+        self._evicted = 0
+        self._t_evict_log = 0.0
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="mesharray-accept", daemon=True)
+        self._thread.start()
+
+    # -- the listener's thread ----------------------------------------------------
+    def _loop(self) -> None:
+        while not self._closed:
+            try:
+                self._step()
+            except BaseException:  # nothing may end the thread: every later peer would time out
+                if self._closed:
+                    break
+                log.exception("listener %s: unexpected error; still accepting", self.address)
+                time.sleep(0.01)
+        for s in list(self._pending):
+            s.close()
+        self._pending.clear()
+        self._sel.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _step(self) -> None:
+        timeout = None
+        if self._pending:
+            first = next(iter(self._pending.values()))
+            timeout = max(0.0, first.deadline - time.monotonic())
+        for key, _ in self._sel.select(timeout):
+            obj = key.fileobj
+            if obj is self.sock:
+                self._accept()
+            elif obj is self._wake_r:
+                try:
+                    self._wake_r.recv(64)
+                except OSError:
+                    pass
+            else:
+                self._advance(obj)  # type: ignore[arg-type]  # a pending socket
+        now = time.monotonic()
+        while self._pending:  # deadlines passed (the oldest first)
+            s, hs = next(iter(self._pending.items()))
+            if hs.deadline > now:
+                break
+            got = len(hs.buf)
+            self._refuse(s, f"handshake not finished within {self.handshake_timeout:g} s "
+                            f"({got} of {auth.CLIENT_MSG} bytes received; MESHARRAY_HANDSHAKE_TIMEOUT)")
+
+    def _accept(self) -> None:
+        for _ in range(64):  # a batch, then the pending handshakes get their turn
+            if self._closed:
+                return
+            try:
+                s, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if self._closed:
+                    return
+                # out of descriptors or memory: the kernel keeps the connection queued
+                # (listen backlog); retry shortly rather than spin, and never stop accepting
+                log.warning("listener %s: accept failed (%s); retrying", self.address, exc)
+                time.sleep(0.05)
+                return
+            try:
+                self._admit(s)
+            except Exception as exc:
+                self._pending.pop(s, None)
+                self.refused += 1
+                log.warning("refused a connection on %s: %s", self.address, exc)
+                try:
+                    self._sel.unregister(s)
+                except (KeyError, ValueError):
+                    pass
+                s.close()
+
+    def _admit(self, s: socket.socket) -> None:
+        if s.family == socket.AF_UNIX:
+            uid = peer_uid(s)
+            if uid is not None and uid != os.geteuid() and uid != 0:
+                self.refused += 1
+                log.warning("refused a connection on %s from uid %d (this process runs as uid %d)",
+                            self.address, uid, os.geteuid())
+                s.close()
+                return
+        s.setblocking(False)
+        hs = auth.ServerHandshake(self.secret, time.monotonic() + self.handshake_timeout)
+        if s.send(hs.hello) != len(hs.hello):  # a fresh socket takes 36 bytes at once
+            raise BrokenTransportError("peer does not take the handshake's first message")
+        if len(self._pending) >= self.max_handshakes:
+            self._evict()
+        self._pending[s] = hs
+        self._sel.register(s, selectors.EVENT_READ)
+
+    def _evict(self) -> None:
+        oldest = next(iter(self._pending))
+        self._refuse(oldest, None)
+        self._evicted += 1
+        now = time.monotonic()
+        if now - self._t_evict_log > 1.0:  # a flood of idle sockets: one line a second, not one each
+            self._t_evict_log = now
+            log.warning("listener %s: over %d pending handshakes (MESHARRAY_MAX_HANDSHAKES); closed the "
+                        "oldest (%d so far)", self.address, self.max_handshakes, self._evicted)
+
+    def _advance(self, s: socket.socket) -> None:
+        hs = self._pending.get(s)
+        if hs is None:
+            return
+        try:
+            data = s.recv(auth.CLIENT_MSG - len(hs.buf))
+            if not data:
+                raise BrokenTransportError("peer closed the connection during the handshake")
+            answer = hs.feed(data)
+        except (BlockingIOError, InterruptedError):
+            return
+        except (AuthenticationError, OSError, BrokenTransportError) as exc:
+            self._refuse(s, str(exc))
+            return
+        if answer is None:
+            return
+        del self._pending[s]
+        self._sel.unregister(s)
+        try:
+            if s.send(answer) != len(answer):
+                raise BrokenTransportError("peer does not take the handshake's answer")
+            s.setblocking(True)
+        except OSError as exc:
+            self.refused += 1
+            log.warning("refused a connection on %s: %s", self.address, exc)
+            s.close()
+            return
+        try:
+            self.on_connection(s)
+        except Exception:
+            log.exception("connection handler failed on %s", self.address)
+            s.close()
+
+    def _refuse(self, s: socket.socket, why: str | None) -> None:
+        self._pending.pop(s, None)
+        try:
+            self._sel.unregister(s)
+        except (KeyError, ValueError):
+            pass
+        s.close()
+        self.refused += 1
+        if why is not None:
+            log.warning("refused a connection on %s: %s", self.address, why)
+
+    @property
+    def pending_handshakes(self) -> int:
+        """Connections accepted and not yet authenticated."""
+        return len(self._pending)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()  # new peers are refused from now on
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        if self._thread is not threading.current_thread():
+            self._thread.join(2.0)
+        if self._path is not None:
+            try:
+                os.unlink(self._path)
+                if self._dir is not None:
+                    os.rmdir(self._dir)
+            except OSError:
+                pass
+
+
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The uid of the process at the other end of a unix socket (``None`` where the OS does not say)."""
+    opt = getattr(socket, "SO_PEERCRED", None)
+    if opt is None:
+        return None
+    try:
+        _, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, opt, _PEERCRED.size))
+    except OSError:
+        return None
+    return uid
+
+
+def _check_bind(host: str, secret: bytes) -> None:
+    """Refuse a TCP listener reachable from other hosts without a secret; warn for all interfaces."""
+    import ipaddress
+
+    wildcard = host in ("", "0.0.0.0", "::")
+    try:
+        loopback = not wildcard and (host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback)
+    except ValueError:  # a host name: it may resolve to any interface
+        loopback = False
+    if loopback:
+        return
+    if not secret:
+        raise ValueError(f"refusing to listen on {host or 'every interface'!r} without a secret: other hosts "
+                         f"could connect; give a secret, or bind 127.0.0.1")
+    if wildcard:
+        import warnings
+
+        warnings.warn(f"listening on every interface ({host or '0.0.0.0'!r}): any host that reaches the port can "
+                      f"try the handshake (the job secret still protects it); bind the one interface the "
+                      f"peers use instead", RuntimeWarning, stacklevel=3)
