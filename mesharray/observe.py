@@ -56,8 +56,8 @@ from .runtime import protocol as P
 from .runtime.channel import Channel
 from .runtime.controller import Controller
 from .runtime.future import Future, new_future
+from .runtime.logs import compress_labels  # noqa: F401  (re-exported)
 from .runtime.recorder import BUCKETS
-from .telemetry import compress_labels  # noqa: F401  (re-exported)
 from .transport.connection import connect
 
 __all__ = ["Telemetry", "QueryResult", "RETENTION"]
