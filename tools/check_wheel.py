@@ -1,4 +1,4 @@
-"""Check a built wheel: manylinux tag, contents, stripped extension, no accelerator libraries.
+"""Check a built wheel: manylinux tag, contents (package data too), stripped extension, no accelerator libraries.
 
 Run by ``make wheel`` after ``auditwheel repair`` and ``check-wheel-contents``::
 
@@ -16,7 +16,8 @@ import zipfile
 
 #: libraries a wheel must not link: engines use whatever torch the user has
 ACCELERATOR_LIBS = (b"libcuda", b"libcudart", b"libnccl", b"libtorch", b"libamdhip64", b"librccl", b"libtpu")
-REQUIRED = ("mesharray/__init__.py", "mesharray/_core.pyi", "mesharray/py.typed")
+#: files every wheel must hold: package data included, not only the Python modules
+REQUIRED = ("mesharray/__init__.py", "mesharray/_core.pyi", "mesharray/py.typed", "mesharray/observe/static/index.html")
 
 
 def elf_sections(data: bytes) -> list[str]:

@@ -3,7 +3,8 @@
 Checks that no C compiler is reachable (the wheel must need none), that
 ``mesharray`` comes from the venv's site-packages (not a source tree), and
 runs the runtime end to end: actors, a distributed array, a reduction
-across ranks, ``python -m mesharray info``.
+across ranks, the telemetry web view's page (package data), ``python -m
+mesharray info``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import urllib.request
 
 import numpy as np
 
@@ -31,6 +33,10 @@ def main(argv: list[str]) -> None:
         x = procs.ones((1000,), dtype="float32")
         y = (x * procs.rank_array() + 1).sum(axis="procs").fetch()
         assert np.allclose(np.asarray(y), 3.0), y  # (1*0 + 1) + (1*1 + 1)
+        # the web view's page is package data (mesharray/observe/static): served from the installed wheel
+        with urllib.request.urlopen(procs.telemetry.serve(), timeout=30) as r:
+            page = r.read()
+        assert b"<title>mesharray" in page and b"api/state" in page, page[:200]
     info = subprocess.run([sys.executable, "-m", "mesharray", "info"], capture_output=True, text=True, timeout=60)
     assert info.returncode == 0, info.stderr
     print(info.stdout)

@@ -232,7 +232,7 @@ def _zygote_main() -> None:
     import cloudpickle  # noqa: F401
     import numpy  # noqa: F401
 
-    from .. import actor, telemetry  # noqa: F401
+    from .. import actor  # noqa: F401
     from ..runtime import worker as worker_mod
 
     children: dict[int, int] = {}  # pid -> rank

@@ -14,6 +14,14 @@ reach the runtime through ``mesharray`` (``ma.proc_mesh``, ``ma.Actor``,
 - :mod:`.worker`     — :func:`run_worker`, the loop every worker runs.
 - :mod:`.controller` — :class:`Controller`: listener, adoption of workers,
                        supervision (EOF + exit status, heartbeats), stop.
+- :mod:`.context`    — ``ma.context()``: the rank, mesh and call an actor's code runs in.
+- :mod:`.recorder`   — what every process records about itself for ``procs.telemetry``
+                       (call rows, actor events, errors, process samples).
+- :mod:`.logs`       — workers' output forwarded as LOG frames; the controller's
+                       :class:`LogSink` prints it prefixed, identical lines of several ranks once.
+- :mod:`.counters`   — :class:`Counters`: replies, errors, spawns, deaths per process mesh
+                       (``ProcMesh.stats()``).
 """
 
-__all__ = ["protocol", "future", "channel", "router", "worker", "controller"]
+__all__ = ["protocol", "future", "channel", "router", "worker", "controller", "context", "recorder", "logs",
+           "counters"]

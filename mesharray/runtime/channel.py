@@ -98,7 +98,7 @@ class Channel:
         self.died: BaseException | None = None
         self.t_oneway = 0.0
         self.polled = False  # True once read by the poller (callers may park and read it)
-        self.counters = counters  # telemetry.Counters (replies, errors) or None
+        self.counters = counters  # counters.Counters (replies, errors) or None
         self.conn = Connection(sock, handler=self._on_frame, on_close=self._on_conn_close, name=name)
         # a reply goes from the reader straight to its call's callback (and is counted), as _on_frame would
         self.conn.route(_REPLY, self.pending, None if counters is None else counters.tally)

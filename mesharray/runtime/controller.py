@@ -36,10 +36,11 @@ import time
 from typing import Any, Callable
 
 from ..errors import ActorDiedError, BootstrapError, MeshFailure, MeshStoppedError
-from ..telemetry import Counters, LogSink
 from ..transport.listener import Listener
 from . import protocol as P
 from .channel import Channel
+from .counters import Counters
+from .logs import LogSink
 from .router import get_router
 
 __all__ = ["Controller", "WorkerInfo"]

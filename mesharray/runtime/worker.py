@@ -54,6 +54,7 @@ from ..transport.spin import set_read_spin
 from . import protocol as P
 from .channel import Channel
 from .context import Context, current
+from .logs import flush_forwarding, forward_process_output, set_worker_label
 from .recorder import ENABLED as RECORD
 from .recorder import MAX_ROWS, REC, SPAN, set_title, thread_stacks
 from .router import set_secret
@@ -274,9 +275,7 @@ class Worker:
             cfg = pickle.loads(payload)
             conn.peer["pid"] = cfg.get("pid")
             self.heartbeat_interval = cfg.get("heartbeat_interval", self.heartbeat_interval)
-            from .. import telemetry
-
-            telemetry.set_worker_label(cfg.get("label"))
+            set_worker_label(cfg.get("label"))
             self.label = cfg.get("label") or self.label
             self.mesh_name = cfg.get("mesh") or self.mesh_name
             self._retitle()
@@ -712,9 +711,7 @@ def run_worker(controller_address: str, secret: bytes, rank: int, *, listen: str
     chan.conn.handler = functools.partial(w._frame, chan)  # (calls straight from the reader; see on_peer_socket)
     w.controller = chan
     if exit_process and forward_logs:
-        from .. import telemetry
-
-        telemetry.forward_process_output(chan.conn)
+        forward_process_output(chan.conn)
     hello = {"role": "worker", "rank": rank, "pid": w.pid, "host": w.host,
              "address": address, "forward_logs": forward_logs, **extra}
     chan.send(P.HELLO, parts=[pickle.dumps(hello)])
@@ -732,8 +729,6 @@ def run_worker(controller_address: str, secret: bytes, rank: int, *, listen: str
             sys.stderr.flush()
         except Exception:
             pass
-        from .. import telemetry
-
-        telemetry.flush_forwarding()
+        flush_forwarding()
         os._exit(w.exitcode)
     return w.exitcode

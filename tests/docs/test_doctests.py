@@ -27,7 +27,7 @@ STILL_SKIPPED = {
     ("mesharray.proc.attach", ""): "needs host agents on other machines (tests/multihost runs attach)",
     ("mesharray.k8s.attach", ""): "needs a Kubernetes cluster (tests/k8s runs it against an in-test API server)",
     ("mesharray.k8s.create", ""): "needs a Kubernetes cluster (tests/k8s runs it against an in-test API server)",
-    ("mesharray.observe.Telemetry.sql", "procs.telemetry.sql"): "shows the rows of a workload it does not run",
+    ("mesharray.observe.collect.Telemetry.sql", "procs.telemetry.sql"): "shows the rows of a workload it does not run",
     ("mesharray.proc.ProcMesh.telemetry", "procs.telemetry.sql"): "shows the rows of a workload it does not run",
     ("mesharray.collectives.mpi_comms.mesh_comm", "comm = mesh_comm"): "needs 4 MPI ranks (tests/mpi runs it)",
     ("mesharray.collectives.mpi_comms.mesh_comm", "comm.allreduce"): "needs 4 MPI ranks (tests/mpi runs it)",

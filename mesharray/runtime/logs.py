@@ -1,20 +1,23 @@
-"""Telemetry: worker output forwarded to the controller, and runtime counters.
+"""Worker output forwarded to the controller and printed there, one prefixed line per rank.
 
-Log forwarding
---------------
+Forwarding (worker side)
+------------------------
 A worker that owns its process (``run_worker(exit_process=True)``) replaces
-its file descriptors 1 and 2 by pipes; a thread per pipe sends what is written
-(by ``print``, ``logging``, C code, anything) to the controller as LOG frames.
-The controller prints complete lines on its own ``sys.stdout`` /
-``sys.stderr``, prefixed with the rank's coordinates in its process mesh, e.g.
-``[procs=2] hello``. On by default; ``proc_mesh(..., forward_logs=False)``
-leaves the workers' output on the terminal they inherited, unprefixed.
+its file descriptors 1 and 2 by pipes (:func:`forward_process_output`); a
+thread per pipe sends what is written (by ``print``, ``logging``, C code,
+anything) to the controller as LOG frames on the worker's controller
+connection. :func:`flush_forwarding` closes the pipes before the process exits
+so that the pumps send what is left. On by default;
+``proc_mesh(..., forward_logs=False)`` leaves the workers' output on the
+terminal they inherited, unprefixed.
 
-Counters
---------
-:class:`Counters` counts replies, errors, spawns, deaths and forwarded log
-bytes per process mesh; the process's router counts the calls and broadcasts
-it sent. ``ProcMesh.stats()`` returns both as a dict.
+Printing (controller side)
+--------------------------
+:class:`LogSink` reassembles complete lines per (rank, stream), keeps every
+line for the ``logs`` table of ``procs.telemetry`` and prints it on the
+controller's own ``sys.stdout`` / ``sys.stderr``, prefixed with the rank's
+coordinates in its process mesh, e.g. ``[procs=2] hello``. Identical lines of
+several ranks print once, their labels joined by :func:`compress_labels`.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ import sys
 import threading
 import time
 
-__all__ = ["Counters", "forward_process_output", "flush_forwarding", "LogSink", "set_worker_label",
-           "compress_labels"]
+from . import protocol as P
+
+__all__ = ["forward_process_output", "flush_forwarding", "LogSink", "set_worker_label", "compress_labels"]
 
 _threads: list[threading.Thread] = []
 _label: str | None = None
@@ -40,8 +44,6 @@ def set_worker_label(label) -> None:
 
 def forward_process_output(conn) -> None:
     """Redirect fds 1 and 2 of this process to ``conn`` as LOG frames."""
-    from .runtime import protocol as P
-
     for fd, stream in ((1, 1), (2, 2)):
         r, w = os.pipe()
         os.dup2(w, fd)
@@ -226,32 +228,3 @@ def compress_labels(labels: list[str]) -> str:
     if any(list(p) != keys for p in parsed):
         return ",".join(labels)
     return ",".join(f"{k}={_ranges([p[k] for p in parsed])}" for k in keys)
-
-
-class Counters:
-    """Runtime counters of one process mesh (read with ``ProcMesh.stats()``)."""
-
-    __slots__ = ("tally", "deaths", "log_bytes", "spawns", "unresponsive")
-    _FIELDS = ("replies", "errors", "deaths", "log_bytes", "spawns", "unresponsive")
-
-    def __init__(self) -> None:
-        self.unresponsive = 0  # times a worker's heartbeats stopped for heartbeat_timeout
-        #: [replies, of which errors]: counted by the connections' readers as the replies
-        #: come (transport.connection.Connection.route), hence a list
-        self.tally = [0, 0]
-        self.deaths = 0
-        self.log_bytes = 0
-        self.spawns = 0
-
-    @property
-    def replies(self) -> int:
-        """Replies received."""
-        return self.tally[0]
-
-    @property
-    def errors(self) -> int:
-        """Replies received that were errors."""
-        return self.tally[1]
-
-    def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self._FIELDS}
