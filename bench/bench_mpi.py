@@ -129,7 +129,7 @@ def _local(n: int, rounds: int) -> dict:
 
 
 def _mpirun(n: int, rounds: int) -> dict:
-    from mesharray.bootstrap.mpi import mpirun_command
+    from mesharray.bootstrap.mpirun import mpirun_command
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
     cmd = mpirun_command(n, [sys.executable, os.path.abspath(__file__), "--rounds", str(rounds)])

@@ -266,7 +266,7 @@ def info(probe: bool = False) -> dict[str, Any]:
         bootstrap = resolve_bootstrap("auto")
     except ValueError as exc:
         bootstrap = f"invalid: {exc}"
-    from mesharray.bootstrap.mpi import find_mpirun
+    from mesharray.bootstrap.mpirun import find_mpirun
 
     mpirun = find_mpirun()
     out = {

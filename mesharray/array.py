@@ -26,159 +26,32 @@ import math
 import numbers
 import operator
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
-from ._core import Shape, broadcast_shapes, classify_index
-from .calls import fill, template
+from ._core import Shape, classify_index
+from .calls import fill
+from .elementwise import (
+    BLOCKWISE,
+    REDUCTION_FUNCTIONS,
+    SAME_SHAPE_FUNCTIONS,
+    Plan,
+    array_template,
+    blockwise_function,
+    broadcast_plan,
+    mesh_alignment,
+    storage_class,
+)
 from .errors import DimensionError, MeshIndexError, MeshShapeError
 from .mesh import MeshTrait, mesh_size
+from .storage import GatheredStorage, Storage, StoredArray, WorkerStorage
 
 __all__ = ["GatheredStorage", "MeshArray"]
 
 
-# -----------------------------------------------------------------------------------
-# storage
-# -----------------------------------------------------------------------------------
-
-
-class GatheredStorage:
-    """Values held at the controller: one ndarray, mesh axes first, local axes last.
-
-    This class *is* the storage protocol a MeshArray talks to; a distributed
-    storage (:mod:`mesharray.darray`, blocks living in the workers)
-    implements the same members. MeshArray decides every layout (which Shape,
-    which axes, how operands broadcast) and hands it over; a storage only moves
-    or computes values. Every method returns a new storage (never a MeshArray).
-
-    Members
-    -------
-    kind : str
-        ``"gathered"`` here (a distributed storage says ``"distributed"``).
-    dtype : numpy.dtype
-    local_shape(mesh_ndim) -> tuple
-        Shape of each element.
-    to_numpy() -> ndarray
-        The values, shape ``mesh sizes + local shape`` (a distributed storage gathers).
-    take(mesh_key, local_key, new_shape) -> storage
-        NumPy indexing: ``mesh_key`` (explicit, no ``...``) on the mesh axes, whose
-        result is the Shape ``new_shape``, then ``local_key`` on each element.
-    relayout(old_shape, perm, new_shape) -> storage
-        The same elements over ``new_shape``: the mesh axes permuted by ``perm``
-        (None: unchanged), then reshaped row-major (rename, flatten, split,
-        transpose). Blocks that live at ranks need not move.
-    setitem(key, value) -> None
-        ``values[key] = value`` in place: ``key`` is a NumPy key over the full
-        shape whose NumPy meaning equals the MeshArray's, ``value`` an ndarray or
-        scalar already aligned to the selection's layout.
-    reshape_local(mesh_ndim, local_shape) / astype(dtype, copy) / copy() -> storage
-    reduce(op, func, axes, keepdims, kwargs) -> storage
-        Reduction ``op`` over ``axes`` of the full shape (None: all); ``func`` is
-        the NumPy function for one ndarray.
-    elementwise(ufunc, plan, inputs, kwargs) -> tuple of storage  (static)
-        ``ufunc`` over ``inputs`` (MeshArrays and plain operands) broadcast as
-        ``plan`` (a :class:`_Plan`) says; ``kwargs["out"]``, when present, holds
-        the outputs to write into (MeshArrays with the result's layout, or ndarrays).
-    """
-
-    __slots__ = ("array",)
-    kind = "gathered"
-
-    def __init__(self, array: np.ndarray) -> None:
-        self.array = array
-
-    # -- description
-    @property
-    def dtype(self) -> np.dtype:
-        return self.array.dtype
-
-    def local_shape(self, mesh_ndim: int) -> tuple[int, ...]:
-        return self.array.shape[mesh_ndim:]
-
-    # -- whole values
-    def to_numpy(self) -> np.ndarray:
-        return self.array
-
-    # -- layout changes
-    def take(self, mesh_key: tuple, local_key: tuple, new_shape: Shape) -> GatheredStorage:
-        # a trailing ``...`` keeps every result an ndarray (an object element that
-        # is itself a list must stay an element, not become axes)
-        v = self.array[mesh_key + (Ellipsis,)] if mesh_key else self.array
-        if local_key:
-            m = new_shape.ndim
-            if any(_is_advanced(k) for k in local_key):
-                # NumPy would move non-adjacent advanced-index dims in front of *all*
-                # axes; put the mesh axes last so they land in front of the local ones.
-                v = np.moveaxis(v, tuple(range(m)), tuple(range(-m, 0)))
-                v = v[local_key + (Ellipsis,)]
-                v = np.moveaxis(v, tuple(range(-m, 0)), tuple(range(m)))
-            else:
-                v = v[(slice(None),) * m + local_key + (Ellipsis,)]
-        return GatheredStorage(v)
-
-    def relayout(self, old_shape: Shape, perm: tuple[int, ...] | None, new_shape: Shape) -> GatheredStorage:
-        v = self.array
-        m = old_shape.ndim
-        local = v.shape[m:]
-        if perm is not None:
-            v = v.transpose(perm + tuple(range(m, v.ndim)))
-        return GatheredStorage(v.reshape(tuple(new_shape.sizes) + local))
-
-    def setitem(self, key: tuple, value: Any) -> None:
-        self.array[key] = value
-
-    def reshape_local(self, mesh_ndim: int, local_shape: tuple[int, ...]) -> GatheredStorage:
-        v = self.array
-        return GatheredStorage(v.reshape(v.shape[:mesh_ndim] + tuple(local_shape)))
-
-    def astype(self, dtype: Any, copy: bool) -> GatheredStorage:
-        return GatheredStorage(self.array.astype(dtype, copy=copy))
-
-    def copy(self) -> GatheredStorage:
-        return GatheredStorage(self.array.copy())
-
-    # -- compute
-    def reduce(self, op: str, func: Any, axes: tuple[int, ...] | None, keepdims: bool, kwargs: dict) -> GatheredStorage:
-        if op in ("argmin", "argmax") and axes is not None:
-            r = func(self.array, axis=axes[0], keepdims=keepdims, **kwargs)
-        else:
-            r = func(self.array, axis=axes, keepdims=keepdims, **kwargs)
-        return GatheredStorage(np.asarray(r))
-
-    @staticmethod
-    def elementwise(ufunc: np.ufunc, plan: _Plan, inputs: list, kwargs: dict) -> tuple[GatheredStorage, ...]:
-        if ufunc.signature is not None:
-            return tuple(GatheredStorage(r) for r in _gufunc_per_element(ufunc, plan, inputs, kwargs))
-        args = [plan.align(x) if isinstance(x, MeshArray) else x for x in inputs]
-        if isinstance(kwargs.get("where"), MeshArray):
-            kwargs = dict(kwargs, where=plan.align(kwargs["where"]))
-        if "out" in kwargs:  # the plan checked that MeshArray outputs have the result's layout
-            kwargs = dict(kwargs, out=tuple(o._values() if isinstance(o, MeshArray) else o for o in kwargs["out"]))
-        out = ufunc(*args, **kwargs)
-        return tuple(GatheredStorage(np.asarray(r)) for r in (out if isinstance(out, tuple) else (out,)))
-
-
-def _storage_class(operands: Sequence[Any]) -> Any:
-    """The storage that runs an operation on these operands.
-
-    This is the single place where a distributed storage takes over: an operation
-    with any distributed operand is run by that operand's storage class (which
-    decides how to treat gathered operands next to it).
-    """
-    for x in operands:
-        if isinstance(x, MeshArray) and type(x._storage) is not GatheredStorage:
-            return type(x._storage)
-    return GatheredStorage
-
-
-# -----------------------------------------------------------------------------------
-# the array
-# -----------------------------------------------------------------------------------
-
-
-class MeshArray(NDArrayOperatorsMixin, MeshTrait):
+class MeshArray(NDArrayOperatorsMixin, MeshTrait, StoredArray):
     """A NumPy-like array whose leading ``mesh_ndim`` axes are named mesh dims.
 
     ``MeshArray(values, names)`` wraps ``values`` (anything ``numpy.asarray``
@@ -234,15 +107,12 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
     removes its name (``keepdims`` keeps it with size 1); the result's Shape holds
     the first rank of each reduced group (the root of ``reduction_plan``).
 
-    **Storage.** Values live in ``self._storage``, behind a small protocol
-    (``to_numpy``, ``take``, ``relayout``, ``reshape_local``, ``astype``,
-    ``copy``, ``reduce``, ``elementwise``). This module implements the
-    *gathered* storage (one ndarray at the controller, ``GatheredStorage``); a
-    distributed storage (blocks in the workers, :mod:`mesharray.darray`)
-    implements the same protocol. MeshArray itself only decides layouts (names,
-    Shapes, axes, broadcasting plans) and never touches values except through
-    the storage; ``_storage_class(operands)`` is the one place that picks the
-    storage running an operation.
+    **Storage.** Values live in ``self._storage``, a
+    :class:`~mesharray.storage.Storage`: a ``GatheredStorage`` (one ndarray at
+    the controller) or a distributed storage (blocks in the workers,
+    :mod:`mesharray.darray`). MeshArray only decides layouts (names, Shapes,
+    axes, the broadcasting plans of :mod:`mesharray.elementwise`) and touches
+    values only through the storage.
 
     Examples
     --------
@@ -262,7 +132,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
     [2.0, 2.0, 2.0]
     """
 
-    __slots__ = ("_shape", "_storage", "_last_reduce", "__weakref__")
+    __slots__ = ("_last_reduce", "__weakref__")  # (_shape and _storage: StoredArray's)
     # ndarray operands defer to us (ndarray + MeshArray -> MeshArray.__radd__)
     __array_priority__ = 20
 
@@ -299,12 +169,12 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
     # -- construction ---------------------------------------------------------------
 
     @classmethod
-    def from_storage(cls, shape: Shape, storage: Any) -> MeshArray:
+    def from_storage(cls, shape: Shape, storage: Storage) -> MeshArray:
         """A MeshArray over mesh ``shape`` whose values are held by ``storage``.
 
-        For storage implementations (``GatheredStorage`` here, the distributed
-        storage of :mod:`mesharray.darray`): ``storage`` implements the
-        protocol described in :class:`GatheredStorage`.
+        For storage implementations (``GatheredStorage``, the distributed
+        storage of :mod:`mesharray.darray`): ``storage`` implements
+        :class:`~mesharray.storage.Storage`.
         """
         self = object.__new__(cls)
         self._shape = shape
@@ -315,7 +185,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
     _from_parts = from_storage
 
     @property
-    def storage(self) -> Any:
+    def storage(self) -> Storage:
         """What holds the values: a ``GatheredStorage`` (at the controller) or a distributed storage."""
         return self._storage
 
@@ -685,7 +555,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
             # the selection's local shape, from a zero-stride stand-in (no allocation)
             stand_in = np.broadcast_to(np.empty((), dtype=np.bool_), self.local_shape)
             local = stand_in[local_key + (Ellipsis,)].shape if local_key else self.local_shape
-            plan = _Plan(tuple(target.names), tuple(target.sizes), target, tuple(local))
+            plan = Plan(tuple(target.names), tuple(target.sizes), target, tuple(local))
             value = plan.align(value, pad_local=len(value.local_shape) <= len(local))
         self._storage.setitem(mesh_key + local_key, value)
 
@@ -736,19 +606,19 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         return _elementwise(ufunc, list(inputs), kwargs)
 
     def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
-        method = _FUNCTIONS.get(func)
+        method = REDUCTION_FUNCTIONS.get(func)
         if method is not None and args and isinstance(args[0], MeshArray):
             return getattr(args[0], method)(*args[1:], **kwargs)
-        if func in _BLOCKWISE:
-            done = _blockwise_function(func, args, kwargs)
+        if func in BLOCKWISE:
+            done = blockwise_function(func, args, kwargs)
             if done is not NotImplemented:
                 return done
         if func is np.where and len(args) == 3 and not kwargs:
             # np.where(cond, x, y) is elementwise: operands broadcast as a ufunc's do
-            plan = _plan(list(args), ())
+            plan = broadcast_plan(list(args), ())
             aligned = [plan.align(x) if isinstance(x, MeshArray) else x for x in args]
             return _wrap(plan.shape, GatheredStorage(np.asarray(np.where(*aligned))))
-        if func in _SAME_SHAPE_FUNCTIONS and args and isinstance(args[0], MeshArray):
+        if func in SAME_SHAPE_FUNCTIONS and args and isinstance(args[0], MeshArray):
             a = args[0]
             result = func(a._values(), *_plain(args[1:]), **_plain(kwargs))
             if isinstance(result, np.ndarray) and result.shape == a.shape:
@@ -772,10 +642,10 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         """
         kwargs = kwargs or {}
         leaves: list = []
-        targs = _template(args, leaves)
-        tkwargs = _template(kwargs, leaves)
-        plan = _plan(leaves, (), per_element=True)
-        storage_cls = _storage_class(leaves)
+        targs = array_template(args, leaves)
+        tkwargs = array_template(kwargs, leaves)
+        plan = broadcast_plan(leaves, (), per_element=True)
+        storage_cls = storage_class(leaves)
         if storage_cls is GatheredStorage:
             return _torch_gathered(func, plan, leaves, targs, tkwargs)
         return storage_cls.torch_function(func, plan, leaves, targs, tkwargs)
@@ -791,7 +661,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         attr = getattr(st, "torch_attr", None)
         if attr is None:
             raise AttributeError(f"'MeshArray' object has no attribute {name!r}")
-        return attr(self, name, _plan([self], (), per_element=True))
+        return attr(self, name, broadcast_plan([self], (), per_element=True))
 
     # -- reductions ------------------------------------------------------------------------
 
@@ -987,7 +857,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         st = self._storage
         if axis is not None and st.kind == "distributed":
             i = _normalize_axes(_single_axis(axis, "roll"), self)[0]
-            return MeshArray.from_storage(self._shape, st.roll(i, int(shift), self._shape.ndim))
+            return MeshArray.from_storage(self._shape, cast(WorkerStorage, st).roll(i, int(shift), self._shape.ndim))
         values = self.to_numpy()
         if axis is None:
             return MeshArray.from_storage(self._shape, GatheredStorage(np.roll(values, int(shift))))
@@ -1022,9 +892,9 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         if not (hasattr(procs, "from_numpy") and isinstance(getattr(procs, "mesh_shape", None), Shape)):
             raise TypeError(f"to_mesh needs a ProcMesh (or a slice of one), got {type(procs).__name__}")
         dst = procs.mesh_shape
-        idx = _mesh_alignment(self, tuple(dst.names), tuple(dst.sizes))
+        idx = mesh_alignment(self, tuple(dst.names), tuple(dst.sizes))
         if self._storage.kind == "distributed":
-            return MeshArray.from_storage(dst, self._storage.to_mesh(idx, procs))  # type: ignore[attr-defined]
+            return MeshArray.from_storage(dst, cast(WorkerStorage, self._storage).to_mesh(idx, procs))
         local = self.local_shape
         values = self._values().reshape((-1,) + local)[idx.reshape(-1)]
         return procs.from_numpy(values.reshape(idx.shape + local))
@@ -1034,7 +904,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
         best = self.min(axis=axis, keepdims=True) if kind == "min" else self.max(axis=axis, keepdims=True)
         n = self._shape.sizes[axis]
         # each position's index along ``axis``, as a distributed array of this one's mesh
-        pos = self._storage.positions(self._shape, axis)  # type: ignore[attr-defined]  # (a distributed storage)
+        pos = cast(WorkerStorage, self._storage).positions(self._shape, axis)
         if self.dtype.kind == "f":
             # NumPy's rule: the first NaN wins (NaN != NaN marks those positions)
             hit = np.logical_or(np.equal(self, best), np.not_equal(self, self))
@@ -1070,37 +940,11 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait):
 
 _NUMBER_TYPES = (bool, int, float, complex)
 _IS_NONE = functools.partial(operator.is_, None)  # identity only: ``==`` on an ndarray is elementwise
-_SCALAR_TYPES = (bool, int, float, complex, np.generic)
 
 
 def _abs2(x: Any) -> Any:
     """``|x|²`` (``x * x`` for reals)."""
     return np.square(np.abs(x)) if x.dtype.kind == "c" else x * x
-
-
-def _mesh_alignment(a: MeshArray, names: tuple[str, ...], sizes: tuple[int, ...]) -> np.ndarray:
-    """For each position of a mesh ``names``/``sizes``: the flat position of ``a`` whose block goes there.
-
-    By name when every mesh dim of ``a`` is one of ``names``, else positionally
-    from the right; size-1 and missing dims broadcast.
-    """
-    src, ssz = tuple(a._shape.names), tuple(a._shape.sizes)
-    pos = np.arange(math.prod(ssz), dtype=np.int64).reshape(ssz)
-    want = dict(zip(names, sizes))
-    if all(n in want for n in src):
-        present = [n for n in names if n in src]
-        pos = pos.transpose([src.index(n) for n in present])
-        pos = pos.reshape(tuple(ssz[src.index(n)] if n in src else 1 for n in names))
-    elif len(src) <= len(names):
-        pos = pos.reshape((1,) * (len(names) - len(src)) + ssz)
-    else:
-        raise MeshShapeError(f"cannot place an array with mesh dims {a.mesh_sizes} on a mesh with dims {want}: "
-                             f"it has more dims, and not all of its dim names are the mesh's")
-    for n, have, need in zip(names, pos.shape, sizes):
-        if have not in (1, need):
-            raise MeshShapeError(f"cannot place an array with mesh dims {a.mesh_sizes} on a mesh with dims {want}: "
-                                 f"dim {n!r} has size {have} here and {need} there (only size 1 broadcasts)")
-    return np.ascontiguousarray(np.broadcast_to(pos, sizes))
 
 
 def _rebuild(shape: Shape, values: np.ndarray) -> MeshArray:
@@ -1126,7 +970,7 @@ def _unique_names(names: list[str], shape: tuple[int, ...]) -> list[tuple[str, i
     return list(zip(names, shape))
 
 
-def _wrap(shape: Shape, storage: Any) -> Any:
+def _wrap(shape: Shape, storage: Storage) -> Any:
     """A MeshArray, or the bare element when there is no axis left (as NumPy gives a scalar)."""
     if shape.ndim == 0 and type(storage) is GatheredStorage and storage.array.ndim == 0:
         return storage.array[()]
@@ -1299,153 +1143,7 @@ def _mask_values(k: MeshArray, a: MeshArray) -> np.ndarray:
     return k._values()
 
 
-# -- broadcasting ------------------------------------------------------------------------
-
-
-class _Plan:
-    """Layout of an elementwise result, decided from shapes alone.
-
-    Attributes
-    ----------
-    names : tuple of str
-        Result mesh dims, in order.
-    sizes : tuple of int
-        Their sizes.
-    shape : Shape
-        The result's mesh Shape.
-    local_shape : tuple of int
-        The result's local shape (the broadcast of the operands' local shapes;
-        empty for a generalized ufunc, whose blocks have the shape it makes).
-
-    A plain (non-MeshArray) operand broadcasts positionally against
-    ``sizes + local_shape``; :meth:`layout` says how a MeshArray operand does.
-    """
-
-    __slots__ = ("names", "sizes", "shape", "local_shape")
-
-    def __init__(self, names: tuple[str, ...], sizes: tuple[int, ...], shape: Shape, local_shape: tuple[int, ...]) -> None:
-        self.names = names
-        self.sizes = sizes
-        self.shape = shape
-        self.local_shape = local_shape
-
-    def layout(self, a: MeshArray, pad_local: bool = True) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """How ``a`` lines up with the result, from shapes alone: ``(perm, target)``.
-
-        ``perm`` orders ``a``'s mesh axes as the result's names do (then its local
-        axes); ``target`` is the shape, with size-1 axes inserted for the result's
-        mesh dims ``a`` lacks (and, with ``pad_local``, for missing leading local
-        axes), that broadcasts positionally against the result's full shape.
-        """
-        src = tuple(a._shape.names)
-        m = len(src)
-        local = a.local_shape
-        present = [n for n in self.names if n in src]
-        perm = tuple(src.index(n) for n in present) + tuple(range(m, m + len(local)))
-        sizes = dict(zip(src, a._shape.sizes))
-        pad = (len(self.local_shape) - len(local)) if pad_local else 0
-        target = tuple(sizes.get(n, 1) for n in self.names) + (1,) * pad + local
-        return perm, target
-
-    def align(self, a: MeshArray, pad_local: bool = True) -> np.ndarray:
-        """``a``'s values as a view broadcastable (positionally) to the result's full shape."""
-        v = a._values()
-        if a._shape.names == self.names and (not pad_local or v.ndim - len(self.names) == len(self.local_shape)):
-            return v
-        perm, target = self.layout(a, pad_local)
-        if perm != tuple(range(v.ndim)):
-            v = v.transpose(perm)
-        return v.reshape(target) if target != v.shape else v
-
-
-def _fmt_mesh(a: MeshArray) -> str:
-    return str(a.mesh_sizes)
-
-
-def _plan(inputs: list, out: tuple, per_element: bool = False) -> _Plan:
-    """The result layout of an elementwise op; ``per_element`` for a generalized ufunc.
-
-    A generalized ufunc (``matmul``) maps local blocks to blocks of its own
-    shape, so only the mesh dims are broadcast; its local shape is left empty.
-    """
-    # fast path: MeshArrays of one layout and scalars (``a + 1``, ``a * b`` on one mesh)
-    first = None
-    for x in (*out, *inputs):
-        if isinstance(x, MeshArray):
-            if first is None:
-                first = x
-            elif (x._shape.names != first._shape.names or x._shape.sizes != first._shape.sizes
-                  or x.local_shape != first.local_shape):
-                break
-        elif not isinstance(x, _SCALAR_TYPES):
-            break
-    else:
-        if first is not None:
-            local = () if per_element else first.local_shape
-            return _Plan(first._shape.names, first._shape.sizes, first._shape, local)
-    arrays = [x for x in inputs if isinstance(x, MeshArray)]
-    outs = [x for x in out if isinstance(x, MeshArray)]
-    names: list[str] = []
-    for a in outs + arrays:
-        for n in a._shape.names:
-            if n not in names:
-                names.append(n)
-    every = outs + arrays
-    try:
-        sizes_by_name = broadcast_shapes(*[a._shape for a in arrays]) if arrays else {}
-    except MeshShapeError as e:
-        shapes = " and ".join(_fmt_mesh(a) for a in arrays)
-        raise MeshShapeError(f"mesh dims {shapes} do not broadcast") from e
-    sizes_by_name = dict(sizes_by_name)
-    if per_element:
-        sizes = tuple(sizes_by_name[n] for n in names)
-        return _Plan(tuple(names), sizes, _result_shape(every, names, sizes), ())
-    try:
-        local = tuple(np.broadcast_shapes(*[a.local_shape for a in arrays]))
-    except ValueError:
-        shapes = " and ".join(str(a.local_shape) for a in arrays)
-        raise MeshShapeError(
-            f"local shapes {shapes} do not broadcast (mesh dims {' and '.join(_fmt_mesh(a) for a in arrays)})"
-        ) from None
-    full = tuple(sizes_by_name.get(n, 1) for n in names) + local
-    for x in inputs:
-        if isinstance(x, MeshArray) or isinstance(x, (numbers.Number, np.generic)) or x is None:
-            continue
-        try:
-            xshape = np.shape(x)
-        except ValueError:  # a ragged sequence: NumPy treats it as an object scalar
-            continue
-        if len(xshape) > len(full):
-            raise MeshShapeError(
-                f"operand of shape {xshape} has more dims than the mesh array's shape {full} "
-                f"(mesh dims {dict(zip(names, full))} and local shape {local})"
-            )
-        try:
-            full = tuple(np.broadcast_shapes(full, xshape))
-        except ValueError:
-            raise MeshShapeError(
-                f"operand of shape {xshape} does not broadcast against the mesh array's shape {full} "
-                f"(mesh dims {dict(zip(names, full))} and local shape {local})"
-            ) from None
-    m = len(names)
-    sizes = full[:m]
-    local = full[m:]
-    for o in outs:
-        if tuple(o._shape.names) != tuple(names[: o._shape.ndim]) or o._shape.ndim != m or o.shape != full:
-            raise MeshShapeError(
-                f"output with mesh dims {_fmt_mesh(o)} and local shape {o.local_shape} cannot hold a result "
-                f"with mesh dims {dict(zip(names, sizes))} and local shape {local}"
-            )
-    return _Plan(tuple(names), tuple(sizes), _result_shape(every, names, sizes), tuple(local))
-
-
-def _result_shape(operands: list, names: list[str], sizes: tuple[int, ...]) -> Shape:
-    """The Shape of the first operand having every result dim at full size, else a dense one."""
-    want = dict(zip(names, sizes))
-    for a in operands:
-        if a._shape.ndim == len(names) and dict(zip(a._shape.names, a._shape.sizes)) == want:
-            return a._shape if tuple(a._shape.names) == tuple(names) else a._shape.transpose(*names)
-    return Shape(want)
+# -- operations whose results become MeshArrays -------------------------------------------
 
 
 def _elementwise(ufunc: np.ufunc, inputs: list, kwargs: dict) -> Any:
@@ -1453,8 +1151,9 @@ def _elementwise(ufunc: np.ufunc, inputs: list, kwargs: dict) -> Any:
     if out is None:
         out = ()
     where = kwargs.get("where")
-    plan = _plan(inputs + ([where] if isinstance(where, MeshArray) else []), tuple(out), ufunc.signature is not None)
-    storage_cls = _storage_class(inputs + list(out))
+    plan = broadcast_plan(inputs + ([where] if isinstance(where, MeshArray) else []), tuple(out),
+                          ufunc.signature is not None)
+    storage_cls = storage_class(inputs + list(out))
     if out:
         kwargs["out"] = tuple(out)
     results = storage_cls.elementwise(ufunc, plan, inputs, kwargs)
@@ -1468,62 +1167,7 @@ def _elementwise(ufunc: np.ufunc, inputs: list, kwargs: dict) -> Any:
     return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
 
 
-def _gufunc_per_element(ufunc: np.ufunc, plan: _Plan, inputs: list, kwargs: dict) -> tuple[np.ndarray, ...]:
-    """A generalized ufunc (``matmul``...) applied to each element's local block."""
-    if kwargs.get("out") is not None:
-        raise TypeError(f"{ufunc.__name__} of MeshArrays does not take out=; assign the result instead")
-    aligned = [plan.align(x, pad_local=False) if isinstance(x, MeshArray) else x for x in inputs]
-    m = len(plan.names)
-    results: list[list[Any]] = []
-    for pos in np.ndindex(*plan.sizes):
-        args = []
-        for x, orig in zip(aligned, inputs):
-            if isinstance(orig, MeshArray):
-                args.append(x[tuple(p if s > 1 else 0 for p, s in zip(pos, x.shape[:m]))])
-            else:
-                args.append(x)
-        r = ufunc(*args, **kwargs)
-        r = r if isinstance(r, tuple) else (r,)
-        if not results:
-            results = [[] for _ in r]
-        for acc, ri in zip(results, r):
-            acc.append(np.asarray(ri))
-    if not results:  # an empty mesh: run once on empty blocks to learn the result dtype
-        raise MeshShapeError(f"{ufunc.__name__} over an empty mesh {dict(zip(plan.names, plan.sizes))}")
-    out = []
-    for acc in results:
-        stacked = np.stack(acc)
-        out.append(stacked.reshape(plan.sizes + stacked.shape[1:]))
-    return tuple(out)
-
-
-# NumPy functions that dispatch to our reductions (``np.sum(a, axis="procs")``)
-_FUNCTIONS: dict[Any, str] = {
-    np.sum: "sum",
-    np.prod: "prod",
-    np.mean: "mean",
-    np.std: "std",
-    np.var: "var",
-    np.min: "min",
-    np.max: "max",
-    np.amin: "min",
-    np.amax: "max",
-    np.any: "any",
-    np.all: "all",
-    np.argmin: "argmin",
-    np.argmax: "argmax",
-}
-
-def _template(obj: Any, leaves: list) -> Any:
-    """``obj`` with each MeshArray (in lists, tuples, dicts) replaced by a :class:`~mesharray.calls.Slot`."""
-    return template(obj, _is_array, leaves)
-
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, MeshArray)
-
-
-def _torch_gathered(func: Any, plan: _Plan, leaves: list, args: Any, kwargs: dict) -> Any:
+def _torch_gathered(func: Any, plan: Plan, leaves: list, args: Any, kwargs: dict) -> Any:
     """A torch function over gathered MeshArrays: run on each position's elements, results stacked."""
     import torch  # torch called us: it is imported
 
@@ -1538,56 +1182,3 @@ def _torch_gathered(func: Any, plan: _Plan, leaves: list, args: Any, kwargs: dic
             np.stack([r.detach().cpu().numpy() for r in results]).reshape(sizes + tuple(results[0].shape))))
     return MeshArray.from_results(plan.shape, results)
 
-
-#: NumPy functions that run on each rank's block of a distributed array (local axes only)
-_BLOCKWISE: set = {np.concatenate, np.stack, np.where, np.clip, np.dot, np.matmul, np.einsum, np.round,
-                   np.around, np.nan_to_num, np.copy, np.real, np.imag}
-
-
-def _blockwise_function(func: Any, args: Any, kwargs: Any) -> Any:
-    """A NumPy function of distributed arrays run where their blocks live, or NotImplemented.
-
-    Axis arguments count the whole shape, as everywhere on MeshArrays, and must
-    name local axes (``np.concatenate([a, b], axis=-1)``); einsum's subscripts
-    name each block's own axes. Anything else (an axis over mesh dims) is left
-    to the gathered path.
-    """
-    leaves: list = []
-    targs = _template(tuple(args), leaves)
-    tkwargs = _template(dict(kwargs), leaves)
-    if not leaves or _storage_class(leaves) is GatheredStorage:
-        return NotImplemented
-    per_element = func in (np.dot, np.matmul, np.einsum, np.concatenate, np.stack)
-    plan = _plan(leaves, (), per_element=per_element)
-    m = len(plan.sizes)
-    if func in (np.concatenate, np.stack):
-        axis = tkwargs.pop("axis", targs[1] if len(targs) > 1 else 0)
-        targs = targs[:1]
-        if axis is None or not isinstance(axis, (numbers.Integral, np.integer)):
-            return NotImplemented
-        if func is np.concatenate:
-            nd = m + leaves[0].local_ndim
-        else:
-            nd = m + leaves[0].local_ndim + 1
-        axis = int(axis) + nd if axis < 0 else int(axis)
-        if not m <= axis < nd:
-            return NotImplemented  # along a mesh dim: gathered
-        if any(x.local_ndim != leaves[0].local_ndim for x in leaves):
-            raise MeshShapeError(f"{func.__name__}: local shapes {[x.local_shape for x in leaves]} differ in "
-                                 f"their number of axes")
-        tkwargs["axis"] = axis - m
-    elif func is np.einsum:
-        subs = targs[0]
-        if not isinstance(subs, str):
-            return NotImplemented
-        inputs = subs.replace(" ", "").split("->")[0].split(",")
-        if len(inputs) != len(leaves) or any(len(t.replace("...", "")) != x.local_ndim
-                                             for t, x in zip(inputs, leaves) if "..." not in t):
-            return NotImplemented  # subscripts over the whole shape: gathered
-    elif "axis" in tkwargs or "out" in tkwargs:
-        return NotImplemented
-    return type(leaves[0]._storage).array_function(func, plan, leaves, targs, tkwargs, per_element)
-
-
-# NumPy functions whose same-shape result keeps the mesh (values computed elementwise)
-_SAME_SHAPE_FUNCTIONS = {np.round, np.around, np.clip, np.copy, np.nan_to_num, np.real, np.imag}

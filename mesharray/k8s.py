@@ -12,7 +12,8 @@ image=IMAGE)`` creates the objects, attaches, and deletes them when the mesh
 detaches.
 
 Each pod runs a host agent (``python -m mesharray host``) on its pod IP; see
-:mod:`mesharray.bootstrap.k8s` for the manifest and how pods are found.
+:mod:`mesharray.bootstrap.k8s.manifests` for the manifest and
+:mod:`mesharray.bootstrap.k8s.discovery` for how pods are found.
 Importing this module imports nothing of the ``kubernetes`` client; calling
 :func:`attach` or :func:`create` without it raises ``ImportError`` naming
 ``pip install 'mesharray[k8s]'``.
@@ -31,6 +32,7 @@ import logging
 from typing import Any, Mapping, Sequence
 
 from .bootstrap import k8s as _k8s
+from .bootstrap.agent import DEFAULT_PORT
 from .bootstrap.k8s import dump_yaml, manifest
 from .errors import BootstrapError
 from .proc import HostMesh
@@ -134,7 +136,7 @@ def attach(name: str, namespace: str = "default", hosts: int | None = None, time
 
 def create(name: str, hosts: int, image: str, *, namespace: str = "default", procs_per_host: int = 8,
            jobset: bool = False, resources: str | Mapping[str, Any] | Sequence[str] | None = None,
-           secret_name: str | None = None, port: int = _k8s.DEFAULT_PORT,
+           secret_name: str | None = None, port: int = DEFAULT_PORT,
            node_selector: Mapping[str, str] | None = None, service_account: str | None = None,
            python: str = "python", timeout: float = 300.0, transport: str | None = None,
            kubeconfig: str | None = None, context: str | None = None, watch: bool = True) -> HostMesh:

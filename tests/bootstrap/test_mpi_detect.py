@@ -18,9 +18,9 @@ from mesharray.bootstrap.mpi import (
     local_comm,
     mesh_comm,
     mesh_layout,
-    mpirun_command,
     world_comm,
 )
+from mesharray.bootstrap.mpirun import mpirun_command
 from mesharray.errors import BootstrapError
 
 # --------------------------------------------------------------------------- detection
@@ -161,13 +161,13 @@ def test_bootstrap_validates_arguments_before_touching_mpi(monkeypatch):
 
 
 def test_mpirun_command_adds_what_open_mpi_needs():
-    from mesharray.bootstrap.mpi import find_mpirun
+    from mesharray.bootstrap.mpirun import find_mpirun
 
     if find_mpirun() is None:
         pytest.skip("no mpirun beside python or on PATH (pip install 'mesharray[mpi]')")
     cmd = mpirun_command(3, ["python", "x.py"], extra=["--enable-recovery"])
     assert cmd[-5:] == ["--enable-recovery", "-n", "3", "python", "x.py"]
-    from mesharray.bootstrap.mpi import _launcher_flavor
+    from mesharray.bootstrap.mpirun import _launcher_flavor
 
     if _launcher_flavor(cmd[0]) == "openmpi":
         assert "--oversubscribe" in cmd
@@ -176,7 +176,7 @@ def test_mpirun_command_adds_what_open_mpi_needs():
 
 
 def test_find_mpirun_honours_the_mpirun_variable(monkeypatch):
-    from mesharray.bootstrap.mpi import find_mpirun
+    from mesharray.bootstrap.mpirun import find_mpirun
 
     monkeypatch.setenv("MPIRUN", "/opt/mpi/bin/mpiexec")
     assert find_mpirun() == "/opt/mpi/bin/mpiexec"
@@ -202,7 +202,7 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess:
 
 def test_import_mesharray_never_imports_mpi4py():
     out = _python(
-        "import sys, mesharray, mesharray.bootstrap.mpi, mesharray.bootstrap._detect, "
+        "import sys, mesharray, mesharray.bootstrap.mpi, mesharray.bootstrap.mpirun, mesharray.bootstrap._detect, "
         "mesharray.__main__\n"
         "mesharray.bootstrap._detect.resolve_bootstrap('auto')\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mpi4py', 'torch', 'ucxx')))",

@@ -208,7 +208,7 @@ def test_a_worker_rank_dying_later_is_an_actor_died_error(tmp_path):
         alive = np.asarray(victims.slice(procs=slice(0, -1)).pid.call().get()).size
         print("alive", alive, flush=True)
     """)
-    from mesharray.bootstrap.mpi import _launcher_flavor, mpirun_command
+    from mesharray.bootstrap.mpirun import _launcher_flavor, mpirun_command
 
     if _launcher_flavor(mpirun_command(1, ["x"])[0]) != "openmpi":
         pytest.skip("--enable-recovery is an Open MPI 5 option")

@@ -175,10 +175,11 @@ def test_cli_rejects_bad_arguments():
     assert out.returncode == 2
 
 
-@pytest.mark.parametrize("module", ["mesharray.bootstrap.k8s", "mesharray.k8s"])
+@pytest.mark.parametrize("module", ["mesharray.bootstrap.k8s.manifests", "mesharray.bootstrap.k8s.yaml",
+                                    "mesharray.bootstrap.k8s.discovery", "mesharray.k8s"])
 def test_docstring_examples_run(module):
     import doctest
     import importlib
 
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE)
-    assert result.failed == 0
+    assert result.attempted > 0 and result.failed == 0
