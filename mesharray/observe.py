@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from .actor import future_callback
+from .runtime.caller import future_callback
 from .runtime import protocol as P
 from .runtime.channel import Channel
 from .runtime.controller import Controller
