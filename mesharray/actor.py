@@ -53,24 +53,16 @@ calls on itself belongs in a plain (undecorated) method.
 from __future__ import annotations
 
 import inspect
-import itertools
-import queue
 import random
-import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from functools import partial
-from itertools import repeat
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 from .array import MeshArray
-from .errors import ActorDiedError, ActorError, SerializationError
 from .mesh import MeshTrait
-from .runtime import protocol as P
-from .runtime.channel import Channel, Fanout, flush_all
+from .runtime.caller import Caller
 from .runtime.context import current
-from .runtime.future import Future, is_done, new_future, reply_on, set_exception, set_result
-from .runtime.router import get_router
-from .transport import framing
+from .runtime.controller import stop_actors
+from .runtime.future import Future
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._core import Shape
@@ -287,108 +279,6 @@ def current_size() -> dict[str, int]:
     return ctx.message_size
 
 
-# --------------------------------------------------------------------------- replies
-def _actor_error(rec: dict) -> ActorError:
-    exc = rec["exc"]
-    cur = exc
-    for e, is_cause in rec.get("chain", ()):
-        if is_cause:
-            cur.__cause__ = e
-        else:
-            cur.__context__ = e
-        cur = e
-    err = ActorError(exc, rank=rec.get("rank"), traceback_text=rec.get("tb", ""), actor=rec.get("actor", ""),
-                     host=rec.get("host", ""), pid=rec.get("pid"))
-    return err
-
-
-_NONE_REPLY = b"".join(framing.encode(framing.dumps(None)))  # what a worker sends for ``None``
-
-
-def _outcome(status: int, payload: Any) -> tuple[Any, BaseException | None]:
-    """(value, exception) of one reply."""
-    if status == P.OK:
-        if payload == _NONE_REPLY:
-            return None, None
-        try:
-            return framing.decode(payload), None
-        except Exception as exc:
-            return None, SerializationError(f"cannot unpickle a reply: {type(exc).__name__}: {exc}")
-    if status == P.ERR:
-        try:
-            return None, _actor_error(framing.decode(payload))
-        except Exception as exc:
-            return None, SerializationError(f"cannot unpickle a remote error: {type(exc).__name__}: {exc}")
-    return None, payload  # DIED: payload is the error
-
-
-def future_callback(fut: Future[Any]) -> Callable[[int, Any], None]:
-    """The reply callback (``cb(status, payload)``) that completes ``fut`` with one reply's outcome."""
-    def cb(status: int, payload: Any) -> None:
-        value, exc = _outcome(status, payload)
-        if exc is None:
-            set_result(fut, value)
-        else:
-            set_exception(fut, exc)
-    return cb
-
-
-
-
-class _Gather:
-    """Collects the replies of a ``call()``; ``next()`` on a count is atomic under the GIL,
-    so the reader threads of different ranks need no lock."""
-
-    __slots__ = ("fut", "values", "n", "count", "shape")
-
-    def __init__(self, fut: Future[MeshArray], n: int, shape: Shape) -> None:
-        self.fut = fut
-        self.values = [None] * n
-        self.n = n
-        self.count = itertools.count(1).__next__
-        self.shape = shape
-
-    def slot(self, i: int) -> Callable[[int, Any], None]:
-        """Rank ``i``'s reply callback."""
-        return partial(self.reply, i)
-
-    def reply(self, i: int, status: int, payload: Any) -> None:
-        if status == P.OK and payload == _NONE_REPLY:  # (what _outcome does first, inlined)
-            value, exc = None, None
-        else:
-            value, exc = _outcome(status, payload)
-        if exc is not None:
-            set_exception(self.fut, exc)
-            return
-        self.values[i] = value
-        if self.count() == self.n:
-            self._finish()
-
-    def _finish(self) -> None:
-        if is_done(self.fut):
-            return
-        try:
-            set_result(self.fut, MeshArray.from_results(self.shape, self.values))
-        except Exception as exc:
-            set_exception(self.fut, exc)
-
-
-def _gather_one(fut: Future[MeshArray], shape: Shape) -> Callable[[int, Any], None]:
-    """The reply callback of ``call()`` on one actor: ``_Gather`` of one, without its count."""
-    def cb(status: int, payload: Any) -> None:
-        value, exc = _outcome(status, payload)
-        if exc is None:
-            try:
-                value = MeshArray.from_results(shape, [value])
-            except Exception as e:
-                exc = e
-        if exc is None:
-            set_result(fut, value)
-        else:
-            set_exception(fut, exc)
-    return cb
-
-
 # --------------------------------------------------------------------------- meshes
 class ActorMesh(MeshTrait):
     """One actor per rank of a process mesh (or of a slice of it).
@@ -449,16 +339,7 @@ class ActorMesh(MeshTrait):
 
     def stop(self) -> None:
         """Drop these actors on their workers (later calls fail with ``ActorError``)."""
-        router = get_router()
-        for r in self._shape:
-            try:
-                router.channel(self._addresses[r]).send(P.STOP_ACTOR, 0, 0, self._actor_id, 0)
-            except Exception:
-                pass
-
-
-_NO_ARGS = framing.dumps(((), {}))
-_NO_ARGS_BYTES = b"".join(framing.encode(_NO_ARGS))
+        stop_actors(self._addresses, list(self._shape), self._actor_id)
 
 
 class Endpoint(Generic[_P, _R]):
@@ -466,36 +347,16 @@ class Endpoint(Generic[_P, _R]):
 
     ``Endpoint[P, R]`` for an endpoint method taking parameters ``P`` (after
     ``self``) and returning ``R`` (or an awaitable of ``R``): the adverbs take
-    ``P``; ``call_one`` and ``choose`` give a ``Future[R]``.
+    ``P``; ``call_one`` and ``choose`` give a ``Future[R]``. The sending is the
+    runtime's (:class:`~mesharray.runtime.caller.Caller`, one per endpoint).
     """
 
-    __slots__ = ("_mesh", "_name", "_method", "_noargs", "_some", "_fan")
+    __slots__ = ("_mesh", "_name", "_caller")
 
     def __init__(self, mesh: ActorMesh, name: str) -> None:
         self._mesh = mesh
         self._name = name
-        self._method = P.encode_method(name)
-        self._noargs = [self._method + _NO_ARGS_BYTES]  # the whole payload of a call without arguments
-        self._some: list | None = None  # _call_some's ranks (and channels) for its last (shape, reply)
-        self._fan: tuple | None = None  # call()'s (shape, router, router.gen, Fanout) for its last shape
-
-    def _send(self, ranks: Any, shape: Shape, args: tuple[Any, ...], kwargs: dict[str, Any],
-              cbs: Any, park: bool = False, p: framing.Payload | None = None) -> list[Channel | None]:
-        """Pickle once, then send one CALL per rank (``cbs[i]`` gets rank i's reply; ``None``: a broadcast).
-
-        ``p``: ``(args, kwargs)`` already pickled. Returns the channels used
-        (``None`` for a rank that could not be reached).
-        """
-        if p is not None:
-            plain = None
-        elif args or kwargs:
-            p = framing.dumps((args, kwargs))
-            plain = None
-        else:
-            p, plain = _NO_ARGS, self._noargs
-        mesh = self._mesh
-        return get_router().send_many(mesh._addresses, ranks, P.CALL, mesh._actor_id, shape, p,
-                                      self._method, plain, cbs, park)
+        self._caller = Caller(mesh._addresses, mesh._actor_id, name)
 
     def call(self, *args: _P.args, **kwargs: _P.kwargs) -> Future[MeshArray]:
         """Call every actor of the mesh; a future of the gathered :class:`~mesharray.MeshArray`.
@@ -506,84 +367,7 @@ class Endpoint(Generic[_P, _R]):
         MeshArray(hosts=1, procs=4, dtype=int64)
         [[0 0 0 0]]
         """
-        shape = self._mesh._shape
-        fut: Future[MeshArray] = new_future()
-        if shape.size == 1:  # one actor: call_one's latency path, gathered into a MeshArray
-            reply_on(fut, self._send_one(shape.rank(0), shape, args, kwargs, _gather_one(fut, shape)))
-            return fut
-        p = None
-        if args or kwargs:
-            p = framing.dumps((args, kwargs))
-            parts = None if p.big else [self._method, *framing.encode(p)]
-        else:
-            parts = self._noargs
-        fan = self._fan
-        if parts is not None:
-            router = get_router()
-            if fan is None or fan[0] is not shape or fan[1] is not router or fan[2] != router.gen \
-                    or current.get() is not None:
-                fan = self._fanout(shape, router)
-            if fan is not None:  # the lean path of a call() in a loop: every peer known and polled
-                fanout: Fanout = fan[3]
-                n = len(fanout.chans)
-                g = _Gather(fut, n, shape)
-                fanout.call(P.CALL, self._mesh._actor_id, parts, list(map(partial, repeat(g.reply), range(n))))
-                reply_on(fut, fanout)  # get() reads the replies in its own thread
-                return fut
-        ranks = list(shape)
-        g = _Gather(fut, len(ranks), shape)
-        cbs = list(map(partial, repeat(g.reply), range(len(ranks))))
-        if not ranks:
-            g._finish()
-            return fut
-        chans = self._send(ranks, shape, args, kwargs, cbs, park=True, p=p)
-        for c in chans:
-            if c is None or not c.polled:
-                break
-        else:  # all polled: get() reads the replies in its own thread
-            reply_on(fut, tuple(chans))
-        return fut
-
-    def _fanout(self, shape: Shape, router: Any) -> tuple | None:
-        """``call()``'s :class:`Fanout` to every actor of ``shape`` (kept in ``_fan`` until the router's
-        channel table changes), or None: the general path (a peer not connected yet, dead, or read
-        by a thread of its own; code inside an actor, whose calls record telemetry links)."""
-        self._fan = None  # (an old one must not keep dead channels and their buffers)
-        if current.get() is not None or shape.size == 0:
-            return None
-        gen = router.gen  # (read first: a change while we look makes the next call look again)
-        chans = router.polled_channels(self._mesh._addresses, list(shape))
-        if chans is None:
-            return None
-        try:
-            vids = [ch.views_out.get(shape) or ch.view_id(shape) for ch in chans]
-        except ActorDiedError:
-            return None
-        fan = self._fan = (shape, router, gen, Fanout(chans, vids))
-        return fan
-
-    def _send_one(self, rank: int, shape: Shape, args: tuple[Any, ...], kwargs: dict[str, Any],
-                  cb: Callable[[int, Any], None]) -> Channel | None:
-        """The latency path of ``call_one``/``choose``: one rank, small arguments."""
-        if args or kwargs:
-            p = framing.dumps((args, kwargs))
-            if p.big:
-                mesh = self._mesh
-                chan = get_router().send_many(mesh._addresses, (rank,), P.CALL, mesh._actor_id, shape, p,
-                                              self._method, None, (cb,))[0]
-                return chan if chan is not None and chan.polled else None
-            parts = [self._method, *framing.encode(p)]
-        else:
-            parts = self._noargs
-        try:
-            chan = get_router().channel(self._mesh._addresses[rank])
-            vid = chan.view_id(shape)
-        except Exception as exc:
-            cb(P.DIED, exc)
-            return None
-        polled = chan.polled
-        chan.call(P.CALL, self._mesh._actor_id, vid, parts, cb, polled)
-        return chan if polled else None
+        return self._caller.call(self._mesh._shape, args, kwargs)
 
     def call_one(self, *args: _P.args, **kwargs: _P.kwargs) -> Future[_R]:
         """Call the only actor of the mesh; ``ValueError`` (nothing sent) if it has more than one.
@@ -597,19 +381,14 @@ class Endpoint(Generic[_P, _R]):
         n = shape.size
         if n != 1:
             raise ValueError(f"call_one requires exactly 1 actor, but mesh has {n}")
-        fut = new_future()
-        reply_on(fut, self._send_one(shape.rank(0), shape, args, kwargs, future_callback(fut)))
-        return fut
+        return self._caller.call_one(shape.rank(0), shape, args, kwargs)
 
     def choose(self, *args: _P.args, **kwargs: _P.kwargs) -> Future[_R]:
         """Call one actor of the mesh, chosen at random; a future of its value."""
         shape = self._mesh._shape
         if shape.size == 0:
             raise ValueError("choose needs at least 1 actor, but mesh has 0")
-        r = shape.rank(random.randrange(shape.size))
-        fut = new_future()
-        reply_on(fut, self._send_one(r, shape, args, kwargs, future_callback(fut)))
-        return fut
+        return self._caller.call_one(shape.rank(random.randrange(shape.size)), shape, args, kwargs)
 
     def stream(self, *args: _P.args, **kwargs: _P.kwargs) -> Iterator[Future[_R]]:
         """Call every actor; an iterator of futures (one per actor) in completion order.
@@ -621,21 +400,7 @@ class Endpoint(Generic[_P, _R]):
         >>> [f.get() for f in counters.get.stream()]   # doctest: +SKIP
         [0, 0, 0, 0]
         """
-        shape = self._mesh._shape
-        ranks = list(shape)
-        done: queue.SimpleQueue = queue.SimpleQueue()
-        futs = [new_future() for _ in ranks]
-        for f in futs:
-            f.add_done_callback(done.put)
-        self._send(ranks, shape, args, kwargs, [future_callback(f) for f in futs])
-
-        n = len(ranks)
-
-        def gen() -> Iterator[Future[_R]]:
-            for _ in range(n):
-                flush_all()
-                yield done.get()
-        return gen()
+        return self._caller.stream(self._mesh._shape, args, kwargs)
 
     def broadcast(self, *args: _P.args, **kwargs: _P.kwargs) -> None:
         """Send to every actor without waiting for, or receiving, any reply.
@@ -645,72 +410,13 @@ class Endpoint(Generic[_P, _R]):
         processes known to be dead are skipped: the message still reaches every
         other actor, then :class:`~mesharray.ActorDiedError` is raised.
         """
-        shape = self._mesh._shape
-        self._send(list(shape), shape, args, kwargs, None)
+        self._caller.broadcast(self._mesh._shape, args, kwargs)
 
     def _call_some(self, reply: Sequence[int], *args: Any) -> dict[int, Future[Any]]:
-        """One message to every actor, pickled once: a call to the ranks in ``reply`` (a future
-        of each one's value, by rank) and a broadcast to the others (a dead one skipped).
-
-        For the runtime's own one-program-for-all messages (a tiny reduction whose result's
-        holders answer with it, in a loop); the futures are read in the caller's thread, as
-        ``call_one``'s.
-        """
-        mesh = self._mesh
-        shape = mesh._shape
-        some = self._some
-        if some is None or some[0] is not shape or some[1] != reply:
-            ranks = list(shape)
-            missing = set(reply) - set(ranks)
-            if missing:
-                raise ValueError(f"ranks {sorted(missing)} to answer are not among the actors' ranks {ranks}")
-            want = set(reply)
-            some = self._some = [shape, reply, ranks, [r in want for r in ranks], None]
-        _, _, ranks, wants, kept = some
-        p = framing.dumps((args, {}))
-        router = get_router()
-        if p.big:
-            chans = None
-        elif kept is not None and kept[0] is router and kept[1] == router.gen and current.get() is None:
-            chans = kept[2]  # the channels of the last op: no table changed since
-        else:
-            gen = router.gen  # (read first: a change while we look makes the next op look again)
-            chans = router.polled_channels(mesh._addresses, ranks)
-            some[4] = (router, gen, chans) if chans is not None and current.get() is None else None
-        futs: dict[int, Future[Any]] = {}
-        if chans is None:  # the general path: a first contact, a dead peer, a large program
-            cbs: list[Callable[[int, Any], None] | None] = []
-            for r, w in zip(ranks, wants):
-                if w:
-                    f = futs[r] = new_future()
-                    cbs.append(future_callback(f))
-                else:
-                    cbs.append(None)
-            sent = self._send(ranks, shape, args, {}, cbs, park=True)
-            for r, c in zip(ranks, sent):
-                if r in futs and c is not None and c.polled:
-                    reply_on(futs[r], c)
-            return futs
-        # every peer reachable on a polled connection: the send loop of send_many, without
-        # its other cases (~200 bytecodes an op of a tiny reduction)
-        parts = [self._method, *framing.encode(p)]
-        target = mesh._actor_id
-        now = time.monotonic()
-        for r, w, chan in zip(ranks, wants, chans):
-            try:
-                vid = chan.views_out.get(shape) or chan.view_id(shape)
-                if w:
-                    f = futs[r] = new_future()
-                    chan.call(P.CALL, target, vid, parts, future_callback(f), True, now)
-                    f._chan = chan  # (reply_on: get() reads the reply in its own thread)
-                else:  # (not corked: the caller waits on a reply next, see Channel.post)
-                    chan.post(P.CALL, target, vid, parts, False)
-            except ActorDiedError as exc:  # the peer died under us: a caller hears of it, a broadcast skips it
-                if w:
-                    if r not in futs:
-                        futs[r] = new_future()
-                    future_callback(futs[r])(P.DIED, exc)
-        return futs
+        """One message to every actor, pickled once: a call to the ranks in ``reply`` and a
+        broadcast to the others (:meth:`Caller.call_some <mesharray.runtime.caller.Caller.call_some>`:
+        the distributed arrays' tiny reductions)."""
+        return self._caller.call_some(self._mesh._shape, reply, *args)
 
     def __repr__(self) -> str:
         return f"<Endpoint {self._mesh._name}.{self._name}>"

@@ -31,8 +31,7 @@ from typing import Any, ParamSpec, Protocol, TypeVar, overload
 import numpy as np
 
 from ._core import Shape
-from ._platform import caller_spin, worker_sched, worker_spin
-from .actor import Actor, ActorMesh, endpoints_of, future_callback
+from .actor import Actor, ActorMesh, endpoints_of
 from .array import MeshArray
 from .bootstrap import local as _local
 from .bootstrap import mpi as _mpi
@@ -41,11 +40,7 @@ from .bootstrap.launch import Launch
 from .errors import BootstrapError, MeshFailure, MeshStoppedError
 from .mesh import MeshTrait
 from .observe import Telemetry
-from .runtime import protocol as P
-from .runtime.controller import Controller
-from .runtime.future import Future, new_future
-from .transport import framing, shm
-from .transport.spin import set_reply_spin
+from .runtime.controller import Controller, wait_policy
 
 __all__ = ["ProcMesh", "proc_mesh", "this_host", "attach", "HostMesh", "install_array_factory"]
 
@@ -220,10 +215,7 @@ class _Root:
             addresses = list(self.addresses)
             addresses[rank] = info.address
             for s in on_rank:
-                fut: Future[Any] = new_future()
-                self.controller.router.send_many(addresses, [rank], P.SPAWN, s.actor_id, None, s.payload,
-                                                 cbs=[future_callback(fut)])
-                fut.get(timeout=60)
+                self.controller.respawn(addresses, rank, s.actor_id, s.payload, timeout=60)
             self.addresses[rank] = info.address
             self.restarts += 1
         except MeshStoppedError:
@@ -247,14 +239,9 @@ class _Root:
             finally:
                 if self.bootstrap is not None:
                     self.bootstrap.close()
-                for a in self.addresses:
-                    self.controller.router.forget(a)
-                # the workers' segments we mapped, and ours that carried this mesh's
-                # messages (a few are kept for the next mesh)
-                for info in self.controller.workers.values():
-                    if info.pid is not None:
-                        shm.forget_peer(info.pid)
-                shm.trim(_SHM_KEEP)
+                # the workers' addresses, the segments we mapped of theirs, and ours that
+                # carried this mesh's messages (a few are kept for the next mesh)
+                self.controller.release(self.addresses, _SHM_KEEP)
                 _return_freed_memory()
                 self.stopped = True
                 callbacks, self.on_stop = self.on_stop, []
@@ -389,13 +376,8 @@ class ProcMesh(MeshTrait):
             raise ValueError("max_restarts needs a bootstrap that can start a rank's process again "
                              "(the local one); this mesh's cannot (under mpirun a rank cannot be restarted)")
         actor_id = _actor_ids()
-        p = framing.dumps((name, actor_class, args, kwargs, self._shape))
-        ranks = list(self._shape)
-        futs = [new_future() for _ in ranks]
-        # the endpoints' send loop: one SPAWN per rank, no view; a rank that cannot be
-        # reached fails its future
-        root.controller.router.send_many(root.addresses, ranks, P.SPAWN, actor_id, None, p,
-                                         cbs=[future_callback(f) for f in futs])
+        p, futs = root.controller.spawn(root.addresses, list(self._shape), actor_id, name, actor_class, args,
+                                        kwargs, self._shape)
         for fut in futs:
             fut.get()  # the first failing rank raises ActorError (or ActorDiedError)
         root.controller.counters.spawns += 1
@@ -597,17 +579,6 @@ class ProcMesh(MeshTrait):
         return f"<ProcMesh {{{sizes}}}{state}>"
 
 
-def _wait_policy(workers: bool = True) -> None:
-    """Check the waiting settings and set this process's, before any process starts: a bad
-    ``MESHARRAY_CALLER_SPIN_US`` (and, for ``workers`` started from here with this environment,
-    ``MESHARRAY_WORKER_SCHED`` or ``MESHARRAY_WORKER_SPIN_US``) is an error here; this process
-    polls for its replies as ``MESHARRAY_CALLER_SPIN_US`` says."""
-    if workers:
-        worker_sched()
-        worker_spin()
-    set_reply_spin(caller_spin())
-
-
 def proc_mesh(hosts: int | None = None, procs: int | None = None, *, bootstrap: str = "auto",
               forward_logs: bool = True, heartbeat_timeout: float = 5.0,
               heartbeat_interval: float = 0.5, timeout: float | None = None, owner=None,
@@ -659,7 +630,7 @@ def proc_mesh(hosts: int | None = None, procs: int | None = None, *, bootstrap: 
     {'hosts': 1, 'procs': 2}
     >>> procs.stop()                              # doctest: +SKIP
     """
-    _wait_policy()
+    wait_policy()
     if resolve_bootstrap(bootstrap) == "mpi":
         launch = _mpi.bootstrap(hosts=hosts, procs=procs, timeout=timeout, name=name,
                                 heartbeat_timeout=heartbeat_timeout, heartbeat_interval=heartbeat_interval,
@@ -890,8 +861,6 @@ def attach(addresses: Sequence[str], *, secret: str | bytes | None = None, timeo
     """
     from .bootstrap import agent as _agent
     from .bootstrap import remote as _remote
-    from .runtime.router import get_router
-    from .transport.dataplane import plane_kind
 
     if isinstance(addresses, str):
         addresses = [addresses]
@@ -907,7 +876,7 @@ def attach(addresses: Sequence[str], *, secret: str | bytes | None = None, timeo
     if key is None:
         raise BootstrapError("attach needs the agents' secret: set MESHARRAY_SECRET (as on the agents) or "
                              "pass secret=")
-    kind = plane_kind(transport)
-    _wait_policy(workers=False)  # (the agents' workers get the agents' environment, not this one)
-    agents = _remote.attach_agents(addresses, key, get_router().secret, timeout=timeout)
+    kind = _remote.plane_kind(transport)
+    wait_policy(workers=False)  # (the agents' workers get the agents' environment, not this one)
+    agents = _remote.attach_agents(addresses, key, timeout=timeout)
     return HostMesh(Shape({"hosts": len(agents)}), _Hosts(agents, kind))

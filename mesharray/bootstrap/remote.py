@@ -26,11 +26,13 @@ from typing import Any, Callable
 from .._core import Shape
 from ..errors import AuthenticationError, BootstrapError
 from ..runtime.controller import Controller
+from ..runtime.router import get_router
 from ..transport import auth
+from ..transport.dataplane import plane_kind
 from .agent import parse_url, recv_msg, send_msg, wrap_secret
 from .launch import Launch, wait_exit_status
 
-__all__ = ["AgentClient", "attach_agents", "launch"]
+__all__ = ["AgentClient", "attach_agents", "launch", "plane_kind"]
 
 log = logging.getLogger("mesharray.remote")
 
@@ -135,18 +137,23 @@ def _attach_one(url: str, secret: bytes, job: bytes, deadline: float) -> AgentCl
         return AgentClient(url, sock, reply)
 
 
-def attach_agents(urls: list[str], secret: bytes, job: bytes, timeout: float = 30.0) -> list[AgentClient]:
+def attach_agents(urls: list[str], secret: bytes, job: bytes | None = None,
+                  timeout: float = 30.0) -> list[AgentClient]:
     """Attach to every agent in ``urls`` (in parallel); all or nothing.
+
+    ``secret`` is the agents' own; ``job`` the secret of the meshes to start
+    (default: this process's router's, the one its controllers use).
 
     Raises :class:`AuthenticationError` when an agent refuses the secret, and
     :class:`BootstrapError` naming every agent not reached within ``timeout``.
     """
     deadline = time.monotonic() + timeout
+    job_secret = get_router().secret if job is None else job
     results: list[Any] = [None] * len(urls)
 
     def run(i: int) -> None:
         try:
-            results[i] = _attach_one(urls[i], secret, job, deadline)
+            results[i] = _attach_one(urls[i], secret, job_secret, deadline)
         except BaseException as exc:
             results[i] = exc
 

@@ -32,8 +32,8 @@ import threading
 import time
 from typing import Any
 
-from ..actor import future_callback
 from ..runtime import protocol as P
+from ..runtime.caller import future_callback
 from ..runtime.channel import Channel
 from ..runtime.controller import Controller
 from ..runtime.future import Future, new_future

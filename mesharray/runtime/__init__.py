@@ -9,11 +9,15 @@ reach the runtime through ``mesharray`` (``ma.proc_mesh``, ``ma.Actor``,
 - :mod:`.future`     — the one :class:`Future` type (``Future[T]``).
 - :mod:`.channel`    — :class:`Channel`: the runtime's state per peer connection (pending
                        calls, views, corking, reading replies in the caller's thread).
+- :mod:`.caller`     — :class:`~.caller.Caller`: an endpoint's send loops (``call``, ``call_one``,
+                       ``stream``, ``broadcast``), reply decoding and gathering; what
+                       ``mesharray.actor``'s adverbs run.
 - :mod:`.router`     — sends calls to actors (by worker address) and resolves replies;
                        one per process, used by the controller and by actors alike.
 - :mod:`.worker`     — :func:`run_worker`, the loop every worker runs.
 - :mod:`.controller` — :class:`Controller`: listener, adoption of workers,
-                       supervision (EOF + exit status, heartbeats), stop.
+                       supervision (EOF + exit status, heartbeats), spawning and
+                       stopping actors, stop.
 - :mod:`.context`    — ``ma.context()``: the rank, mesh and call an actor's code runs in.
 - :mod:`.recorder`   — what every process records about itself for ``procs.telemetry``
                        (call rows, actor events, errors, process samples).
@@ -23,5 +27,5 @@ reach the runtime through ``mesharray`` (``ma.proc_mesh``, ``ma.Actor``,
                        (``ProcMesh.stats()``).
 """
 
-__all__ = ["protocol", "future", "channel", "router", "worker", "controller", "context", "recorder", "logs",
+__all__ = ["protocol", "future", "channel", "caller", "router", "worker", "controller", "context", "recorder", "logs",
            "counters"]

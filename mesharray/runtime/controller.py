@@ -35,15 +35,20 @@ import threading
 import time
 from typing import Any, Callable
 
+from .. import _platform
 from ..errors import ActorDiedError, BootstrapError, MeshFailure, MeshStoppedError
+from ..transport import framing, shm
 from ..transport.listener import Listener
+from ..transport.spin import set_reply_spin
 from . import protocol as P
+from .caller import future_callback
 from .channel import Channel
 from .counters import Counters
+from .future import Future, new_future
 from .logs import LogSink
 from .router import get_router
 
-__all__ = ["Controller", "WorkerInfo"]
+__all__ = ["Controller", "WorkerInfo", "stop_actors", "wait_policy"]
 
 log = logging.getLogger("mesharray.controller")
 
@@ -364,6 +369,45 @@ class Controller:
         self.listener.close()
         self.stopped = True
 
+    # -- actors ------------------------------------------------------------------
+    def spawn(self, addresses: Any, ranks: list[int], actor_id: int, name: str, actor_class: type,
+              args: tuple, kwargs: dict, shape: Any) -> tuple[Any, list[Future[Any]]]:
+        """Construct ``actor_class(*args, **kwargs)`` as actor ``actor_id`` on the workers of ``ranks``.
+
+        One SPAWN frame per rank, pickled once (cloudpickle-compatible: the
+        class travels by value when it is not importable, e.g. defined in
+        ``__main__``); a rank that cannot be reached fails its future with its
+        death error. Returns the pickled message (what :meth:`respawn` sends
+        again) and one future per rank, completed when its constructor ran
+        (an :class:`~mesharray.ActorError` if it raised).
+        """
+        message = framing.dumps((name, actor_class, args, kwargs, shape))
+        futs = [new_future() for _ in ranks]
+        self.router.send_many(addresses, ranks, P.SPAWN, actor_id, None, message,
+                              cbs=[future_callback(f) for f in futs])
+        return message, futs
+
+    def respawn(self, addresses: Any, rank: int, actor_id: int, message: Any, timeout: float = 60.0) -> None:
+        """Send a :meth:`spawn`'s ``message`` again to (a restarted) ``rank`` and wait for its constructor."""
+        fut: Future[Any] = new_future()
+        self.router.send_many(addresses, [rank], P.SPAWN, actor_id, None, message, cbs=[future_callback(fut)])
+        fut.get(timeout=timeout)
+
+    def release(self, addresses: Any, keep_bytes: int) -> None:
+        """After :meth:`stop`: forget the stopped workers' addresses and their shared memory.
+
+        Later sends to those addresses raise :class:`~mesharray.MeshStoppedError`;
+        the segments the workers sent us are unmapped, and of this process's
+        free segments (which carried the mesh's messages) ``keep_bytes`` stay
+        mapped for the next mesh.
+        """
+        for a in addresses:
+            self.router.forget(a)
+        for info in self.workers.values():
+            if info.pid is not None:
+                shm.forget_peer(info.pid)
+        shm.trim(keep_bytes)
+
     def declare_dead(self, rank: int, reason: str) -> bool:
         """Fail ``rank`` now, as if its connection had ended: for deaths the bootstrap learns of first.
 
@@ -384,3 +428,32 @@ class Controller:
     def close_connections(self, timeout: float = 2.0) -> None:
         for c in list(self._conns):
             c.close(join=False)
+
+
+def stop_actors(addresses: Any, ranks: list[int], actor_id: int) -> None:
+    """Drop actor ``actor_id`` on the workers of ``ranks`` (STOP_ACTOR; unreachable ranks skipped).
+
+    Sent through this process's router, so an actor mesh handed to an actor
+    can be stopped from there too.
+    """
+    router = get_router()
+    for r in ranks:
+        try:
+            router.channel(addresses[r]).send(P.STOP_ACTOR, 0, 0, actor_id, 0)
+        except Exception:
+            pass
+
+
+def wait_policy(workers: bool = True) -> None:
+    """Check the waiting settings and set this process's, before any process starts.
+
+    A bad ``MESHARRAY_CALLER_SPIN_US`` (and, for ``workers`` started from here
+    with this environment, ``MESHARRAY_WORKER_SCHED`` or
+    ``MESHARRAY_WORKER_SPIN_US``) is a ``ValueError`` here; this process then
+    polls for its replies as ``MESHARRAY_CALLER_SPIN_US`` says
+    (``transport.connection.set_reply_spin``).
+    """
+    if workers:
+        _platform.worker_sched()
+        _platform.worker_spin()
+    set_reply_spin(_platform.caller_spin())

@@ -37,10 +37,13 @@ Bulk data:
 - :mod:`.hostid`     — which host a process is on: who may share memory with whom.
 - :mod:`.dataplane`  — authenticated point-to-point links for bulk data between
                        hosts (TCP), and the choice of plane.
+- :mod:`.onesided`   — the one-sided transfers behind ``ma.Buffer``: the owner's
+                       registry and tokens, cross-memory attach, its stream
+                       server, the UCX plane's links.
 - :mod:`.ucx`        — the UCX data plane (the ``ucx`` extra): the same links
                        over UCX (RDMA where there is one).
 """
 
 # (not ucx: it needs the ucx extra, and ``from mesharray.transport import *`` imports what is listed)
 __all__ = ["framing", "auth", "address", "listener", "connection", "poller", "spin", "readiness", "sockio",
-           "shm", "fdpass", "cma", "hostid", "dataplane"]
+           "shm", "fdpass", "cma", "hostid", "dataplane", "onesided"]

@@ -134,3 +134,36 @@ def test_no_private_attribute_of_an_imported_name_across_parts():
                     and node.value.id in foreign and node.attr.startswith("_") and not node.attr.startswith("__")):
                 leaks.append(f"{mod}:{node.lineno} {node.value.id}.{node.attr} ({foreign[node.value.id]})")
     assert leaks == []
+
+
+def _resolved(target: str, name: str | None) -> str:
+    """The module an import names: ``from .transport import onesided`` names ``mesharray.transport.onesided``."""
+    if name and target.startswith("mesharray"):
+        sub = PKG.parent.joinpath(*f"{target}.{name}".split("."))
+        if sub.with_suffix(".py").exists() or (sub / "__init__.py").exists():
+            return f"{target}.{name}"
+    return target
+
+
+#: the user-facing modules: the API, with the sending and the wire left to the runtime's caller
+API_MODULES = ("mesharray.actor", "mesharray.proc", "mesharray.array", "mesharray.mesh")
+
+
+def _speaks_wire(target: str) -> bool:
+    return target == "mesharray.transport" or target.startswith("mesharray.transport.") \
+        or target == "mesharray.runtime.protocol"
+
+
+def test_api_modules_speak_no_wire_protocol():
+    # actor, proc, array and mesh build on runtime.caller and runtime.controller; none of
+    # them frames, pickles for the wire or names a message kind
+    hits = [f"{mod}:{line} imports {_resolved(target, name)}" for mod, target, name, line in _imports()
+            if mod in API_MODULES and _speaks_wire(_resolved(target, name))]
+    assert hits == []
+
+
+def test_buffer_calls_one_transport_module():
+    # the Buffer API over the one module that owns the one-sided paths (cma, stream, UCX)
+    used = {_resolved(target, name) for mod, target, name, _ in _imports()
+            if mod == "mesharray.buffer" and _speaks_wire(_resolved(target, name))}
+    assert used == {"mesharray.transport.onesided"}

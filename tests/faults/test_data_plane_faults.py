@@ -97,12 +97,12 @@ def test_buffer_server_is_not_held_by_idle_or_slow_clients():
     import socket
     import threading
 
-    from mesharray import buffer as buffer_mod
+    from mesharray.transport import onesided
     from mesharray.transport.auth import HANDSHAKE_TIMEOUT
 
     data = np.ones(1 << 16, dtype="float32")
     buf = ma.Buffer(data)
-    host, port = buffer_mod._registry().server_address()
+    host, port = onesided._registry().server_address()
 
     # a client dribbling its header is cut at the deadline
     slow = socket.create_connection((host, port))
@@ -140,5 +140,5 @@ def test_buffer_server_is_not_held_by_idle_or_slow_clients():
     # a real reader through the stream server itself (not the same-host fast path)
     handle = pickle.loads(pickle.dumps(buf))
     dst = np.zeros(1 << 16, dtype="float32")
-    handle._stream(False, dst.ctypes.data, dst.nbytes)
+    onesided._stream(handle._state, False, dst.ctypes.data, dst.nbytes)
     assert float(dst.sum()) == float(1 << 16)

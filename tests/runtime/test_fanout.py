@@ -37,7 +37,7 @@ def test_a_call_loop_takes_the_lean_path_with_the_same_results(procs):
         assert fut.get(timeout=10).tolist() == [[i, i, i, i]]
     fan = _fanout(p.echo.call(0))
     assert fan is not None and len(fan.chans) == 4  # kept for the endpoint and its mesh
-    assert p.echo._fan[3] is fan
+    assert p.echo._caller.fan[3] is fan
     # no arguments, keyword arguments, a slice (another Fanout, of its own channels)
     assert p.pid.call().get(timeout=10).size == 4
     assert p.echo.call(x=5).get(timeout=10).tolist() == [[5, 5, 5, 5]]
