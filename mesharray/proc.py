@@ -582,7 +582,8 @@ class ProcMesh(MeshTrait):
 def proc_mesh(hosts: int | None = None, procs: int | None = None, *, bootstrap: str = "auto",
               forward_logs: bool = True, heartbeat_timeout: float = 5.0,
               heartbeat_interval: float = 0.5, timeout: float | None = None, owner=None,
-              name: str = "procs", kill_unresponsive: bool = False) -> ProcMesh:
+              name: str = "procs", kill_unresponsive: bool = False, env: dict[str, str] | None = None,
+              python: str | None = None) -> ProcMesh:
     """Start ``hosts * procs`` worker processes on this host; a mesh with dims ``(hosts, procs)``.
 
     The ``local`` bootstrap: workers are forked from a zygote (a clean process
@@ -621,6 +622,12 @@ def proc_mesh(hosts: int | None = None, procs: int | None = None, *, bootstrap: 
     kill_unresponsive : bool
         Kill a worker unresponsive for ``heartbeat_timeout``: its calls then
         fail with :class:`~mesharray.ActorDiedError` (a hung-process policy).
+    env : dict of str, optional
+        Environment variables set in every worker (on top of this process's).
+    python : str, optional
+        The workers' interpreter (default: this one's). It keeps its own
+        ``sys.path`` (its standard library and ``site-packages``), with this
+        script's own directories in front; mesharray must be importable by it.
 
     Examples
     --------
@@ -630,8 +637,22 @@ def proc_mesh(hosts: int | None = None, procs: int | None = None, *, bootstrap: 
     {'hosts': 1, 'procs': 2}
     >>> procs.stop()                              # doctest: +SKIP
     """
+    return _proc_mesh(hosts, procs, bootstrap=bootstrap, forward_logs=forward_logs,
+                      heartbeat_timeout=heartbeat_timeout, heartbeat_interval=heartbeat_interval, timeout=timeout,
+                      owner=owner, name=name, kill_unresponsive=kill_unresponsive, env=env, python=python)
+
+
+def _proc_mesh(hosts: int | None, procs: int | None, *, bootstrap: str, forward_logs: bool,
+               heartbeat_timeout: float, heartbeat_interval: float, timeout: float | None, owner: Any, name: str,
+               kill_unresponsive: bool, env: dict[str, str] | None, python: str | None,
+               workspace: str | None = None) -> ProcMesh:
+    """:func:`proc_mesh`, whose local processes may use a ``workspace`` first (``this_host().sync_workspace``)."""
     wait_policy()
+    env = _check_env(env)
     if resolve_bootstrap(bootstrap) == "mpi":
+        if env or python is not None:
+            raise ValueError("env= and python= need processes started by mesharray; under MPI the launcher "
+                             "started them (set the environment and interpreter on the mpirun command line)")
         launch = _mpi.bootstrap(hosts=hosts, procs=procs, timeout=timeout, name=name,
                                 heartbeat_timeout=heartbeat_timeout, heartbeat_interval=heartbeat_interval,
                                 kill_unresponsive=kill_unresponsive)
@@ -639,8 +660,28 @@ def proc_mesh(hosts: int | None = None, procs: int | None = None, *, bootstrap: 
         launch = _local.launch(1 if hosts is None else hosts, 1 if procs is None else procs,
                                forward_logs=forward_logs, timeout=60.0 if timeout is None else timeout,
                                heartbeat_timeout=heartbeat_timeout, heartbeat_interval=heartbeat_interval,
-                               name=name, kill_unresponsive=kill_unresponsive)
+                               name=name, kill_unresponsive=kill_unresponsive, env=env, python=python,
+                               **_local_workspace(workspace))
     return ProcMesh._from_launch(launch, owner)
+
+
+def _check_env(env: Any) -> dict[str, str]:
+    """``env`` checked: a dict of variable names to str values (``{}`` for None)."""
+    if env is None:
+        return {}
+    if not isinstance(env, dict):
+        raise TypeError(f"env must be a dict of str to str, got {type(env).__name__}")
+    for k, v in env.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(f"env must map str to str, got {k!r}: {type(v).__name__}")
+        if not k or "=" in k or "\0" in k or "\0" in v:
+            raise ValueError(f"env: {k!r} is not a valid environment variable name (or its value holds a NUL)")
+    return dict(env)
+
+
+def _local_workspace(path: str | None) -> dict[str, Any]:
+    """The keywords of a local launch whose processes use ``path`` first (``this_host().sync_workspace``)."""
+    return {} if path is None else {"cwd": path, "sys_path_first": [path]}
 
 
 class _Hosts:
@@ -669,6 +710,7 @@ class HostMesh(MeshTrait):
     def __init__(self, shape: Shape | None = None, hosts: _Hosts | None = None) -> None:
         self._shape = Shape({"hosts": 1}) if shape is None else shape
         self._hosts = hosts
+        self._workspace: str | None = None  # this_host(): the directory sync_workspace named
 
     @property
     def _mesh_shape(self) -> Shape:
@@ -692,19 +734,26 @@ class HostMesh(MeshTrait):
         return [self._hosts.agents[r].url for r in self._shape]
 
     def spawn_procs(self, per_host: dict | None = None, *, name: str = "procs", timeout: float | None = None,
-                    **kwargs: Any) -> ProcMesh:
+                    env: dict[str, str] | None = None, python: str | None = None, **kwargs: Any) -> ProcMesh:
         """Start processes on every host of this view: ``hosts.spawn_procs(per_host={"procs": 8})``.
 
         The result has dims ``{"hosts": H, "procs": N}`` (``per_host`` names
         one dim and its size; its name becomes the second dim's; without it,
         the hosts' default — ``--procs-per-host`` of a Kubernetes mesh — else
-        one process per host). Keywords
-        are those of :func:`proc_mesh` (``heartbeat_timeout``,
-        ``forward_logs``, ``owner``, ``kill_unresponsive``).
+        one process per host). ``env`` sets variables in every process it
+        starts, on every host (they travel on the authenticated connection to
+        the agents, never on a command line); ``python`` picks the processes'
+        interpreter (a path valid on every host; it keeps its own
+        ``sys.path``, with the script's own directories in front). After
+        :meth:`sync_workspace`, the copy goes first on ``sys.path`` and is the
+        processes' working directory. Other keywords are those of
+        :func:`proc_mesh` (``heartbeat_timeout``, ``forward_logs``,
+        ``owner``, ``kill_unresponsive``).
 
         >>> import mesharray as ma
-        >>> procs = ma.this_host().spawn_procs(per_host={"procs": 2})   # doctest: +SKIP
+        >>> procs = ma.this_host().spawn_procs(per_host={"procs": 2}, env={"OMP_NUM_THREADS": "1"})   # doctest: +SKIP
         """
+        env = _check_env(env)
         if per_host is None and self._hosts is not None:
             per_host = self._hosts.per_host
         per_host = dict(per_host or {"procs": 1})
@@ -714,7 +763,14 @@ class HostMesh(MeshTrait):
         if not isinstance(dim, str) or dim == "hosts":
             raise ValueError(f"per_host's dimension must be a name other than 'hosts', got {dim!r}")
         if self._hosts is None:
-            mesh = proc_mesh(hosts=1, procs=n, name=name, timeout=timeout, **kwargs)
+            kw: dict[str, Any] = dict(bootstrap="auto", forward_logs=True, heartbeat_timeout=5.0,
+                                      heartbeat_interval=0.5, owner=None, kill_unresponsive=False)
+            unknown = set(kwargs) - set(kw)
+            if unknown:
+                raise TypeError(f"spawn_procs() got unexpected keyword arguments {sorted(unknown)}")
+            kw.update(kwargs)
+            mesh = _proc_mesh(1, n, name=name, timeout=timeout, env=env, python=python, workspace=self._workspace,
+                              **kw)
             return mesh if dim == "procs" else mesh.rename(procs=dim)
         from .bootstrap import remote as _remote
 
@@ -725,10 +781,61 @@ class HostMesh(MeshTrait):
                 raise MeshStoppedError("these hosts were detached; attach again to start processes on them")
             launch = _remote.launch([h.agents[r] for r in self._shape], n, name=name,
                                     timeout=60.0 if timeout is None else timeout, data_plane=h.data_plane,
-                                    dim=dim, **kwargs)
+                                    dim=dim, env=env, python=python, **kwargs)
             mesh = ProcMesh._from_launch(launch, owner)
             h.meshes.append(mesh)
         return mesh
+
+    def sync_workspace(self, path: str = ".", *, timeout: float = 300.0) -> dict[str, dict[str, int]]:
+        """Copy the directory tree at ``path`` to every host of this view, for the processes spawned afterwards.
+
+        Each host keeps its copy in its agent's own directory (it lives as
+        long as the agent, across controllers); a later sync sends only the
+        files whose content changed and deletes the copies of files the tree
+        no longer has. Left out: ``.git``, ``__pycache__``, ``.mesharray``,
+        virtual environments and what the tree's ``.gitignore`` files list;
+        nothing outside the tree is read (a symbolic link is followed only to
+        a target inside it). Processes that :meth:`spawn_procs` starts
+        afterwards have the copy first on ``sys.path`` and as their working
+        directory, so code that is not installed on the hosts imports there;
+        processes already running keep what they imported.
+
+        On ``this_host()`` nothing is copied: its processes use ``path`` itself.
+
+        Returns
+        -------
+        dict
+            Per host id: ``files`` (in the tree), ``copied``, ``bytes`` (sent)
+            and ``deleted``.
+
+        Raises
+        ------
+        BootstrapError
+            A host could not write its copy (the message names the host and file).
+
+        Examples
+        --------
+        >>> hosts = ma.job.LocalJob(meshes={"workers": 2}).state().workers   # doctest: +SKIP
+        >>> hosts.sync_workspace(".")                                        # doctest: +SKIP
+        {'workers-0': {'files': 12, 'copied': 12, 'bytes': 40960, 'deleted': 0}, ...}
+        """
+        root = os.path.abspath(os.fspath(path))
+        if not os.path.isdir(root):
+            raise NotADirectoryError(f"sync_workspace: {path!r} is not a directory")
+        h = self._hosts
+        if h is None:
+            from .bootstrap.workspace import scan
+
+            self._workspace = root
+            n = len(scan(root))
+            return {self.host_ids[0]: {"files": n, "copied": 0, "bytes": 0, "deleted": 0}}
+        from .bootstrap import remote as _remote
+
+        with h.lock:
+            if h.detached:
+                raise MeshStoppedError("these hosts were detached; attach again to sync a workspace to them")
+            agents = [h.agents[r] for r in self._shape]
+        return _remote.sync_workspace(agents, root, timeout=timeout)
 
     def detach(self) -> None:
         """Stop the process meshes started on these hosts and let the agents serve another controller.

@@ -21,7 +21,15 @@ unpickled from an unauthenticated peer): length-prefixed pickles.
   (:mod:`.local`) for that mesh, which forks one worker per rank; workers
   connect to the controller themselves. Reports go back as
   ``("report", mesh, "forked", rank, pid)`` and ``("report", mesh, "exit", rank, pid, status)``.
+  The spawn request may carry ``env`` (variables for the workers), ``python``
+  (the interpreter of the zygote, hence of the workers) and ``workspace``
+  (True: the agent's copy of the controller's tree goes first on
+  ``sys.path`` and is the workers' working directory).
 - ``{"op": "kill", "mesh", "rank"}``, ``{"op": "release", "mesh"}`` (the mesh stopped).
+- ``{"op": "sync", "id", "files"}``, ``{"op": "sync_put", "id", "rel", "offset", "data", "last",
+  "executable", "sha"}`` ..., ``{"op": "sync_done", "id"}``: copy the controller's tree
+  (:mod:`.workspace`) into the agent's own directory; ``sync`` and ``sync_done`` are
+  answered ``("reply", id, {...})``.
 - EOF (or keepalive failure): the controller is gone; every zygote of the
   session is closed, which kills its workers.
 
@@ -51,9 +59,11 @@ from ..errors import BootstrapError
 from ..transport import auth
 from ..transport.listener import Listener
 from ..transport.sockio import recv_exactly
-from .local import LocalBootstrap
+from .local import LocalBootstrap, user_paths
+from .workspace import Workspace
 
-__all__ = ["HostAgent", "parse_url", "send_msg", "recv_msg", "wrap_secret", "DEFAULT_PORT", "secret_from_env"]
+__all__ = ["HostAgent", "parse_url", "send_msg", "recv_msg", "wrap_secret", "DEFAULT_PORT", "secret_from_env",
+           "write_ready_file"]
 
 log = logging.getLogger("mesharray.agent")
 
@@ -203,6 +213,7 @@ class _Session:
         self.boots: dict[str, LocalBootstrap] = {}
         self.since = time.time()
         self.closing = False
+        self.sync_error: str | None = None
 
     def report(self, mesh: str, msg: tuple) -> None:
         try:
@@ -216,14 +227,61 @@ class _Session:
             raise BootstrapError(f"mesh {mesh!r} already has processes on this host")
         own = [p for p in sys.path]
         sys_path = [p for p in msg.get("sys_path", []) if p and os.path.exists(p)]
-        sys_path += [p for p in own if p not in sys_path]
+        python = msg.get("python") or None
         a = self.agent
+        first: list[str] = []
+        cwd = None
+        if msg.get("workspace"):
+            if a.workspace is None:
+                raise BootstrapError(f"host {a.host_id} has no workspace: call sync_workspace before spawn_procs")
+            cwd = a.workspace.path
+            first = [cwd]
+        if python is None:
+            sys_path += [p for p in own if p not in sys_path]
+            sys_path = first + [p for p in sys_path if p not in first]
+            first = []
+        else:  # its own sys.path; the controller's own directories in front
+            first += [p for p in user_paths(sys_path) if p not in first]
+            sys_path = []
         env = {"MESHARRAY_HOST_ID": a.host_id, "MESHARRAY_BUFFER_HOST": a.advertise}
-        env.update({k: str(v) for k, v in (msg.get("env") or {}).items()})
+        env.update({str(k): str(v) for k, v in (msg.get("env") or {}).items()})
         self.boots[mesh] = LocalBootstrap(
             None, 0, forward_logs=bool(msg.get("forward_logs", True)), listen="tcp", address=msg["controller"],
             secret=self.job, ranks=list(msg["ranks"]), listen_host=a.advertise, data_plane=msg.get("data_plane"),
-            env=env, sys_path=sys_path, on_report=lambda m, mesh=mesh: self.report(mesh, m))
+            env=env, sys_path=sys_path, on_report=lambda m, mesh=mesh: self.report(mesh, m), python=python,
+            cwd=cwd, sys_path_first=first)
+
+    def reply(self, rid: Any, value: Any) -> None:
+        try:
+            send_msg(self.sock, ("reply", rid, value), self.lock)
+        except OSError:
+            pass  # the controller is gone: the session's loop sees it too
+
+    def sync(self, msg: dict) -> None:
+        """Plan a copy of the controller's tree: delete what it no longer has, answer which files to send."""
+        ws = self.agent.open_workspace()
+        self.sync_error = None
+        need, deleted = ws.plan({str(k): tuple(v) for k, v in dict(msg["files"]).items()})
+        self.reply(msg.get("id"), {"ok": True, "need": need, "deleted": deleted, "path": ws.path})
+
+    def sync_put(self, msg: dict) -> None:
+        if self.sync_error is not None:
+            return  # the sync already failed: sync_done says why
+        ws = self.agent.open_workspace()
+        try:
+            ws.put(str(msg["rel"]), int(msg["offset"]), bytes(msg["data"]), bool(msg["last"]),
+                   bool(msg["executable"]), str(msg["sha"]))
+        except Exception as exc:
+            self.sync_error = f"{type(exc).__name__}: {exc}"
+
+    def sync_done(self, msg: dict) -> None:
+        ws = self.agent.open_workspace()
+        ws.finish()
+        err, self.sync_error = self.sync_error, None
+        if err is not None:
+            self.reply(msg.get("id"), {"ok": False, "error": f"host {self.agent.host_id}: {err}"})
+        else:
+            self.reply(msg.get("id"), {"ok": True, "path": ws.path})
 
     def serve(self) -> None:
         while True:
@@ -245,10 +303,20 @@ class _Session:
                         threading.Thread(target=boot.close, name="mesharray-release", daemon=True).start()
                 elif op == "ping":
                     send_msg(self.sock, ("pong", msg.get("n")), self.lock)
+                elif op == "sync":
+                    self.sync(msg)
+                elif op == "sync_put":
+                    self.sync_put(msg)
+                elif op == "sync_done":
+                    self.sync_done(msg)
                 else:
                     log.warning("host agent: unknown request %r from %s", op, self.peer)
             except Exception as exc:  # a bad request costs that request, never the session
                 log.warning("host agent: request %r from %s failed: %s", op, self.peer, exc)
+                if op in ("sync", "sync_done"):
+                    self.reply(msg.get("id"), {"ok": False, "error": f"host {self.agent.host_id}: "
+                                                                     f"{type(exc).__name__}: {exc}"})
+                    continue
                 mesh = msg.get("mesh") if isinstance(msg, dict) else None
                 self.report(str(mesh), ("error", f"{type(exc).__name__}: {exc}"))
 
@@ -278,10 +346,14 @@ class HostAgent:
         The address other machines reach this one at (see :func:`advertised_host`).
     host_id : str, optional
         This host's name (default: the hostname); agents with different ids never share memory.
+    workdir : str, optional
+        The agent's own directory, where ``sync_workspace`` copies a controller's
+        tree (default: a new temporary directory, made on the first sync and
+        removed when the agent stops).
     """
 
     def __init__(self, listen: str = f"tcp://0.0.0.0:{DEFAULT_PORT}", secret: bytes | None = None,
-                 advertise: str | None = None, host_id: str | None = None) -> None:
+                 advertise: str | None = None, host_id: str | None = None, workdir: str | None = None) -> None:
         bind, port = parse_url(listen)
         if not secret:
             where = "every interface" if _is_wildcard(bind) else bind
@@ -301,6 +373,9 @@ class HostAgent:
         self._stop = threading.Event()
         self._stop_requested = False
         self.sessions_served = 0
+        self.workdir = workdir
+        self._own_workdir = False
+        self.workspace: Workspace | None = None
 
     def _on_socket(self, sock: socket.socket) -> None:
         threading.Thread(target=self._serve, args=(sock,), name="mesharray-agent-session", daemon=True).start()
@@ -380,6 +455,18 @@ class HostAgent:
         """Ask :meth:`serve_forever` to stop (safe in a signal handler: takes no lock)."""
         self._stop_requested = True
 
+    def open_workspace(self) -> Workspace:
+        """The copy of the controllers' trees (``workdir/workspace``), made on first use."""
+        if self.workspace is None:
+            if self.workdir is None:
+                import tempfile
+
+                safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.host_id)
+                self.workdir = tempfile.mkdtemp(prefix=f"mesharray-{safe}-")
+                self._own_workdir = True
+            self.workspace = Workspace(os.path.join(self.workdir, "workspace"))
+        return self.workspace
+
     def stop(self) -> None:
         self.listener.close()
         sess = self.session
@@ -389,6 +476,10 @@ class HostAgent:
             except OSError:
                 pass
             sess.close()
+        if self._own_workdir and self.workdir is not None:
+            import shutil
+
+            shutil.rmtree(self.workdir, ignore_errors=True)
         self._stop.set()
 
 
@@ -426,15 +517,38 @@ def main(argv: list[str]) -> int:
                     help=f"address to bind (default tcp://0.0.0.0:{DEFAULT_PORT})")
     ap.add_argument("--advertise", default=None, help="address other machines reach this one at")
     ap.add_argument("--host-id", default=None, help="this host's name (default: the hostname)")
+    ap.add_argument("--workdir", default=None,
+                    help="the agent's directory for synced workspaces (default: a temporary one, removed at exit)")
+    ap.add_argument("--ready-file", default=None,
+                    help="once listening, write {url, host_id, pid} as JSON to this file (mode 0600)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s mesharray host: %(message)s")
     try:
-        agent = HostAgent(args.listen, secret_from_env(), advertise=args.advertise, host_id=args.host_id)
+        agent = HostAgent(args.listen, secret_from_env(), advertise=args.advertise, host_id=args.host_id,
+                          workdir=args.workdir)
     except (BootstrapError, ValueError, OSError) as exc:
         print(f"mesharray host: {exc}", file=sys.stderr)
         return 2
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *a: agent.request_stop())
     print(f"mesharray host listening on {agent.url}", flush=True)
+    if args.ready_file:
+        write_ready_file(args.ready_file, agent)
     agent.serve_forever()
     return 0
+
+
+def write_ready_file(path: str, agent: HostAgent, **extra: Any) -> None:
+    """Say where ``agent`` listens: ``{"url", "host_id", "pid", **extra}`` as JSON in ``path`` (0600, atomic).
+
+    What a job reads to find the agents it started (:mod:`mesharray.job`).
+    """
+    import json
+
+    info = {"url": agent.url, "host_id": agent.host_id, "pid": os.getpid(), "hostname": socket.gethostname(),
+            **extra}
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(info, f)
+    os.replace(tmp, path)

@@ -33,7 +33,7 @@ from ..runtime.controller import Controller
 from ..transport.sockio import read_exactly
 from .launch import Launch, wait_exit_status
 
-__all__ = ["LocalBootstrap", "start_local"]
+__all__ = ["LocalBootstrap", "start_local", "user_paths"]
 
 _LEN = struct.Struct("<I")
 
@@ -48,15 +48,44 @@ def _read_msg(fd: int):
     return pickle.loads(read_exactly(fd, n))
 
 
+def user_paths(paths: list[str]) -> list[str]:
+    """The entries of ``paths`` (a ``sys.path``) that are not an interpreter's own.
+
+    What workers of *another* interpreter (``python=``) still need from the
+    controller's path: the script's directory, ``PYTHONPATH`` entries, a
+    source checkout; not the standard library nor a ``site-packages``, whose
+    compiled modules belong to this interpreter.
+
+    >>> user_paths(["/home/u/proj", "/opt/py/lib/python311.zip", "/v/lib/python3.11/site-packages", ""])
+    ['/home/u/proj']
+    """
+    import sysconfig
+
+    own = {os.path.normpath(p) for p in (sysconfig.get_paths().values()) if p}
+    own |= {os.path.normpath(os.path.join(b, "lib")) for b in (sys.prefix, sys.base_prefix)}
+    out = []
+    for p in paths:
+        if not p or p.endswith(".zip") or os.path.basename(p) in ("site-packages", "dist-packages", "lib-dynload"):
+            continue
+        n = os.path.normpath(p)
+        if any(n == o or n.startswith(o + os.sep) for o in own):
+            continue
+        out.append(p)
+    return out
+
+
 class LocalBootstrap:
     """A zygote and the workers it forked, as seen from the controller."""
 
     def __init__(self, controller, nprocs: int, forward_logs: bool = True, listen: str = "unix", *,
                  address: str | None = None, secret: bytes | None = None, ranks: list[int] | None = None,
                  listen_host: str = "127.0.0.1", data_plane: str | None = None, env: dict | None = None,
-                 sys_path: list[str] | None = None, on_report=None) -> None:
+                 sys_path: list[str] | None = None, on_report=None, python: str | None = None,
+                 cwd: str | None = None, sys_path_first: list[str] | None = None) -> None:
         # ``controller`` None: a host agent runs this for a remote controller (``address``,
-        # ``secret``), and ``on_report(msg)`` relays each fork/exit report to it
+        # ``secret``), and ``on_report(msg)`` relays each fork/exit report to it.
+        # ``python``: another interpreter for the zygote (and so the workers); it keeps its
+        # own sys.path, with ``sys_path_first`` in front (``sys_path`` is for this interpreter)
         self.controller = controller
         self.nprocs = nprocs
         self.on_report = on_report
@@ -64,8 +93,8 @@ class LocalBootstrap:
         self.status: dict[int, tuple] = {}
         self._cond = threading.Condition()
         r, w = os.pipe()
-        cmd = [sys.executable, "-c", "from mesharray.bootstrap.local import _zygote_main; _zygote_main()",
-               str(w)]
+        cmd = [python or sys.executable, "-c",
+               "from mesharray.bootstrap.local import _zygote_main; _zygote_main()", str(w)]
         zenv = dict(os.environ)
         zenv.pop("PYTHONSTARTUP", None)
         if "OMP_NUM_THREADS" not in zenv:
@@ -74,11 +103,20 @@ class LocalBootstrap:
             # against each other (a tiny torch step measured 1000x slower on 2 cores)
             zenv["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, nprocs)))
         zenv.update(env or {})
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(w,), env=zenv, close_fds=True)
-        os.close(w)
+        try:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(w,), env=zenv, close_fds=True,
+                                         cwd=cwd)
+        except OSError as exc:
+            os.close(r)
+            raise BootstrapError(f"could not start the zygote with {cmd[0]!r}: {exc}") from exc
+        finally:
+            os.close(w)
         self._report_fd = r
+        if python is not None and sys_path is None:
+            sys_path = []  # the other interpreter's own path (and sys_path_first)
         cfg = {
             "sys_path": list(sys.path) if sys_path is None else sys_path,
+            "sys_path_first": list(sys_path_first or ()),
             "secret": controller.secret if secret is None else secret,
             "address": controller.address if address is None else address,
             "forward_logs": forward_logs,
@@ -174,9 +212,11 @@ class LocalBootstrap:
 
 
 def start_local(controller, nprocs: int, forward_logs: bool = True, timeout: float = 60.0,
-                progress: bool = True) -> LocalBootstrap:
-    """Fork ``nprocs`` workers and let ``controller`` adopt them."""
-    boot = LocalBootstrap(controller, nprocs, forward_logs=forward_logs)
+                progress: bool = True, env: dict | None = None, python: str | None = None,
+                cwd: str | None = None, sys_path_first: list[str] | None = None) -> LocalBootstrap:
+    """Fork ``nprocs`` workers and let ``controller`` adopt them (``env``, ``python``: see :func:`launch`)."""
+    boot = LocalBootstrap(controller, nprocs, forward_logs=forward_logs, env=env, python=python, cwd=cwd,
+                          sys_path_first=sys_path_first)
     try:
         controller.adopt(nprocs, timeout=timeout, progress=progress, check=boot.check)
     except BaseException:
@@ -188,11 +228,16 @@ def start_local(controller, nprocs: int, forward_logs: bool = True, timeout: flo
 
 def launch(hosts: int, procs: int, *, forward_logs: bool = True, timeout: float = 60.0,
            heartbeat_timeout: float = 5.0, heartbeat_interval: float = 0.5, name: str = "procs",
-           kill_unresponsive: bool = False) -> Launch:
+           kill_unresponsive: bool = False, env: dict | None = None, python: str | None = None,
+           cwd: str | None = None, sys_path_first: list[str] | None = None) -> Launch:
     """Start ``hosts * procs`` workers on this host, laid out as ``{hosts, procs}``.
 
     What ``proc_mesh(bootstrap="local")`` runs; ``hosts > 1`` lays the
     workers out as if they were on several hosts (all on this machine).
+    ``env`` is set in every worker's environment; ``python`` is the
+    interpreter of the zygote and so of the workers (it keeps its own
+    ``sys.path``; ``sys_path_first`` goes in front either way); ``cwd`` is
+    the workers' working directory.
     """
     for label, v in (("hosts", hosts), ("procs", procs)):
         if not isinstance(v, int) or isinstance(v, bool):
@@ -205,7 +250,10 @@ def launch(hosts: int, procs: int, *, forward_logs: bool = True, timeout: float 
     for r in range(shape.size):  # labels before the workers start printing
         c = shape.coordinates(r)
         ctl.labels[r] = f"hosts={c['hosts']},procs={c['procs']}" if hosts > 1 else f"procs={c['procs']}"
-    boot = start_local(ctl, shape.size, forward_logs=forward_logs, timeout=timeout)
+    if python is not None:  # its own sys.path, with this script's own directories in front
+        sys_path_first = list(sys_path_first or ()) + user_paths(sys.path)
+    boot = start_local(ctl, shape.size, forward_logs=forward_logs, timeout=timeout, env=env, python=python, cwd=cwd,
+                       sys_path_first=sys_path_first)
     return Launch(ctl, shape, boot.close, boot.restart)
 
 
@@ -214,7 +262,9 @@ def _zygote_main() -> None:
     report_fd = int(sys.argv[1])
     stdin_fd = sys.stdin.fileno()
     cfg = _read_msg(stdin_fd)
-    sys.path[:] = cfg["sys_path"]
+    path = list(cfg["sys_path"] or sys.path)
+    first = [p for p in cfg.get("sys_path_first") or () if p]
+    sys.path[:] = first + [p for p in path if p not in first]
     # import once, here, what every worker needs: forks then share it copy-on-write
     import asyncio  # noqa: F401
     import selectors

@@ -8,12 +8,17 @@ listener of the controller on the address the agents see it at, and the mesh
 is laid out ``{hosts, procs}`` in the order the agents were given.
 
 An agent that goes away while attached (killed, its machine gone) takes its
-processes with it: their connections reset and their calls fail with
-:class:`~mesharray.ActorDiedError`; the other hosts keep working.
+processes with it: their calls fail with :class:`~mesharray.ActorDiedError`
+naming the host; the other hosts keep working.
+
+:func:`sync_workspace` copies a directory tree to every agent (the files that
+changed since the last copy, deletions too; see :mod:`.workspace`); the
+processes of meshes started afterwards put the copy first on ``sys.path``.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
@@ -31,8 +36,9 @@ from ..transport import auth
 from ..transport.dataplane import plane_kind
 from .agent import parse_url, recv_msg, send_msg, wrap_secret
 from .launch import Launch, wait_exit_status
+from .workspace import CHUNK, scan
 
-__all__ = ["AgentClient", "attach_agents", "launch", "plane_kind"]
+__all__ = ["AgentClient", "attach_agents", "launch", "plane_kind", "sync_workspace"]
 
 log = logging.getLogger("mesharray.remote")
 
@@ -51,6 +57,11 @@ class AgentClient:
         self.lost: BaseException | None = None
         self.handlers: dict[str, Callable[[tuple], None]] = {}
         self.on_lost: list[Callable[[BaseException], None]] = []
+        #: the agent's copy of this controller's tree, once synced (spawned processes use it)
+        self.workspace: str | None = None
+        self._replies: dict[int, Any] = {}
+        self._reply_cond = threading.Condition()
+        self._ids = itertools.count(1)
         self._reader = threading.Thread(target=self._read, name=f"mesharray-agent-{self.host_id}", daemon=True)
         self._reader.start()
 
@@ -62,11 +73,17 @@ class AgentClient:
                     h = self.handlers.get(msg[1])
                     if h is not None:
                         h(msg[2:])
+                elif isinstance(msg, tuple) and len(msg) == 3 and msg[0] == "reply":
+                    with self._reply_cond:
+                        self._replies[msg[1]] = msg[2]
+                        self._reply_cond.notify_all()
         except (EOFError, OSError) as exc:
             err: BaseException = exc
         except Exception as exc:  # pragma: no cover - a broken message: the link is lost
             err = exc
         self.lost = BootstrapError(f"host agent {self.host_id} at {self.url} is gone ({type(err).__name__}: {err})")
+        with self._reply_cond:
+            self._reply_cond.notify_all()
         for cb in list(self.on_lost):
             try:
                 cb(self.lost)
@@ -80,6 +97,22 @@ class AgentClient:
             send_msg(self.sock, msg, self.lock)
         except OSError as exc:
             raise BootstrapError(f"host agent {self.host_id} at {self.url} is unreachable: {exc}") from exc
+
+    def request(self, msg: dict, timeout: float) -> Any:
+        """Send ``msg`` with a fresh ``id`` and wait for the agent's answer to it."""
+        rid = next(self._ids)
+        self.send({**msg, "id": rid})
+        deadline = time.monotonic() + timeout
+        with self._reply_cond:
+            while rid not in self._replies:
+                if self.lost is not None:
+                    raise self.lost
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise BootstrapError(f"host agent {self.host_id} at {self.url} did not answer {msg.get('op')!r} "
+                                         f"within {timeout:g} s")
+                self._reply_cond.wait(left)
+            return self._replies.pop(rid)
 
     def close(self) -> None:
         """Detach: the agent kills what is left of this controller's processes and serves the next one."""
@@ -191,6 +224,7 @@ class _RemoteProcs:
         self.status: dict[int, tuple] = {}
         self.errors: list[str] = []
         self._cond = threading.Condition()
+        self.controller: Controller | None = None  # set once the mesh's workers all joined
         for a in agents:
             a.handlers[mesh] = self._on_report
             a.on_lost.append(self._on_lost)
@@ -208,6 +242,18 @@ class _RemoteProcs:
     def _on_lost(self, err: BaseException) -> None:
         with self._cond:
             self._cond.notify_all()
+        ctl = self.controller
+        if ctl is None:
+            return
+        # its processes die with it (their zygote's stdin closed): say which host, before their
+        # connections do (the zygote waits 0.5 s before it kills them)
+        lost = next((h for h, a in enumerate(self.agents) if a.lost is err), None)
+        if lost is None:
+            return
+        a = self.agents[lost]
+        for rank, h in self.host_of.items():
+            if h == lost:
+                ctl.declare_dead(rank, f"host {a.host_id} is lost: its host agent at {a.url} is gone")
 
     def exit_status(self, rank: int, timeout: float):
         agent = self.agents[self.host_of[rank]]
@@ -251,8 +297,15 @@ class _RemoteProcs:
 def launch(agents: list[AgentClient], procs: int, *, forward_logs: bool = True, timeout: float = 60.0,
            heartbeat_timeout: float = 5.0, heartbeat_interval: float = 0.5, name: str = "procs",
            kill_unresponsive: bool = False, data_plane: str = "tcp", progress: bool = True,
-           dim: str = "procs") -> Launch:
-    """Start ``procs`` workers on each agent; the mesh is ``{hosts: len(agents), dim: procs}``."""
+           dim: str = "procs", env: dict | None = None, python: str | None = None) -> Launch:
+    """Start ``procs`` workers on each agent; the mesh is ``{hosts: len(agents), dim: procs}``.
+
+    ``env`` is set in every worker's environment (it travels on the
+    authenticated connection, never on a command line); ``python`` is the
+    interpreter of the workers on every host (default: the agent's). An agent
+    with a synced workspace (:func:`sync_workspace`) puts it first on the
+    workers' ``sys.path`` and makes it their working directory.
+    """
     if not isinstance(procs, int) or isinstance(procs, bool) or procs < 1:
         raise ValueError(f"procs per host must be an int >= 1, got {procs!r}")
     for a in agents:
@@ -276,10 +329,67 @@ def launch(agents: list[AgentClient], procs: int, *, forward_logs: bool = True, 
         for a, rs in zip(agents, ranks):
             a.send({"op": "spawn", "mesh": mesh_id, "ranks": rs, "controller": f"tcp:{a.local_ip}:{port}",
                     "forward_logs": forward_logs, "sys_path": [p for p in sys.path if p],
-                    "data_plane": data_plane})
+                    "data_plane": data_plane, "env": dict(env or {}), "python": python,
+                    "workspace": a.workspace is not None})
         ctl.adopt(shape.size, timeout=timeout, progress=progress, check=lambda: remote.check(ctl))
+        remote.controller = ctl
     except BaseException:
         ctl.stop(timeout=0.5)
         remote.release()
         raise
     return Launch(ctl, shape, remote.release, None)
+
+
+def sync_workspace(agents: list[AgentClient], root: str, timeout: float = 300.0) -> dict[str, dict[str, int]]:
+    """Copy the tree at ``root`` to every agent (in parallel); what each copied: ``{host_id: {...}}``.
+
+    Each agent answers which files differ from its copy (and deletes what the
+    tree no longer has); only those are sent, in chunks of
+    :data:`~.workspace.CHUNK` bytes. Per host: ``files`` (in the tree),
+    ``copied``, ``bytes`` and ``deleted``. Raises :class:`BootstrapError`
+    naming the host and the file when a copy fails.
+    """
+    files = scan(root)
+    manifest = {rel: list(entry) for rel, (entry, _) in files.items()}
+    deadline = time.monotonic() + timeout
+    results: list[Any] = [None] * len(agents)
+
+    def one(i: int) -> None:
+        a = agents[i]
+        try:
+            plan = a.request({"op": "sync", "files": manifest}, max(deadline - time.monotonic(), 1.0))
+            if not plan.get("ok"):
+                raise BootstrapError(f"workspace sync failed: {plan.get('error')}")
+            sent = 0
+            for rel in plan["need"]:
+                (size, executable, sha), path = files[rel]
+                with open(path, "rb") as f:
+                    offset = 0
+                    while True:
+                        data = f.read(CHUNK)
+                        last = offset + len(data) >= size or not data
+                        a.send({"op": "sync_put", "rel": rel, "offset": offset, "data": data, "last": last,
+                                "executable": executable, "sha": sha})
+                        offset += len(data)
+                        if last:
+                            break
+                sent += offset
+            done = a.request({"op": "sync_done"}, max(deadline - time.monotonic(), 1.0))
+            if not done.get("ok"):
+                raise BootstrapError(f"workspace sync failed: {done.get('error')}")
+            a.workspace = str(done["path"])
+            results[i] = {"files": len(files), "copied": len(plan["need"]), "bytes": sent,
+                          "deleted": int(plan.get("deleted", 0))}
+        except BaseException as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,), name="mesharray-sync", daemon=True)
+               for i in range(len(agents))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return {a.host_id: r for a, r in zip(agents, results)}
