@@ -39,6 +39,7 @@ from .errors import (
 
 if TYPE_CHECKING:  # what __getattr__ below returns, for type checkers and editors (keep in sync with _LAZY)
     # ("X as X": an explicit re-export)
+    from . import job as job
     from . import k8s as k8s
     from ._core import Shape as Shape
     from ._core import broadcast_shapes as broadcast_shapes
@@ -94,7 +95,7 @@ _LAZY = {
 }
 
 # submodules reached as attributes (``ma.k8s.attach(...)``), imported on first use
-_SUBMODULES = {"k8s": "mesharray.k8s"}
+_SUBMODULES = {"k8s": "mesharray.k8s", "job": "mesharray.job"}
 
 # Modules whose objects can make distributed arrays (a ProcMesh's zeros, ones, ...):
 # the first use of one also loads mesharray.darray, which installs itself into proc

@@ -11,6 +11,7 @@ Usage::
                                                 # a host agent (secret: MESHARRAY_SECRET)
     python -m mesharray k8s manifest --name NAME --hosts N --image IMAGE [...]
                                                 # Kubernetes objects of a mesh (| kubectl apply -f -)
+    python -m mesharray job status|kill [PATH]  # the job of a job file (ma.job; default .mesharray/job.json)
 
 Running through ``python -m mesharray`` adds one guarantee to a launch such as
 ``mpirun -n 4 python -m mesharray train.py``: an unhandled exception (or a
@@ -41,6 +42,7 @@ usage: python -m mesharray script.py [args...]
        python -m mesharray host --listen tcp://0.0.0.0:26600 [--advertise URL] [--host-id NAME]
        python -m mesharray k8s manifest --name NAME --hosts N --image IMAGE [--procs-per-host 8]
                                   [--namespace NS] [--jobset] [--resources gpu=8] [--secret-name S]
+       python -m mesharray job status|kill [PATH] # a job (ma.job) of a job file, default .mesharray/job.json
        python -m mesharray top URL                # live per-rank table of procs.telemetry.serve()'s URL
        python -m mesharray --version
 
@@ -52,7 +54,10 @@ backend and the dtypes that worked on it (imports torch: seconds); `host`
 runs a host agent that scripts attach to (ma.attach), with the secret taken
 from MESHARRAY_SECRET; `k8s manifest` prints the Kubernetes objects of a mesh
 of host agents (pipe it to `kubectl apply -f -`; the script then calls
-ma.k8s.attach(NAME))."""
+ma.k8s.attach(NAME)); `job status` prints a job's kind, id, state and hosts
+(exit 0 while it is pending or running, 1 when it is dead or there is no job
+file) and `job kill` ends it. A script named like a subcommand runs with
+`run`."""
 
 
 # --------------------------------------------------------------------------- running
@@ -445,6 +450,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .bootstrap.k8s import main as k8s_main
 
         return k8s_main(args[1:])
+    if first == "job":
+        from .job.cli import main as job_main
+
+        return job_main(args[1:])
     if first == "info":
         extra = args[1:]
         unknown = [a for a in extra if a not in ("--json", "--probe")]

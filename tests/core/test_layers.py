@@ -22,8 +22,8 @@ LAYERS = [
     ("mesharray.runtime",),
     ("mesharray.actor", "mesharray.buffer"),
     ("mesharray.bootstrap", "mesharray.observe"),
-    ("mesharray.proc",),
-    ("mesharray.darray", "mesharray.k8s"),
+    ("mesharray.proc", "mesharray.k8s", "mesharray.job"),
+    ("mesharray.darray",),
     ("mesharray", "mesharray.__main__", "mesharray.testing"),
 ]
 
