@@ -390,6 +390,10 @@ class Job:
 
     def _attach(self, deadline: float | None, reattach: bool = False) -> JobState:
         urls = self._wait_urls(deadline)
+        if reattach:  # agents that do not answer at all: no need to wait for them (an attach retries)
+            gone = [u for us in urls.values() for u in us if not reachable(u)]
+            if gone:
+                raise _Gone(f"its agents at {gone} do not answer")
         left = 30.0 if deadline is None else max(deadline - time.monotonic(), 5.0)
         hosts: dict[str, HostMesh] = {}
         try:
