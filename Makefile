@@ -28,14 +28,17 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -e ".[test,torch,mpi,ucx]"
 	touch $@
 
-# The programs tests/observe drives: a headless browser for the web view, tmux for `top`.
-# Installed from Debian's packages when missing and this runs as root with apt (CI); the
-# tests that need them skip, naming what is missing, anywhere they cannot be installed.
+# The programs tests drive: a headless browser for the web view and tmux for `top`
+# (tests/observe); SLURM and munge for the two-node cluster of tests/slurm. Installed from
+# Debian's packages when missing and this runs as root with apt (CI); the tests that need
+# them skip, naming what is missing, anywhere they cannot be installed.
 tools:
 	@missing=""; command -v chromium >/dev/null || missing="$$missing chromium"; \
 	command -v tmux >/dev/null || missing="$$missing tmux"; \
+	command -v slurmctld >/dev/null || missing="$$missing slurm-wlm"; \
+	command -v munged >/dev/null || missing="$$missing munge"; \
 	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	  echo "installing$$missing (Debian packages) for tests/observe"; \
+	  echo "installing$$missing (Debian packages) for the tests"; \
 	  (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
 	     --no-install-recommends $$missing >/dev/null) || echo "could not install$$missing: those tests skip"; \
 	fi
