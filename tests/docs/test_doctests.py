@@ -32,6 +32,13 @@ STILL_SKIPPED = {
     ("mesharray.collectives.mpi_comms.mesh_comm", "comm = mesh_comm"): "needs 4 MPI ranks (tests/mpi runs it)",
     ("mesharray.collectives.mpi_comms.mesh_comm", "comm.allreduce"): "needs 4 MPI ranks (tests/mpi runs it)",
     ("mesharray.runtime.worker.run_worker", "t = threading.Thread"): "needs a controller's address and secret",
+    ("mesharray.proc.HostMesh.sync_workspace", ""): "starts a job's agents (tests/job syncs workspaces)",
+    ("mesharray.job.base.Job.state", ""): "starts agents and writes a job file here (tests/job runs LocalJob)",
+    ("mesharray.job.base.load", ""): "needs a job file (tests/job loads them)",
+    ("mesharray.job.local.LocalJob", ""): "starts agents and writes a job file here (tests/job runs LocalJob)",
+    ("mesharray.job.agents.AgentsJob", ""): "needs host agents on other machines (tests/job runs AgentsJob)",
+    ("mesharray.job.slurm.SlurmJob", ""): "needs a SLURM cluster (tests/slurm starts one)",
+    ("mesharray.job.kubernetes.KubernetesJob", ""): "needs a Kubernetes cluster (tests/k8s/test_job.py has one)",
     ("mesharray.collectives.mpi_comms.world_comm", "world_comm()"): "needs a mesh launched under mpirun (tests/mpi)",
 }
 
