@@ -2,8 +2,10 @@
 
 ``apply()`` creates each mesh's objects (:func:`mesharray.k8s.manifest`:
 a Secret holding the job's secret, a headless Service, an Indexed Job) named
-``NAME-MESH``; ``state()`` attaches to each with :func:`mesharray.k8s.attach`
-(pods watched while attached: a pod lost is an ``ActorDiedError`` naming it).
+``NAME-MESH``; ``state()`` waits until every index of every mesh has a Ready
+pod (printing what the pods are doing meanwhile; ``timeout=`` bounds it),
+then attaches to each with :func:`mesharray.k8s.attach` (pods watched while
+attached: a pod lost is an ``ActorDiedError`` naming it).
 Unlike ``ma.k8s.create``, detaching leaves the objects (the next script
 re-attaches); ``kill()`` deletes them. The job file keeps the kubeconfig and
 context it was made with, so ``job status|kill`` reach the same cluster.
@@ -14,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import sys
+import time
 from typing import Any, Mapping
 
 from ..bootstrap import k8s as _k8s
@@ -126,7 +130,28 @@ class KubernetesJob(Job):
         self._alloc = {"made": [list(m) for m in made], "kubeconfig": kubeconfig, "context": context}
 
     def _wait_urls(self, deadline: float | None) -> dict[str, list[str]]:
-        return {mesh: [] for mesh in self._meshes}  # the pods are found by ma.k8s.attach
+        """Wait until every mesh has a Ready pod per index (the pods' states on stderr meanwhile)."""
+        t0 = time.monotonic()
+        shown, next_note = "", t0
+        while True:
+            st = self._status()
+            now = time.monotonic()
+            if st.state == "running":
+                if shown:
+                    print(f"mesharray: Kubernetes job {self._id}: {st.detail} ({now - t0:.0f} s)", file=sys.stderr,
+                          flush=True)
+                return {mesh: [] for mesh in self._meshes}  # the pods are found (again) by ma.k8s.attach
+            if st.state == "dead":
+                raise BootstrapError(f"Kubernetes job {self._id} is gone: {st.detail}")
+            if now - t0 >= 1.0 and (st.detail != shown or now >= next_note):
+                print(f"mesharray: Kubernetes job {self._id} pending: {st.detail} ({now - t0:.0f} s)",
+                      file=sys.stderr, flush=True)
+                shown, next_note = st.detail, now + 30.0
+            if deadline is not None and now >= deadline:
+                raise BootstrapError(f"Kubernetes job {self._id} is not ready after the timeout: {st.detail}; its "
+                                     f"objects stay (re-attach later with the same state(cached_path=...), or end "
+                                     f"it with `python -m mesharray job kill {self.path}`)")
+            time.sleep(0.5)
 
     def _attach_mesh(self, name: str, urls: list[str], timeout: float) -> HostMesh:
         kubeconfig, context = self._config()

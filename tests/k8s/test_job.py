@@ -67,3 +67,21 @@ def test_kubernetes_job_checks_its_names_before_creating_anything():
         ma.job.KubernetesJob(meshes={"workers": 1}, image="img", name="Not_DNS")
     with pytest.raises(ValueError, match="image must name"):
         ma.job.KubernetesJob(meshes={"workers": 1}, image="")
+
+
+def test_a_job_whose_pods_wait_shows_why_and_honours_the_timeout(cluster, kubeconfig, tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    cluster.kubelet.unschedulable = lambda p: True
+    job = ma.job.KubernetesJob(meshes={"workers": 1}, image="local/python", name="kwait", resources="gpu=8",
+                               port=free_port())
+    try:
+        with pytest.raises(ma.BootstrapError, match=r"Kubernetes job kwait is not ready after the timeout: "
+                                                    r"workers: 0 of 1 hosts ready; not ready: index 0 \(pod "
+                                                    r"kwait-workers-0-\w+ Pending, PodScheduled: Unschedulable"):
+            job.state(cached_path="job.json", timeout=2)
+        assert "mesharray: Kubernetes job kwait pending: workers: 0 of 1 hosts ready" in capfd.readouterr().err
+        assert _cli("job", "status", "job.json", cwd=tmp_path).returncode == 0  # pending is alive
+    finally:
+        cluster.kubelet.unschedulable = lambda p: False
+        job.kill()
+    assert wait_until(lambda: not cluster.pods(selector="mesharray/mesh=kwait-workers"), 15)
