@@ -21,6 +21,7 @@ import time
 from typing import Any, Mapping
 
 from ..bootstrap import k8s as _k8s
+from ..bootstrap.agent import DEFAULT_PORT
 from ..errors import BootstrapError
 from ..k8s import attach as k8s_attach
 from ..k8s import manifest
@@ -66,7 +67,7 @@ class KubernetesJob(Job):
 
     def __init__(self, meshes: dict[str, int], image: str, namespace: str = "default", *, name: str | None = None,
                  procs_per_host: int = 8, resources: str | Mapping[str, Any] | None = None,
-                 port: int = _k8s.DEFAULT_PORT, python: str = "python", jobset: bool = False,
+                 port: int = DEFAULT_PORT, python: str = "python", jobset: bool = False,
                  node_selector: Mapping[str, str] | None = None, service_account: str | None = None,
                  kubeconfig: str | None = None, context: str | None = None) -> None:
         super().__init__(check_meshes(meshes))
