@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import processes_naming
 from job_actors import Probe
+from job_util import processes_naming
 
 import mesharray as ma
 
