@@ -1,8 +1,8 @@
 """Bootstraps: how the processes of a mesh are started or found.
 
 Internal: users choose a bootstrap with ``ma.proc_mesh(bootstrap=...)`` (or the
-launcher it detects), ``ma.attach`` or ``ma.k8s``; the modules here are not
-public API.
+launcher it detects), ``ma.attach``, ``ma.k8s`` or ``ma.job``; the modules here
+are not public API.
 
 - :mod:`.launch`  — :class:`~mesharray.bootstrap.launch.Launch`, what every
   bootstrap returns, and the wait for a worker's exit report that the local
@@ -20,6 +20,10 @@ public API.
   start a process mesh across them (``ma.attach``).
 - :mod:`.k8s`     — Kubernetes (a package): manifests, their YAML, the API
   client, pod discovery and the ``k8s manifest`` CLI, below ``ma.k8s``.
+- :mod:`.slurm`   — SLURM: the step of one host agent per node, the batch
+  script that runs it, and the scheduler's view of a job, below ``ma.job.SlurmJob``.
+- :mod:`.workspace` — a controller's directory tree copied to host agents
+  (``HostMesh.sync_workspace``): what is copied, and each agent's copy.
 
 A bootstrap starts (or finds) the workers, each running
 :func:`mesharray.runtime.worker.run_worker`, and lets a
