@@ -17,12 +17,13 @@ hosts are found another way overrides ``_attach_mesh``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import socket
 import time
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterator
 
 from ..bootstrap.agent import parse_url
 from ..errors import BootstrapError
@@ -40,7 +41,7 @@ FORMAT = 1
 #: states of :class:`JobStatus` in which the allocation is alive
 ALIVE = ("pending", "starting", "running")
 
-_RESERVED = frozenset({"detach", "meshes", "job", "names"})
+_RESERVED = frozenset({"detach", "detached", "meshes", "job", "names"})
 
 #: job kind (as a job file names it) -> class; each kind's class registers itself
 _KINDS: dict[str, type[Job]] = {}
@@ -301,10 +302,24 @@ class Job:
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._id is None and cached_path is not None:
             path = os.fspath(cached_path)
-            reused = self._reuse(path, deadline)
-            if reused is not None:
-                return reused
-            self.path = path
+            # one process at a time decides whether the file's job serves, and applies a new one:
+            # two scripts started together share one allocation
+            with _locked(path):
+                adopted = self._adopt_cached(path)
+                if not adopted:
+                    self.path = path
+                    self.apply()
+            if adopted:
+                cached = _snapshot(self)
+                try:
+                    return self._attach(deadline, reattach=True)
+                except _Gone as exc:
+                    _report_dead(path, cached, JobStatus(cached.kind, cached.id, "dead", str(exc)))
+                    _end_remains(cached)
+                    self._id, self._secret, self._alloc = None, None, {}
+                    with _locked(path):
+                        self.apply()
+            return self._attach(deadline)
         if self._id is None:
             self.apply()
         else:
@@ -363,30 +378,24 @@ class Job:
         self._id, self._secret, self._alloc = other._id, other._secret, other._alloc
         self._created, self.path = other._created, other.path
 
-    def _reuse(self, path: str, deadline: float | None) -> JobState | None:
-        """Re-attach to the job at ``path`` when it can serve this spec; else clear the way for a new one."""
+    def _adopt_cached(self, path: str) -> bool:
+        """Take the allocation of the job at ``path`` when it can serve this spec (True); else clear the way."""
         cached = _peek(path, report=True)
         if cached is None:
-            return None
+            return False
         st = cached.status()
         if not self._same_spec(cached):
             if st.alive:
                 log.warning("mesharray: job file %s held the %s %s job %s of other arguments; ending it",
                             path, st.state, cached.kind, cached.id)
                 cached.kill()
-            return None
+            return False
         if not st.alive:
             _report_dead(path, cached, st)
             _end_remains(cached)
-            return None
+            return False
         self._adopt(cached)
-        try:
-            return self._attach(deadline, reattach=True)
-        except _Gone as exc:
-            _report_dead(path, cached, JobStatus(cached.kind, cached.id, "dead", str(exc)))
-            _end_remains(cached)
-            self._id, self._secret, self._alloc, self.path = None, None, {}, None
-            return None
+        return True
 
     def _attach(self, deadline: float | None, reattach: bool = False) -> JobState:
         urls = self._wait_urls(deadline)
@@ -430,6 +439,32 @@ def _report_dead(path: str, job: Job, st: JobStatus) -> None:
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job._created)) if job._created else "?"
     log.warning("mesharray: the %s job %s of %s (started %s) is dead: %s; starting a new one",
                 job.kind, job.id, path, when, st.detail or st.state)
+
+
+def _snapshot(job: Job) -> Job:
+    """A copy of ``job``'s allocation as it is now (to report and end it after ``job`` moved on)."""
+    other = type(job).__new__(type(job))
+    other.__dict__.update(job.__dict__)
+    other._alloc = json.loads(json.dumps(job._alloc))
+    other._state = None
+    return other
+
+
+@contextlib.contextmanager
+def _locked(path: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``path + ".lock"`` (``flock``; nothing where there is no ``fcntl``)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    job_dir(path)
+    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # (closing releases the lock)
 
 
 def _end_remains(job: Job) -> None:

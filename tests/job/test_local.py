@@ -195,3 +195,27 @@ def test_load_refuses_what_is_not_a_job_file(tmp_path):
         ma.job.load(p)
     with pytest.raises(FileNotFoundError):
         ma.job.load(tmp_path / "none.json")
+
+
+RACE = """
+import mesharray as ma
+job = ma.job.LocalJob(meshes={"workers": 1})
+try:
+    job.state(cached_path="race.json").detach()
+except ma.BootstrapError as exc:  # the other script is attached right now
+    assert "already serves" in str(exc), exc
+print(job.id)
+"""
+
+
+def test_two_scripts_started_together_share_one_allocation(workdir):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]))
+    runs = [subprocess.Popen([sys.executable, "-c", RACE], cwd=workdir, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [r.communicate(timeout=60) for r in runs]
+    try:
+        assert all(r.returncode == 0 for r in runs), [o[1][-2000:] for o in outs]
+        ids = {o[0].strip() for o in outs}
+        assert len(ids) == 1 and len(list(workdir.glob("local-*"))) == 1, (ids, list(workdir.iterdir()))
+    finally:
+        ma.job.load(workdir / "race.json").kill()
