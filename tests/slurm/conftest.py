@@ -1,4 +1,4 @@
-"""A two-node SLURM cluster for the whole session (see slurmcluster.py); each test runs in a directory of its
+"""A two-node SLURM cluster for the tests of this folder (see slurmcluster.py); each test runs in a directory of its
 own and may leave no job behind: a job still queued or running after it fails the test (and is cancelled)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from slurmcluster import SlurmCluster, missing
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def slurm(tmp_path_factory):
     why = missing()
     if why:
