@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH  := torch==2.13.0
 SRC    := $(wildcard mesharray/*.pyx mesharray/*.pxi mesharray/*.pxd) setup.py pyproject.toml
 
-.PHONY: demo test test-core test-mpi test-portable test-wheel wheel docs lint bench install clean tools
+.PHONY: demo test test-mpi test-portable test-wheel wheel docs lint bench install clean tools
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)

@@ -24,7 +24,7 @@ LAYERS = [
     ("mesharray.bootstrap", "mesharray.observe"),
     ("mesharray.proc",),
     ("mesharray.darray", "mesharray.k8s"),
-    ("mesharray", "mesharray.__main__", "mesharray.testing"),
+    ("mesharray", "mesharray.__main__"),
 ]
 
 
