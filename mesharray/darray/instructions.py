@@ -17,8 +17,9 @@ same value everywhere).
 
 These are ``NamedTuple``s (fields by name in the code). On the wire each is
 a plain tuple ``(code, *fields)`` (:data:`CODES`, :func:`encode`, :func:`decode`): pickling a
-named tuple class by reference costs ~3 µs a message more on the two sides,
-which is most of a tiny reduction's budget.
+named tuple class by reference means a class lookup on the sending side and an import
+lookup on the receiving one for every instruction, which is most of a tiny reduction's
+per-message work.
 """
 
 from __future__ import annotations

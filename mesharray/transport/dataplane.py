@@ -310,7 +310,7 @@ def plane_kind(requested: str | None = None) -> str:
     """The data plane to use between hosts: ``"tcp"`` or ``"ucx"``, from ``requested`` or the environment.
 
     ``auto`` (the default) picks UCX when this machine has an RDMA device and
-    ``ucxx`` imports, else TCP (over plain TCP, UCX measured slower); ``ucx``
+    ``ucxx`` imports, else TCP (:func:`.ucx.rdma_available` says why); ``ucx``
     without ``ucxx`` raises :class:`BootstrapError` naming the extra; ``shm``
     is only a choice for one host, and means TCP between hosts.
 
@@ -331,8 +331,8 @@ def plane_kind(requested: str | None = None) -> str:
     if kind in ("tcp", "shm"):
         return "tcp"
     if kind == "auto":
-        # UCX only where it has RDMA to offer: over plain TCP it measured slower than the
-        # built-in plane for collectives (bench/README.md, "Data plane")
+        # UCX only where it has RDMA to offer: over plain TCP the built-in plane serves
+        # collectives faster (docs/internals.md, "Many hosts": the UCX plane)
         if not _rdma_present():
             return "tcp"
         return "ucx" if ucx_status()[0] else "tcp"
