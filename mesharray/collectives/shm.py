@@ -82,7 +82,7 @@ from .._core import (
 )
 from ..errors import ActorDiedError, MeshArrayError, SupervisionError
 from ..transport import cma
-from ._args import as_contiguous, check_out
+from ._args import as_contiguous, check_out, scatter_part_shape
 
 __all__ = ["ShmCollective", "unique_segment_name", "REDUCE_OPS", "SINGLE_COPY_MIN", "SINGLE_COPY_MIN_SHARED_CORES"]
 
@@ -862,12 +862,7 @@ class ShmCollective:
         """
         send = self._as_array(send, "send")
         kdt = self._kernel_dtype(send.dtype, op)
-        if send.ndim >= 1 and send.shape[0] == self.size and send.ndim > 1:
-            part_shape = send.shape[1:]
-        elif send.size % self.size == 0:
-            part_shape = (send.size // self.size,)
-        else:
-            raise ValueError(f"reduce_scatter needs send of shape ({self.size}, ...) or a size divisible by {self.size}; got shape {send.shape}")
+        part_shape = scatter_part_shape(send.shape, self.size)
         out = self._out(out, part_shape, send.dtype)
         kop = "sum" if op == "mean" else op
         isz = send.dtype.itemsize

@@ -46,7 +46,7 @@ from ..errors import BootstrapError
 from . import auth
 from .address import parse_address
 from .listener import Listener
-from .sockio import recv_exactly, recv_exactly_into
+from .sockio import recv_exactly, recv_exactly_into, shut_and_close
 
 __all__ = ["Link", "DataPlane", "TcpPlane", "TcpLink", "Rendezvous", "plane_kind", "ucx_status", "MAX_TAG",
            "KINDS", "start_process_plane", "process_plane", "rendezvous", "on_tag"]
@@ -117,11 +117,7 @@ class TcpLink:
             raise ConnectionError(f"data link to {self.peer or 'peer'} broke while receiving: {exc}") from exc
 
     def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
+        shut_and_close(self.sock)
 
     def __repr__(self) -> str:
         return f"TcpLink({self.peer!r})"
