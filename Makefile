@@ -56,10 +56,10 @@ test: $(VENV)/.installed-test tools
 
 # The code paths of macOS and other non-Linux systems (selectors instead of epoll, socket
 # files instead of abstract sockets, shared memory passed over SCM_RIGHTS instead of opened
-# through /proc, psutil instead of /proc/<pid>/stat), forced on Linux: the runtime, array,
-# collectives and transport tests once more (~45 s on 2 cores).
+# through /proc, psutil instead of /proc/<pid>/stat), forced on Linux: the runtime, distributed
+# arrays, collectives and transport tests once more (~45 s on 2 cores).
 test-portable: $(VENV)/.installed-test
-	MESHARRAY_PORTABLE=1 PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests/runtime tests/array \
+	MESHARRAY_PORTABLE=1 PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests/runtime tests/darray \
 	  tests/collectives tests/transport -q -p no:cacheprovider
 
 # ruff on all the Python; mypy on the package and examples/ (settings in pyproject.toml).
