@@ -20,6 +20,21 @@ import numpy as np
 
 import mesharray as ma
 
+
+def die(how: str) -> None:
+    """End (or stop) this worker process: ``exit`` (status 3), ``segv``, ``kill`` (SIGKILL) or ``stop`` (SIGSTOP)."""
+    if how == "exit":
+        os._exit(3)
+    elif how == "segv":
+        ctypes.string_at(0)
+    elif how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif how == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    else:
+        raise ValueError(f"die how? {how!r}; expected 'exit', 'segv', 'kill' or 'stop'")
+
+
 # --------------------------------------------------------------------------- runtime, docs
 
 
@@ -128,14 +143,7 @@ class Probe(ma.Actor):
 
     @ma.endpoint
     def die(self, how: str) -> None:
-        if how == "exit":
-            os._exit(3)
-        elif how == "segv":
-            ctypes.string_at(0)
-        elif how == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif how == "stop":
-            os.kill(os.getpid(), signal.SIGSTOP)
+        die(how)
 
 
 class AsyncActor(ma.Actor):
@@ -270,12 +278,7 @@ class Faulty(ma.Actor):
 
     @ma.endpoint
     def die(self, how: str) -> None:
-        if how == "exit":
-            os._exit(3)
-        elif how == "segv":
-            ctypes.string_at(0)
-        elif how == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
+        die(how)
 
     @ma.endpoint
     def unpicklable(self):
