@@ -16,10 +16,9 @@ this rank), :class:`PerRank` (a value per global rank) or :class:`Value` (the
 same value everywhere).
 
 These are ``NamedTuple``s (fields by name in the code). On the wire each is
-a plain tuple ``(code, *fields)`` (:data:`CODES`, :func:`encode`, :func:`decode`): pickling a
-named tuple class by reference means a class lookup on the sending side and an import
-lookup on the receiving one for every instruction, which is most of a tiny reduction's
-per-message work.
+a plain tuple ``(code, *fields)`` (:data:`CODES`, :func:`encode`, :func:`decode`): a named
+tuple pickled by reference names its class, which the sender writes and the receiver looks
+up again for every instruction, and a tiny reduction in a loop would pay that every step.
 """
 
 from __future__ import annotations

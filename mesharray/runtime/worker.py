@@ -111,9 +111,9 @@ def set_spin() -> None:
     """Make this worker process's readers poll briefly before blocking (``MESHARRAY_WORKER_SPIN_US``).
 
     For a process that is a worker and nothing else (where :func:`set_sched_class` is called).
-    A message that comes within the spin is read without a wake-up, which is what a message
-    costs most on a virtual machine whose idle CPUs halt. A reader whose polls find nothing
-    backs off (:func:`~mesharray.transport.spin.set_read_spin`; ``docs/internals.md``,
+    A message that comes within the spin is read without waking the reader, the largest cost
+    of a small message on a virtual machine whose idle CPUs halt. A reader whose polls find
+    nothing backs off (:func:`~mesharray.transport.spin.set_read_spin`; ``docs/internals.md``,
     "Threads").
     """
     try:
