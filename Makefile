@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH  := torch==2.13.0
 SRC    := $(wildcard mesharray/*.pyx mesharray/*.pxi mesharray/*.pxd) setup.py pyproject.toml
 
-.PHONY: demo test test-core test-mpi test-portable test-wheel wheel docs lint bench install clean tools
+.PHONY: demo test test-mpi test-portable test-wheel wheel docs lint bench install clean tools
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -59,10 +59,10 @@ test: $(VENV)/.installed-test tools
 
 # The code paths of macOS and other non-Linux systems (selectors instead of epoll, socket
 # files instead of abstract sockets, shared memory passed over SCM_RIGHTS instead of opened
-# through /proc, psutil instead of /proc/<pid>/stat), forced on Linux: the runtime, array,
-# collectives and transport tests once more (~45 s on 2 cores).
+# through /proc, psutil instead of /proc/<pid>/stat), forced on Linux: the runtime, distributed
+# arrays, collectives and transport tests once more (~45 s on 2 cores).
 test-portable: $(VENV)/.installed-test
-	MESHARRAY_PORTABLE=1 PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests/runtime tests/array \
+	MESHARRAY_PORTABLE=1 PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests/runtime tests/darray \
 	  tests/collectives tests/transport -q -p no:cacheprovider
 
 # ruff on all the Python; mypy on the package and examples/ (settings in pyproject.toml).

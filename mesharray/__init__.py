@@ -7,6 +7,34 @@
 
 Heavy parts (the runtime, engines, MPI) are imported lazily on first use, so
 ``import mesharray`` never imports torch, mpi4py or ucxx.
+
+The public API is this module's namespace (``__all__``). The modules, bottom
+to top (``docs/internals.md``, "Layers"):
+
+- :mod:`._core` — compiled (Cython): the :class:`Shape` algebra, index parsing,
+  broadcasting, reduction plans, the frame header codec, nogil kernels.
+- :mod:`.errors` — the one exception hierarchy.
+- :mod:`._platform`, :mod:`._proc_stat` — what differs between operating
+  systems; the one ``/proc/<pid>/stat`` parser.
+- :mod:`.calls` — arguments that hold MeshArrays, as a template with slots.
+- :mod:`.mesh` — :class:`MeshTrait`: indexing, slicing and reshaping for
+  every mesh-like object.
+- :mod:`.array` — :class:`MeshArray`; :mod:`.storage` — the ``Storage``
+  protocol behind it and the gathered storage; :mod:`.elementwise` — how the
+  operands of an operation line up, and which storage runs it.
+- :mod:`.transport`, :mod:`.engines`, :mod:`.collectives` — bytes, frames,
+  sockets and data planes; tensor engines; collectives across ranks.
+- :mod:`.runtime` — the actor runtime: controller, workers, channels, the caller.
+- :mod:`.actor` — :class:`Actor`, :func:`endpoint`, :class:`ActorMesh` and the
+  adverbs; :mod:`.buffer` — :class:`Buffer`, one-sided reads and writes.
+- :mod:`.bootstrap` — how the processes of a mesh are started or found;
+  :mod:`.observe` — ``procs.telemetry``.
+- :mod:`.proc` — :class:`ProcMesh`, :class:`HostMesh`, :func:`proc_mesh`,
+  :func:`attach`, :func:`this_host`; :mod:`.k8s` — ``ma.k8s``, meshes of
+  Kubernetes pods; :mod:`.job` — ``ma.job``, allocations that outlive a script
+  (local agents, SLURM, Kubernetes, your machines).
+- :mod:`.darray` — distributed arrays (blocks in the workers).
+- :mod:`.__main__` — ``python -m mesharray``, the command line.
 """
 
 from __future__ import annotations

@@ -222,6 +222,15 @@ def endpoint(fn: Any = None, *, concurrent: bool = False) -> Any:
     return mark if fn is None else mark(fn)
 
 
+# context(), current_rank() and current_size() each show a whole actor in their example: a
+# reader sees it whole, and tests/docs runs each example on a mesh
+def _current(what: str) -> Context:
+    ctx = current.get()
+    if ctx is None:
+        raise RuntimeError(f"{what} is only available inside an actor")
+    return ctx
+
+
 def context() -> Context:
     """The :class:`~mesharray.runtime.context.Context` of the actor running this code.
 
@@ -235,10 +244,7 @@ def context() -> Context:
     ...     def where(self):
     ...         return ma.context().message_rank
     """
-    ctx = current.get()
-    if ctx is None:
-        raise RuntimeError("context() is only available inside an actor")
-    return ctx
+    return _current("context()")
 
 
 def current_rank() -> dict[str, int]:
@@ -254,10 +260,7 @@ def current_rank() -> dict[str, int]:
     >>> procs.spawn("where", Where)[0, 1].where.call_one().get()   # doctest: +SKIP
     {'hosts': 0, 'procs': 1}
     """
-    ctx = current.get()
-    if ctx is None:
-        raise RuntimeError("current_rank() is only available inside an actor")
-    return ctx.rank
+    return _current("current_rank()").rank
 
 
 def current_size() -> dict[str, int]:
@@ -273,10 +276,7 @@ def current_size() -> dict[str, int]:
     >>> procs.spawn("sizes", Sizes).seen.call().get()[0, 0]   # doctest: +SKIP
     {'hosts': 1, 'procs': 4}
     """
-    ctx = current.get()
-    if ctx is None:
-        raise RuntimeError("current_size() is only available inside an actor")
-    return ctx.message_size
+    return _current("current_size()").message_size
 
 
 # --------------------------------------------------------------------------- meshes

@@ -785,6 +785,8 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait, StoredArray):
         ss = m2_p.sum(axis=full, keepdims=keepdims)  # (local axes are of size 1 by now)
         return ss / (n - ddof) if n - ddof > 0 else ss * np.nan
 
+    # min, max, any and all (like prod and mean above): one method per NumPy reduction with
+    # NumPy's signature, written out for autodoc, type checkers and readers; _reduce does the work
     def min(self, axis: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> Any:
         """Minimum over ``axis`` (see :meth:`sum`)."""
         _no_out(out, "min")

@@ -14,20 +14,7 @@ The hooks a subclass provides:
     values). ``shape`` is always a view derived from ``_mesh_shape`` by one of the
     methods below.
 
->>> import mesharray as ma
->>> class Ranks(ma.MeshTrait):
-...     def __init__(self, shape):
-...         self._shape = shape
-...     @property
-...     def _mesh_shape(self):
-...         return self._shape
-...     def _with_mesh_shape(self, shape):
-...         return Ranks(shape)
->>> m = Ranks(ma.Shape({"hosts": 2, "procs": 4}))
->>> m[1, ::2].mesh_shape.ranks().tolist()
-[4, 6]
->>> m.slice(procs=-1).sizes
-{'hosts': 2}
+:class:`MeshTrait`'s docstring shows a minimal subclass.
 """
 
 from __future__ import annotations
@@ -66,6 +53,10 @@ class MeshTrait:
     >>> m = Ranks(ma.Shape({"hosts": 2, "procs": 4}))
     >>> m.shape, m.names, len(m)
     ((2, 4), ('hosts', 'procs'), 8)
+    >>> m[1, ::2].mesh_shape.ranks().tolist()
+    [4, 6]
+    >>> m.slice(procs=-1).sizes
+    {'hosts': 2}
     >>> m.flatten("gpus").sizes
     {'gpus': 8}
     """
@@ -82,6 +73,8 @@ class MeshTrait:
         raise NotImplementedError(f"{type(self).__name__} must define _with_mesh_shape(shape)")
 
     # -- views -----------------------------------------------------------------------
+    # (every example below builds its own small mesh: a doctest runs one docstring alone,
+    # and a reader sees each method's example whole)
 
     def with_shape(self, shape: Shape) -> Self:
         """The same object over another :class:`~mesharray.Shape` of its ranks.

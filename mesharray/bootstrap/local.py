@@ -1,11 +1,11 @@
 """The ``local`` bootstrap: worker processes on this host, forked from a zygote.
 
-Starting a Python process that imports NumPy costs ~100 ms of CPU; 16 of them
-on 2 cores would take a second. So the controller starts **one** clean
+Starting a Python process that imports NumPy costs far more CPU than a fork,
+and a mesh starts many on a few cores. So the controller starts **one** clean
 process, the *zygote* (``python -c ...`` with the controller's ``sys.path``),
 which imports the worker's modules once and then ``fork()``\\s one worker per
-rank on request: a fork costs about a millisecond and shares the imported
-modules copy-on-write. The controller itself is never forked (it has threads).
+rank on request: a fork shares the imported modules copy-on-write. The
+controller itself is never forked (it has threads).
 
 The zygote is single-threaded. It reads commands from its stdin (the job
 secret travels there, never on argv), reports ``(rank, pid)`` after each fork
@@ -100,7 +100,7 @@ class LocalBootstrap:
         if "OMP_NUM_THREADS" not in zenv:
             # as torchrun does: the workers of a host share its cores. Left to their
             # defaults, N workers each start a pool of all-the-cores threads that spin
-            # against each other (a tiny torch step measured 1000x slower on 2 cores)
+            # against each other, and a tiny torch step waits for all of them
             zenv["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, nprocs)))
         zenv.update(env or {})
         try:

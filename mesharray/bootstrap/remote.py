@@ -34,6 +34,7 @@ from ..runtime.controller import Controller
 from ..runtime.router import get_router
 from ..transport import auth
 from ..transport.dataplane import plane_kind
+from ..transport.sockio import shut_and_close
 from .agent import parse_url, recv_msg, send_msg, wrap_secret
 from .launch import Launch, wait_exit_status
 from .workspace import CHUNK, scan
@@ -116,11 +117,7 @@ class AgentClient:
 
     def close(self) -> None:
         """Detach: the agent kills what is left of this controller's processes and serves the next one."""
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
+        shut_and_close(self.sock)
         self._reader.join(2.0)
 
     def __repr__(self) -> str:

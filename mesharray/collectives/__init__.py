@@ -3,11 +3,18 @@
 Public: actors may make and use groups directly (the names in ``__all__``);
 the backend modules' other names are internal.
 
-- ``shm``: built in; ranks on one host share a segment (:class:`ShmCollective`).
-- ``mpi``: mpi4py's buffer API on a communicator, when launched under mpirun
-  (:class:`MpiCollective`).
-- ``torch``: ``torch.distributed`` (gloo on CPU, NCCL/RCCL on GPUs) for torch
-  engines (:class:`TorchCollective`).
+- ``shm`` (:mod:`.shm`): built in; ranks on one host share a segment
+  (:class:`ShmCollective`).
+- ``mpi`` (:mod:`.mpi`): mpi4py's buffer API on a communicator, when launched
+  under mpirun (:class:`MpiCollective`); :mod:`.mpi_comms` makes mesharray's
+  communicators inside the workers of an MPI mesh.
+- ``torch`` (:mod:`.torch_dist`): ``torch.distributed`` (gloo on CPU,
+  NCCL/RCCL on GPUs) for torch engines (:class:`TorchCollective`).
+
+Across hosts, :mod:`.hier` composes them: shared memory inside a host, and a
+pipelined ring between the hosts' leaders over data-plane links (:mod:`.ring`).
+:mod:`._args` holds the argument checks the backends share, so the same mistake
+gets the same error.
 
 Every backend offers ``allreduce``, ``reduce``, ``broadcast``, ``allgather``,
 ``reduce_scatter`` and ``barrier`` with the same signatures (NumPy arrays in

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["as_contiguous", "check_out"]
+__all__ = ["as_contiguous", "check_out", "scatter_part_shape", "split_mean"]
 
 
 def as_contiguous(x: Any, label: str) -> np.ndarray:
@@ -32,3 +32,28 @@ def check_out(out: Any, shape: tuple, dtype: np.dtype) -> np.ndarray:
     if not out.flags.writeable:
         raise ValueError("out is read-only")
     return out
+
+
+def split_mean(op: str, dtype: np.dtype) -> tuple[str, bool]:
+    """``(op to reduce with, whether to divide by the member count after)``: a ``mean`` is a sum, then a division.
+
+    TypeError for ``mean`` over a dtype that is not floating (the division would truncate).
+    """
+    mean = op == "mean"
+    if mean and dtype.kind != "f":
+        raise TypeError(f"op 'mean' needs a floating dtype, got {dtype}; cast first")
+    return ("sum" if mean else op), mean
+
+
+def scatter_part_shape(shape: tuple, size: int) -> tuple:
+    """The shape of each member's part of a ``reduce_scatter`` of ``send.shape == shape`` over ``size`` members.
+
+    ``(size, *rest)`` gives ``rest``; any other shape whose size ``size`` divides, ``(n // size,)``.
+    """
+    if len(shape) > 1 and shape[0] == size:
+        return tuple(shape[1:])
+    n = math.prod(shape)
+    if n % size == 0:
+        return (n // size,)
+    raise ValueError(f"reduce_scatter needs send of shape ({size}, ...) or a size divisible by {size}; "
+                     f"got shape {tuple(shape)}")

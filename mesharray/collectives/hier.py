@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ._args import as_contiguous, check_out
+from ._args import as_contiguous, check_out, scatter_part_shape, split_mean
 from .ring import RingCollective
 from .shm import ShmCollective
 
@@ -74,10 +74,7 @@ class HierCollective:
         """Reduce ``send`` elementwise over every member (all hosts); every member gets the result."""
         send = as_contiguous(send, "send")
         out = check_out(out, send.shape, send.dtype)
-        mean = op == "mean"
-        if mean and send.dtype.kind != "f":
-            raise TypeError(f"op 'mean' needs a floating dtype, got {send.dtype}; cast first")
-        kop = "sum" if mean else op
+        kop, mean = split_mean(op, send.dtype)
         if self.local is not None:
             part = self.local.reduce(send, out=out if self.is_leader else None, op=kop, root=0)
         else:
@@ -139,13 +136,7 @@ class HierCollective:
     def reduce_scatter(self, send: Any, out: Any = None, op: str = "sum") -> np.ndarray:
         """Reduce ``send`` (shape ``(size, ...)``) over every member; member ``j`` gets part ``j``."""
         send = as_contiguous(send, "send")
-        if send.ndim > 1 and send.shape[0] == self.size:
-            part_shape = send.shape[1:]
-        elif send.size % self.size == 0:
-            part_shape = (send.size // self.size,)
-        else:
-            raise ValueError(f"reduce_scatter needs send of shape ({self.size}, ...) or a size divisible by "
-                             f"{self.size}; got shape {send.shape}")
+        part_shape = scatter_part_shape(send.shape, self.size)
         full = self.allreduce(send, op=op)
         out = check_out(out, part_shape, send.dtype)
         out.reshape(-1)[...] = full.reshape(self.size, -1)[self.rank]

@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import EngineUnavailableError
-from ._args import as_contiguous, check_out
+from ._args import as_contiguous, check_out, scatter_part_shape
 
+# (each optional backend guards its own import, so that its error names its own extra)
 try:
     from mpi4py import MPI
 except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -102,12 +103,7 @@ class MpiCollective:
     def reduce_scatter(self, send: Any, out: Any = None, op: str = "sum") -> np.ndarray:
         send = self._arr(send, "send")
         mop = self._op(op)
-        if send.ndim > 1 and send.shape[0] == self.size:
-            part_shape = send.shape[1:]
-        elif send.size % self.size == 0:
-            part_shape = (send.size // self.size,)
-        else:
-            raise ValueError(f"reduce_scatter needs send of shape ({self.size}, ...) or a size divisible by {self.size}; got shape {send.shape}")
+        part_shape = scatter_part_shape(send.shape, self.size)
         out = self._out(out, part_shape, send.dtype)
         self.comm.Reduce_scatter_block(send, out, op=mop)
         self._mean(out, op)

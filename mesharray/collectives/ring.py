@@ -30,7 +30,7 @@ import numpy as np
 
 from ..errors import ActorDiedError
 from ..transport.dataplane import Link
-from ._args import as_contiguous, check_out
+from ._args import as_contiguous, check_out, split_mean
 
 __all__ = ["RingCollective", "CHUNK", "UFUNCS"]
 
@@ -114,10 +114,8 @@ class RingCollective:
         """Reduce ``send`` elementwise over the ring; every member gets the result in ``out``."""
         send = as_contiguous(send, "send")
         out = check_out(out, send.shape, send.dtype)
-        mean = op == "mean"
-        if mean and send.dtype.kind != "f":
-            raise TypeError(f"op 'mean' needs a floating dtype, got {send.dtype}; cast first")
-        ufunc = UFUNCS.get("sum" if mean else op)
+        kop, mean = split_mean(op, send.dtype)
+        ufunc = UFUNCS.get(kop)
         if ufunc is None:
             raise ValueError(f"unknown reduction op {op!r}; expected one of {(*UFUNCS, 'mean')}")
         if out is not send:

@@ -82,7 +82,7 @@ from .._core import (
 )
 from ..errors import ActorDiedError, MeshArrayError, SupervisionError
 from ..transport import cma
-from ._args import as_contiguous, check_out
+from ._args import as_contiguous, check_out, scatter_part_shape
 
 __all__ = ["ShmCollective", "unique_segment_name", "REDUCE_OPS", "SINGLE_COPY_MIN", "SINGLE_COPY_MIN_SHARED_CORES"]
 
@@ -96,17 +96,17 @@ _ARRIVE, _REDUCED, _DONE, _PID, _CMA = 0, 1, 2, 3, 4
 _NFLAGS = 5
 _SMALL = 64 * 1024  # bytes under which every rank reduces the whole round itself
 #: Bytes per member from which allreduce copies straight between the members' buffers,
-#: when each member can have a core (measured on 2 members: even with the slots from
-#: 256 KiB to 512 KiB, 0.8x at 1 MiB, 0.7x at 4 MiB).
+#: when each member can have a core: below it the copies through the shared slots cost
+#: no more than the cross-memory attach's system calls.
 SINGLE_COPY_MIN = 1 << 20
 #: The same when members outnumber the cores. Cross-memory attach pins every page it
 #: copies, which costs several times the CPU of a memcpy: while the data fits in cache
-#: and members queue for cores, the slots win (measured on 4 members, 2 cores: 1.2-1.6x
-#: slower single copy at 0.5-4 MiB, 0.9-1.06x at 8 MiB, 0.6-0.8x at 16-64 MiB).
+#: and members queue for cores, the slots win. Both crossovers are measured, not derived:
+#: ``docs/internals.md``, "Distributed arrays" (shared-memory collectives).
 SINGLE_COPY_MIN_SHARED_CORES = 8 << 20
 # scratch of the single-copy path, all sources together: a step of reduce_remote (read the
 # peers' chunks, reduce, push the result) stays in L2, and its system calls are few and
-# long (each costs microseconds; measured best at 512 KiB per source for 2 members)
+# long (each costs microseconds: 512 KiB per source for 2 members)
 _SCRATCH = 1 << 20
 _POLL = 0.005  # seconds between liveness checks while waiting
 
@@ -862,12 +862,7 @@ class ShmCollective:
         """
         send = self._as_array(send, "send")
         kdt = self._kernel_dtype(send.dtype, op)
-        if send.ndim >= 1 and send.shape[0] == self.size and send.ndim > 1:
-            part_shape = send.shape[1:]
-        elif send.size % self.size == 0:
-            part_shape = (send.size // self.size,)
-        else:
-            raise ValueError(f"reduce_scatter needs send of shape ({self.size}, ...) or a size divisible by {self.size}; got shape {send.shape}")
+        part_shape = scatter_part_shape(send.shape, self.size)
         out = self._out(out, part_shape, send.dtype)
         kop = "sum" if op == "mean" else op
         isz = send.dtype.itemsize

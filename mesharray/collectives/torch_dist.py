@@ -12,7 +12,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import EngineUnavailableError
+from ._args import scatter_part_shape
 
+# (each optional backend guards its own import, so that its error names its own extra)
 try:
     import torch
     import torch.distributed as dist
@@ -128,12 +130,7 @@ class TorchCollective:
 
     def reduce_scatter(self, send: Any, out: Any = None, op: str = "sum") -> Any:
         t, was_np = self._tensor(send)
-        if t.ndim > 1 and t.shape[0] == self.size:
-            part_shape = tuple(t.shape[1:])
-        elif t.numel() % self.size == 0:
-            part_shape = (t.numel() // self.size,)
-        else:
-            raise ValueError(f"reduce_scatter needs send of shape ({self.size}, ...) or a size divisible by {self.size}; got shape {tuple(t.shape)}")
+        part_shape = scatter_part_shape(tuple(t.shape), self.size)
         o = self._tensor(out)[0] if out is not None else t.new_empty(part_shape)
         if dist.get_backend(self.group) == "gloo":
             # gloo has no reduce_scatter: allreduce then keep this rank's part

@@ -12,7 +12,9 @@ built of:
   ``MeshArray`` operation into a program (reductions through
   :func:`~mesharray.reduction_plan`);
 - :mod:`~mesharray.darray.factory`: making arrays (``ProcMesh.zeros`` and
-  friends run these) and the collectives over mesh dims.
+  friends run these) and the collectives over mesh dims;
+- :mod:`~mesharray.darray.blockfn`: functions run on each rank's blocks (NumPy's
+  ``__array_function__``, torch's ``__torch_function__``, torch attributes).
 
 Importing this package installs the factory into :mod:`mesharray.proc`
 (``import mesharray`` does so on the first use of a process mesh).

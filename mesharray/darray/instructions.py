@@ -16,9 +16,9 @@ this rank), :class:`PerRank` (a value per global rank) or :class:`Value` (the
 same value everywhere).
 
 These are ``NamedTuple``s (fields by name in the code). On the wire each is
-a plain tuple ``(code, *fields)`` (:data:`CODES`, :func:`encode`, :func:`decode`): pickling a
-named tuple class by reference costs ~3 µs a message more on the two sides,
-which is most of a tiny reduction's budget.
+a plain tuple ``(code, *fields)`` (:data:`CODES`, :func:`encode`, :func:`decode`): a named
+tuple pickled by reference names its class, which the sender writes and the receiver looks
+up again for every instruction, and a tiny reduction in a loop would pay that every step.
 """
 
 from __future__ import annotations

@@ -159,7 +159,7 @@ class DistributedStorage:
 
     def __del__(self, _finalizing: Any = sys.is_finalizing) -> None:
         # the controller's reference to the block, given back when the last array over it goes
-        # (a method, not a weakref.finalize: no registry entry per array, ~2 µs a small op).
+        # (a method, not a weakref.finalize: no registry entry to make and drop per array).
         # Not while the interpreter exits: no thread can start then, nor may a send wait for
         # one, and the workers go with the controller (_finalizing: bound before modules go)
         if _finalizing():

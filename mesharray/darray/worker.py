@@ -47,7 +47,8 @@ _PLANS: dict[bytes, list] = {}
 _SHM_OPS = frozenset(("sum", "prod", "min", "max", "mean"))
 
 #: host blocks below this many bytes travel as (dtype, shape, bytes): pickling an ndarray
-#: costs ~20 us a side, which is most of a small fetch's CPU time
+#: runs more Python on each side than the rest of a small fetch (``docs/internals.md``,
+#: "Distributed arrays")
 SMALL_FETCH = 1 << 16
 
 
@@ -219,7 +220,7 @@ def unpack_small(v: Any, block_shape: tuple | None = None, as_shape: tuple | Non
             d = _DTYPES[dt] = np.dtype(dt)
         if as_shape is not None and shape == block_shape:
             shape = as_shape
-        return np.ndarray(shape, d, bytearray(raw))  # (one copy, into a buffer of its own: ~4x faster)
+        return np.ndarray(shape, d, bytearray(raw))  # (one copy, into a buffer of its own: no frombuffer + copy)
     return np.asarray(v)
 
 
@@ -524,8 +525,9 @@ class DataActor(Actor):
         """Local shape and dtype of block ``bid`` (raises its failure if it could not be made).
 
         The dtype as its string where that names it exactly (:func:`meta_dtype` turns it back):
-        pickling a ``numpy.dtype`` took 23-26 us of the reply right after a 4 MiB collective
-        (its code paths out of the caches), the reply with a string 7 us.
+        pickling a ``numpy.dtype`` runs its ``__reduce__`` in Python, several times the cost of
+        the rest of the reply when its code paths are out of the caches (right after a large
+        collective), where a string is copied as bytes.
         """
         b, eng = STORE.get(bid), STORE.engine(bid)
         dt = eng.dtype_of(b)

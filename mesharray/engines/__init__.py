@@ -1,7 +1,13 @@
 """Tensor engines: what a rank's block *is* and where it lives.
 
 Public: the names in ``__all__`` (``get_engine``, ``register_engine``, the
-:class:`Engine` protocol, ...); ``_registry`` and the engine modules are internal.
+:class:`Engine` protocol, ...); the modules are internal:
+
+- :mod:`._registry` — the :class:`Engine` protocol and the lazy registry of engines.
+- :mod:`.numpy_engine` — blocks are ``numpy.ndarray`` in host memory (no torch needed).
+- :mod:`.torch_engine` — blocks are ``torch.Tensor`` on one device (cpu, cuda,
+  rocm, mps, xla).
+- :mod:`.probe` — what each engine can do here: device, collective backend, dtypes.
 
 An :class:`Engine` allocates blocks, moves them to and from host memory, runs
 elementwise operations and reductions on them, exports them (DLPack / buffer

@@ -36,8 +36,7 @@ def host_empty(shape: Sequence[int], dtype: Any, zeros: bool = False) -> np.ndar
     page boundary: a 4 MiB array got one huge page of its two. Starting the
     array on the boundary (allocating ``HUGE_PAGE`` bytes more, never touched)
     gives it all of them: fewer TLB misses for the kernels, and fewer pages for
-    cross-memory attach to pin. A 4 MiB float32 sum over 2 ranks in shared
-    memory took 0.38-0.42 ms against 0.42-0.47 (bench/README.md, "Ninth pass").
+    cross-memory attach to pin (``docs/internals.md``, "Distributed arrays").
     Elsewhere the alignment costs nothing but the untouched slack. The
     array's ``base`` is that allocation (``HUGE_PAGE`` bytes longer): the
     worker's block pool recognises it by that. ``zeros``: what ``np.zeros``

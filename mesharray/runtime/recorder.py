@@ -93,8 +93,9 @@ class Recorder:
     def trim(self) -> None:
         """Fold the oldest call rows into the aggregates and drop them (the list object stays).
 
-        A 32nd of :data:`MAX_ROWS` at a time: this runs in the thread that handles calls, and
-        dropping half of 100 000 rows at once stalled every call to the worker for ~90 ms.
+        A 32nd of :data:`MAX_ROWS` at a time: this runs in the thread that handles calls, so
+        what one trim drops stalls every call to the worker meanwhile (``docs/internals.md``,
+        "Telemetry").
         """
         with self._lock:
             rows = self.rows

@@ -95,7 +95,7 @@ def set_sched_class() -> None:
     inherit it): :func:`run_worker` does it when it owns its process, the MPI bootstrap on
     ranks 1..N-1. ``SCHED_BATCH``: a worker woken by a message does not preempt the process
     that sent it, so a controller calling 8 workers on 2 cores sends all 8 before any runs
-    (``call()`` to 8: 0.74-0.79x the time; bench/README.md, "Sixth pass").
+    (``docs/internals.md``, "Threads").
     """
     try:
         policy = worker_sched()
@@ -111,11 +111,10 @@ def set_spin() -> None:
     """Make this worker process's readers poll briefly before blocking (``MESHARRAY_WORKER_SPIN_US``).
 
     For a process that is a worker and nothing else (where :func:`set_sched_class` is called).
-    A message that comes within the spin is read without a wake-up: on a virtual machine whose
-    idle CPUs halt, the 8-byte sum of a loss loop on 2 ranks took 0.71x the time and a
-    ``call_one`` 0.83x (with the tiny reduction's uncorked broadcast; bench/README.md,
-    "Seventh pass"). A reader whose polls find nothing backs off
-    (:func:`~mesharray.transport.spin.set_read_spin`).
+    A message that comes within the spin is read without waking the reader, the largest cost
+    of a small message on a virtual machine whose idle CPUs halt. A reader whose polls find
+    nothing backs off (:func:`~mesharray.transport.spin.set_read_spin`; ``docs/internals.md``,
+    "Threads").
     """
     try:
         seconds = worker_spin()

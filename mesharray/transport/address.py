@@ -2,7 +2,7 @@
 
 Addresses are strings: ``"unix:@name"`` (same host, the default on Linux: an
 abstract socket, so a killed process leaves no file behind), ``"unix:/path"``
-(same host elsewhere; unix sockets have ~60% of TCP's loopback latency) or
+(same host elsewhere; a unix socket skips the TCP stack: shorter round trips) or
 ``"tcp:host:port"`` (other hosts; listeners bind 127.0.0.1 unless told
 otherwise). A process that listens on both, for other hosts and for its own,
 gives one :func:`dual_address`, and :func:`connect` picks the socket that

@@ -66,6 +66,7 @@ from ..errors import (
 )
 from . import framing
 from .poller import Poller, Writer, _poller_thread, default_poller, default_writer, read_all, socket_closed
+from .sockio import shut
 from .spin import _spin_poll, _spin_recv, mirror
 
 __all__ = ["Connection", "BACKLOG_MAX", "SMALL_FRAME"]
@@ -767,10 +768,7 @@ class Connection:
         if not self._closed:
             self._closed = True
             self._drop_backlog()
-            try:
-                self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            shut(self.sock)
         t = self._thread
         polled = getattr(self, "_polled", None)
         if polled is not None:

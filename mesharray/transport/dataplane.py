@@ -46,7 +46,7 @@ from ..errors import BootstrapError
 from . import auth
 from .address import parse_address
 from .listener import Listener
-from .sockio import recv_exactly, recv_exactly_into
+from .sockio import recv_exactly, recv_exactly_into, shut_and_close
 
 __all__ = ["Link", "DataPlane", "TcpPlane", "TcpLink", "Rendezvous", "plane_kind", "ucx_status", "MAX_TAG",
            "KINDS", "start_process_plane", "process_plane", "rendezvous", "on_tag"]
@@ -117,11 +117,7 @@ class TcpLink:
             raise ConnectionError(f"data link to {self.peer or 'peer'} broke while receiving: {exc}") from exc
 
     def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
+        shut_and_close(self.sock)
 
     def __repr__(self) -> str:
         return f"TcpLink({self.peer!r})"
@@ -310,7 +306,7 @@ def plane_kind(requested: str | None = None) -> str:
     """The data plane to use between hosts: ``"tcp"`` or ``"ucx"``, from ``requested`` or the environment.
 
     ``auto`` (the default) picks UCX when this machine has an RDMA device and
-    ``ucxx`` imports, else TCP (over plain TCP, UCX measured slower); ``ucx``
+    ``ucxx`` imports, else TCP (:func:`.ucx.rdma_available` says why); ``ucx``
     without ``ucxx`` raises :class:`BootstrapError` naming the extra; ``shm``
     is only a choice for one host, and means TCP between hosts.
 
@@ -331,8 +327,8 @@ def plane_kind(requested: str | None = None) -> str:
     if kind in ("tcp", "shm"):
         return "tcp"
     if kind == "auto":
-        # UCX only where it has RDMA to offer: over plain TCP it measured slower than the
-        # built-in plane for collectives (bench/README.md, "Data plane")
+        # UCX only where it has RDMA to offer: over plain TCP the built-in plane serves
+        # collectives faster (docs/internals.md, "Many hosts": the UCX plane)
         if not _rdma_present():
             return "tcp"
         return "ucx" if ucx_status()[0] else "tcp"

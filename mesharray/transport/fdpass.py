@@ -27,6 +27,7 @@ import struct
 import threading
 
 from .. import _platform
+from .sockio import shut_and_close
 
 __all__ = ["FdServer", "available", "request", "socket_path"]
 
@@ -99,11 +100,7 @@ class FdServer:
         if self._closed:
             return
         self._closed = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
+        shut_and_close(self.sock)
         if os.getpid() == self.pid:  # not a forked child's copy: the parent still serves
             try:
                 os.unlink(self.path)

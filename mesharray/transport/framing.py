@@ -106,7 +106,7 @@ def _rebuild_tensor(buf, dtype: str, shape: tuple, requires_grad: bool):
 
 
 def _address(mv: memoryview) -> int:
-    return buffer_address(mv)[0]  # (ndarray.ctypes.data runs Python code: ~1 us warm, ~10 cold)
+    return buffer_address(mv)[0]  # (compiled: ndarray.ctypes.data runs Python code)
 
 
 def _reduce_tensor(t):

@@ -20,6 +20,7 @@ import time
 from .. import _platform
 from ..errors import AuthenticationError, BrokenTransportError
 from . import auth
+from .sockio import shut_and_close
 
 __all__ = ["Listener", "peer_uid", "MAX_HANDSHAKES"]
 
@@ -258,11 +259,7 @@ class Listener:
         if self._closed:
             return
         self._closed = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()  # new peers are refused from now on
+        shut_and_close(self.sock)  # new peers are refused from now on
         try:
             self._wake_w.send(b"x")
         except OSError:

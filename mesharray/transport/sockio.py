@@ -1,12 +1,16 @@
-"""Reading exactly ``n`` bytes from a blocking socket (or a pipe): the one helper the
-handshake, the frame reader, the buffer stream server and the zygote's pipe share."""
+"""Small socket helpers the transport and the bootstraps share.
+
+Reading exactly ``n`` bytes from a blocking socket (or a pipe): the one helper the
+handshake, the frame reader, the buffer stream server and the zygote's pipe share;
+and shutting a socket down before closing it, so that a thread blocked on it wakes.
+"""
 
 from __future__ import annotations
 
 import os
 import socket
 
-__all__ = ["read_exactly", "recv_exactly", "recv_exactly_into"]
+__all__ = ["read_exactly", "recv_exactly", "recv_exactly_into", "shut", "shut_and_close"]
 
 
 def recv_exactly_into(sock: socket.socket, view: memoryview, start: int = 0) -> int:
@@ -43,3 +47,21 @@ def read_exactly(fd: int, n: int) -> bytes:
         buf[have:have + len(chunk)] = chunk
         have += len(chunk)
     return bytes(buf)
+
+
+def shut(sock: socket.socket) -> None:
+    """Shut both directions of ``sock`` down, so that a thread blocked in ``recv`` or ``accept`` on it wakes.
+
+    A plain ``close`` does not wake such a thread (the descriptor stays open under it until
+    it returns). A socket already shut, closed or never connected is left as it is.
+    """
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def shut_and_close(sock: socket.socket) -> None:
+    """:func:`shut`, then close ``sock``."""
+    shut(sock)
+    sock.close()

@@ -4,105 +4,28 @@ Same interface and semantics as :class:`~.dataplane.TcpPlane` /
 :class:`~.dataplane.TcpLink`: blocking whole-buffer ``send`` / ``recv_into``,
 full duplex (one thread sends while another receives on the same link), a
 tag announced by the connecting side and handed to ``on_link(link, tag)`` in a
-thread of the plane's own, links authenticated with the job secret first.
+thread of the plane's own, links authenticated with the job secret first
+(:mod:`.auth`'s challenge, over the endpoint's stream, before its tag is read).
 
-How ucxx is driven (from plain threads, no asyncio)
----------------------------------------------------
-This module uses ucxx's low-level API (``ucxx._lib.libucxx``: context, worker,
-listener, endpoints, requests), one UCX worker per plane in *blocking progress
-mode*, and no progress thread of ucxx's: the **thread that waits drives the
-progress** (a leader/follower scheme, as MPI libraries do). A caller posts its
-request, and if no other thread is progressing the worker it becomes the
-leader: it runs ``ucp_worker_progress`` and, when there is nothing to do,
-arms the worker and sleeps in ``epoll`` on the worker's event file descriptor
-(GIL released) until the network or another thread wakes it. For a request of
-at most 64 KiB it first polls for up to 25 µs (``MESHARRAY_UCX_SPIN_US``): an
-answer already on its way then comes back without the epoll wake-up; the
-spin is adaptive, skipped while spins keep missing (a slow peer, or busy
-cores where spinning would steal the peer's time). Other waiting threads (the
-receiving half of a full-duplex transfer, other links) sleep on an event of
-their own, set by the leader when *their* request is done, or to hand them
-the lead when its own is. A background thread takes the lead only when no
-caller has for a few milliseconds, so that connection requests and peer
-failures are served while the process is idle.
+ucxx's low-level API is driven from plain threads, without asyncio: one UCX
+worker per plane in blocking progress mode, and the **thread that waits drives
+the progress** (leader/follower). The leader runs ``ucp_worker_progress``; for a
+request of at most 64 KiB it first polls for up to ``MESHARRAY_UCX_SPIN_US``
+(adaptive: skipped while spins keep missing), then arms the worker and sleeps
+in ``epoll`` on its event fd. Other waiters sleep on an event of their own, set
+when their request is done or the lead is theirs; a background thread takes
+the lead when no caller has for a few milliseconds. Links use UCX's *stream*
+API (a per-endpoint ordered byte stream: ``TcpLink``'s semantics, and nothing
+another endpoint can match). :func:`ucx_defaults` sets UCX's environment before
+the first context (``UCX_TLS=tcp`` without an RDMA device, 4 MiB TCP segments,
+``UCXX_LOG_LEVEL=FATAL``). Addresses look like ``ucx:HOST:PORT``.
 
-Why this and not the alternatives, measured on the 2-core VM between two
-processes (8-byte round trip p50; 64 MiB one way), in runs minutes apart
-under load 2.5–3: this design 17–43 µs, 2.7–4.5 GB/s (TCP plane in the same
-runs 14–15 µs, 2.9–4.3 GB/s: ``bench/README.md``, "Data plane"); ucxx's asyncio
-API with an event loop in a dedicated thread, driven by
-``run_coroutine_threadsafe``, in blocking mode 94 µs and 4.1 GB/s, in its
-default thread mode (ucxx's progress thread, then its notifier thread, then
-the loop) 2.3 ms and 1.5 GB/s. The asyncio route costs a thread hop to the
-loop and one back per operation; here the waiting thread is woken by the
-kernel itself in the common case (one waiter per plane). With several threads
-waiting on one plane, a follower's completion costs one thread switch.
-
-Where it falls short: every call into ucxx (post, ``completed``, progress, arm)
-releases and retakes the GIL. With two Python threads driving links of one
-process at once (a ring collective's sender and receiver), each release is a
-chance for the other thread, or the OS on a busy machine, to hold things up:
-traced on the loaded 2-core VM, posting a 4-byte request took up to ~250 µs
-when both threads posted together, and the ring allreduce over this plane
-took 1.2–3x as long as over the TCP plane (whose socket calls release the GIL
-once per operation). The fix is a compiled hot path (post, progress and the
-epoll wait in one ``nogil`` section, against the C API of the wheels); until
-then, prefer the TCP plane on machines without RDMA (:func:`rdma_available`).
-
-Wire protocol
--------------
-Links use UCX's *stream* API (``ucp_stream_send/recv`` with ``WAITALL``): a
-per-endpoint ordered byte stream, which gives exactly ``TcpLink``'s semantics
-(a receiver may read a sender's buffer in pieces of other sizes) and cannot
-be matched by another endpoint's messages. Tag messages would be matched
-worker-wide, so an unauthenticated peer connected to the same listener could
-inject data into a link whose tag it guessed, and a receive must have the size
-of the message sent. The price: tag transfers of 64 MiB measured ~10–15 %
-faster here (rendezvous; median 4.8 vs 4.2 GB/s), and a stream has no flow
-control of its own: bytes sent before the receiver calls ``recv_into`` are
-buffered by the receiver's UCX (in its memory, then copied), where a TCP
-socket would stop the sender once the kernel buffers are full. The users of
-links (ring collectives, ``Buffer``) only send what the peer is about to
-receive, so this is bounded by their message sizes; a peer that sends
-without being read from grows the reader's memory.
-
-Authentication is the mutual HMAC challenge of :mod:`.auth` (same messages,
-same MACs, one deadline of :data:`.auth.HANDSHAKE_TIMEOUT` seconds for the
-whole exchange), run over the endpoint's stream before its tag is read; a
-wrong secret raises :class:`~mesharray.errors.AuthenticationError` on the
-connecting side, and the accepting side closes that endpoint and keeps
-serving. ucxx's listener binds every interface (its Python API takes a port
-only). Nothing a peer sends is interpreted before it has proved the secret,
-but UCX does receive it: a stream buffers what arrives before it is asked
-for, so an unauthenticated peer can make this process hold what it sends for
-the :data:`.auth.HANDSHAKE_TIMEOUT` seconds of the handshake (the TCP plane
-reads at most 68 bytes from such a peer). Keep the UCX port inside the
-cluster's network.
-
-One-sided RMA
--------------
-Not used: the Python API of ucxx offers tag, stream and active messages only;
-RMA (``MemoryHandle`` / ``RemoteKey``) exists in libucxx's C++ API, which
-would need a Cython shim compiled against the wheel's headers. Over TCP (the
-only transport of machines without RDMA hardware) UCX emulates one-sided
-operations with messages anyway, so a ``Buffer`` read is served as a
-two-sided transfer by the owning process's ``on_link`` thread.
-
-Configuration
--------------
-Before the first context of the process, :func:`ucx_defaults` sets (only
-where the user has not) ``UCX_TLS=tcp`` when the machine has no RDMA device
-(``/sys/class/infiniband`` empty), and 4 MiB TCP segments
-(``UCX_TCP_RX_SEG_SIZE`` / ``UCX_TCP_TX_SEG_SIZE``), which PEERS.md measured
-as what makes ucxx over TCP fast, and ``UCXX_LOG_LEVEL=FATAL`` (ucxx logs every
-peer failure, which this module reports as ``ConnectionError``); at import,
-``UCX_WARN_UNUSED_ENV_VARS=n``. Addresses look like ``ucx:HOST:PORT``; a
-loopback host is dialled as ``127.0.0.1`` (:func:`_dial_host`).
-Importing this module imports ``ucxx`` (~0.5 s the first time); importing
-:mod:`mesharray` never does. Import it before ``mpi4py`` where both are used:
-Open MPI's pip wheel bundles an older UCX under the same library names, and
-whichever loads first is the one both get (ucxx first: both work, MPI
-included; MPI first: ucxx cannot load, and the import says why).
+Importing this module imports ``ucxx``; importing :mod:`mesharray` never does.
+Import it before ``mpi4py`` where both are used: Open MPI's pip wheel bundles an
+older UCX under the same library names, and whichever loads first is the one
+both get. Why this design, what it costs (every ucxx call releases the GIL; a
+stream has no flow control; the listener binds every interface) and what it was
+measured against: ``docs/internals.md``, "Many hosts" ("The UCX plane").
 """
 
 from __future__ import annotations
@@ -201,10 +124,10 @@ def ucx_defaults(environ=os.environ) -> dict[str, str]:
 def rdma_available() -> bool:
     """Whether this machine has an RDMA device (``/sys/class/infiniband`` lists one).
 
-    Without one, UCX runs over TCP, where it measured slower than the built-in TCP
-    plane for collectives (the ring allreduce on 2 processes took 1.2-2.4x as long at
-    64 MiB and 1.5-3x at 4 MiB and 8 B, on the loaded 2-core VM), so an automatic
-    choice of plane should pick UCX only where this is true.
+    Without one, UCX runs over TCP, where two threads driving links at once (a ring
+    collective's sender and receiver) contend for the GIL that every ucxx call releases,
+    and the built-in TCP plane serves collectives faster; so an automatic choice of plane
+    picks UCX only where this is true (``docs/internals.md``, "Many hosts").
     """
     try:
         return bool(os.listdir("/sys/class/infiniband"))

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-from _mpirun_harness import ROOT, clean_env
 
 from mesharray.bootstrap._detect import Launcher, detect_launcher, resolve_bootstrap
 from mesharray.bootstrap.mpi import (
@@ -22,6 +21,7 @@ from mesharray.bootstrap.mpi import (
 )
 from mesharray.bootstrap.mpirun import mpirun_command
 from mesharray.errors import BootstrapError
+from tests.support.mpirun import ROOT, clean_env
 
 # --------------------------------------------------------------------------- detection
 

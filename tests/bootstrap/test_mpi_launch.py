@@ -9,7 +9,8 @@ raises, a rank that never joins, a rank that dies, a missing mpi4py.
 from __future__ import annotations
 
 import pytest
-from _mpirun_harness import clean_env, mpirun, script
+
+from tests.support.mpirun import clean_env, mpirun, script
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -27,15 +27,8 @@ def test_import_does_not_import_heavy_packages():
     assert json.loads(out.stdout) == []
 
 
-def _available_names():
-    # Lazy names whose module is not in this checkout yet are left out; once
-    # the module exists its names must resolve.
-    lazy = getattr(mesharray, "_LAZY", {})
-    return [n for n in mesharray.__all__ if n not in lazy or importlib.util.find_spec(lazy[n]) is not None]
-
-
 def test_every_public_name_resolves():
-    for name in _available_names():
+    for name in mesharray.__all__:
         assert getattr(mesharray, name) is not None, name
 
 
@@ -43,7 +36,7 @@ def test_every_public_name_is_exported_once():
     assert len(mesharray.__all__) == len(set(mesharray.__all__))
     assert set(mesharray.__all__) <= set(dir(mesharray))
     seen = {}
-    for name in _available_names():
+    for name in mesharray.__all__:
         obj = getattr(mesharray, name)
         if isinstance(obj, (str, int, float)):
             continue
@@ -65,7 +58,7 @@ INTERNAL_PACKAGES = ("mesharray.runtime", "mesharray.transport", "mesharray.boot
 
 def test_public_names_report_public_modules():
     """Classes and functions of ``mesharray.__all__`` name a public module, where they resolve."""
-    for name in _available_names():
+    for name in mesharray.__all__:
         obj = getattr(mesharray, name)
         if not (isinstance(obj, type) or callable(obj)):
             continue
@@ -78,7 +71,7 @@ def test_public_names_report_public_modules():
 def test_public_names_pickle_by_reference():
     import pickle
 
-    for name in _available_names():
+    for name in mesharray.__all__:
         obj = getattr(mesharray, name)
         if isinstance(obj, type) or callable(obj):
             for proto in (2, pickle.HIGHEST_PROTOCOL):

@@ -24,7 +24,7 @@ LAYERS = [
     ("mesharray.bootstrap", "mesharray.observe"),
     ("mesharray.proc", "mesharray.k8s", "mesharray.job"),
     ("mesharray.darray",),
-    ("mesharray", "mesharray.__main__", "mesharray.testing"),
+    ("mesharray", "mesharray.__main__"),
 ]
 
 

@@ -15,18 +15,16 @@ import doctest
 import importlib
 import pathlib
 import re
-import sys
 
 import pytest
 
 PKG = pathlib.Path(__file__).resolve().parents[2] / "mesharray"
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # doc_actors, for the workers too
 
 #: (docstring name, start of the example's source; "" for all) -> why it cannot run in this test
 STILL_SKIPPED = {
     ("mesharray.proc.attach", ""): "needs host agents on other machines (tests/multihost runs attach)",
-    ("mesharray.k8s.attach", ""): "needs a Kubernetes cluster (tests/k8s runs it against an in-test API server)",
-    ("mesharray.k8s.create", ""): "needs a Kubernetes cluster (tests/k8s runs it against an in-test API server)",
+    ("mesharray.k8s.attach", ""): "needs a Kubernetes cluster (tests/bootstrap/k8s runs it against an in-test API server)",
+    ("mesharray.k8s.create", ""): "needs a Kubernetes cluster (tests/bootstrap/k8s runs it against an in-test API server)",
     ("mesharray.observe.collect.Telemetry.sql", "procs.telemetry.sql"): "shows the rows of a workload it does not run",
     ("mesharray.proc.ProcMesh.telemetry", "procs.telemetry.sql"): "shows the rows of a workload it does not run",
     ("mesharray.collectives.mpi_comms.mesh_comm", "comm = mesh_comm"): "needs 4 MPI ranks (tests/mpi runs it)",
@@ -95,9 +93,9 @@ def _uses(test: doctest.DocTest, name: str) -> bool:
 @pytest.mark.parametrize("module, name", _skipped_tests())
 def test_docstring_runs(module, name):
     import numpy as np
-    from doc_actors import Counter, Echo
 
     import mesharray as ma
+    from tests.support.actors import Counter, Echo
 
     mod = importlib.import_module(module)
     (test,) = [t for t in doctest.DocTestFinder(exclude_empty=True).find(mod) if t.name == name]

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from fault_actors import Faulty
 
 import mesharray as ma
+from tests.support.actors import Faulty
 
 pytestmark = pytest.mark.timeout(60)
 

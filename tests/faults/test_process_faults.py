@@ -19,9 +19,10 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from fault_actors import Faulty, Napper, Unpicklable
 
 import mesharray as ma
+from tests.support.actors import Faulty, Napper, Unpicklable
+from tests.support.mpirun import mpirun, script
 
 pytestmark = pytest.mark.timeout(90)
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,11 +197,6 @@ def test_F22_mpirun_rank_dying_before_the_handshake_ends_the_job(tmp_path, statu
     # (a rank dying with status 3 before the handshake); prterun 5.0.11 itself was
     # seen to hang under load when that happens before the other rank's MPI_Init
     # ("PMIX_ERR_UNREACH"), which no code of ours can end
-    sys.path.insert(0, str(ROOT / "tests" / "bootstrap"))
-    try:
-        from _mpirun_harness import mpirun, script
-    finally:
-        sys.path.pop(0)
     path = script(tmp_path, f"""
         import os, sys
         if os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK")) == "1":

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from fault_actors import Faulty, GilHog
 
 import mesharray as ma
+from tests.support.actors import Faulty, GilHog
 
 pytestmark = pytest.mark.timeout(90)
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,8 +61,7 @@ def test_item2_a_paused_controller_does_not_blame_its_workers(tmp_path):
     script.write_text(textwrap.dedent("""
         import os, sys, time
         import mesharray as ma
-        sys.path.insert(0, sys.argv[1])
-        from fault_actors import Faulty
+        from tests.support.actors import Faulty
         with ma.proc_mesh(procs=2, heartbeat_timeout=1.0, heartbeat_interval=0.2, forward_logs=False,
                           kill_unresponsive=True) as procs:
             a = procs.spawn("a", Faulty)
@@ -74,7 +73,7 @@ def test_item2_a_paused_controller_does_not_blame_its_workers(tmp_path):
                   flush=True)
     """))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.Popen([sys.executable, str(script), str(Path(__file__).parent)], stdin=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert p.stdout.readline().strip() == "ready"
@@ -114,8 +113,7 @@ def test_item9_pending_calls_are_bounded(tmp_path):
     script.write_text(textwrap.dedent("""
         import sys
         import mesharray as ma
-        sys.path.insert(0, sys.argv[1])
-        from fault_actors import Faulty
+        from tests.support.actors import Faulty
         from mesharray.runtime import channel
         from mesharray.runtime.router import get_router
         with ma.proc_mesh(procs=1, forward_logs=False) as procs:
@@ -132,7 +130,7 @@ def test_item9_pending_calls_are_bounded(tmp_path):
     """))
     for mode, expect in (("wait", "sent 3000 True"), ("raise", "refused")):
         env = {**os.environ, "PYTHONPATH": str(ROOT), "MESHARRAY_MAX_PENDING": "100", "MESHARRAY_PENDING_FULL": mode}
-        out = subprocess.run([sys.executable, str(script), str(Path(__file__).parent)], capture_output=True,
+        out = subprocess.run([sys.executable, str(script)], capture_output=True,
                              text=True, env=env, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
         lines = out.stdout.split("\n")
@@ -148,8 +146,7 @@ def test_F18_a_fast_sender_and_a_slow_actor_bounded_memory_no_false_death(tmp_pa
         import sys, threading
         import psutil
         import mesharray as ma
-        sys.path.insert(0, sys.argv[1])
-        from fault_actors import Slow
+        from tests.support.actors import Slow
         me = psutil.Process()
         peak = [me.memory_info().rss]
         stop = threading.Event()
@@ -173,7 +170,7 @@ def test_F18_a_fast_sender_and_a_slow_actor_bounded_memory_no_false_death(tmp_pa
     """))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MESHARRAY_MAX_PENDING": "200",
            "MESHARRAY_SEND_BACKLOG": str(4 << 20)}
-    out = subprocess.run([sys.executable, str(script), str(Path(__file__).parent)], capture_output=True,
+    out = subprocess.run([sys.executable, str(script)], capture_output=True,
                          text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     n, deaths, grew_mib = map(int, out.stdout.split())

@@ -26,7 +26,6 @@ import tracemalloc
 import numpy as np
 import psutil
 import pytest
-from fault_actors import Faulty
 
 import mesharray as ma
 from mesharray._core import pack_header
@@ -36,6 +35,7 @@ from mesharray.transport import auth, framing
 from mesharray.transport.address import connect, parse_address
 from mesharray.transport.connection import Connection
 from mesharray.transport.listener import Listener
+from tests.support.actors import Faulty
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from job_actors import Probe
+from tests.support.actors import Probe
 from job_util import processes_naming
 
 import mesharray as ma
@@ -57,7 +57,7 @@ job = ma.job.LocalJob(meshes={"workers": 2})
 hosts = job.state(cached_path=".mesharray/job.json").workers
 took = time.monotonic() - t
 procs = hosts.spawn_procs(per_host={"procs": 1})
-from job_actors import Probe
+from tests.support.actors import Probe
 import numpy as np
 ids = [v[0] for v in np.asarray(procs.spawn("p", Probe).where.call().get(timeout=30)).ravel()]
 print(json.dumps({"id": job.id, "took": took, "ids": ids}))

@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 import pytest
-from job_actors import Probe
+from tests.support.actors import Probe
 
 import mesharray as ma
 from mesharray.bootstrap.workspace import GitIgnore, Workspace, scan

@@ -6,10 +6,10 @@ import time
 
 import numpy as np
 import pytest
-from mh_actors import Where
 from mh_agents import SECRET
 
 import mesharray as ma
+from tests.support.actors import Where
 
 pytestmark = pytest.mark.timeout(120)
 

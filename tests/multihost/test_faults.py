@@ -11,11 +11,11 @@ import time
 
 import numpy as np
 import pytest
-from mh_actors import Where
 from mh_agents import SECRET, Agent, agents, wait_until
 
 import mesharray as ma
 from mesharray.bootstrap import agent as agent_mod
+from tests.support.actors import Where
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -77,8 +77,8 @@ def test_silent_host_is_reported_unresponsive_by_heartbeat():
 _CONTROLLER = textwrap.dedent("""
     import sys, time
     import mesharray as ma
-    sys.path.insert(0, {here!r})
-    from mh_actors import Where
+    sys.path.insert(0, {root!r})
+    from tests.support.actors import Where
     hosts = ma.attach({urls!r}, secret={secret!r})
     procs = hosts.spawn_procs(per_host={{"procs": 2}})
     w = procs.spawn("w", Where)
@@ -89,10 +89,10 @@ _CONTROLLER = textwrap.dedent("""
 
 
 def test_dead_controller_processes_are_killed_and_agents_serve_the_next():
-    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with agents(2, first_ip=10, prefix="c") as ags:
         urls = [a.url for a in ags]
-        code = _CONTROLLER.format(here=here, urls=urls, secret=SECRET)
+        code = _CONTROLLER.format(root=root, urls=urls, secret=SECRET)
         ctl = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         try:
             line = ctl.stdout.readline()

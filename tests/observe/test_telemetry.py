@@ -9,9 +9,9 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from tel_actors import Busy
 
 import mesharray as ma
+from tests.support.actors import Busy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -116,8 +116,9 @@ def test_a_busy_rank_shows_its_endpoint_and_its_stack(mesh):
         assert "hang_here_for_a_while" in stacks[2] and "hang_here_for_a_while" not in stacks[1]
     finally:
         procs.telemetry  # (keeps the mesh's telemetry open)
-        import tel_actors
-        tel_actors._release.set()  # (only in this process; the worker's loop ends at its deadline)
+        from tests.support.actors import release
+
+        release.set()  # (only in this process; the worker's loop ends at its deadline)
     with pytest.raises(TimeoutError):
         fut.get(timeout=0.01)
 

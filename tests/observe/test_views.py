@@ -12,9 +12,9 @@ import time
 import urllib.request
 
 import pytest
-from tel_actors import Busy
 
 import mesharray as ma
+from tests.support.actors import Busy
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -16,6 +16,6 @@ def procs():
 
 @pytest.fixture(scope="module")
 def probes(procs):
-    from actors import Probe
+    from tests.support.actors import Probe
 
     return procs.spawn("probes", Probe, "t")

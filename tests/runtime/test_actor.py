@@ -9,9 +9,9 @@ import time
 
 import numpy as np
 import pytest
-from actors import AsyncActor, BadInit, Counter, Probe
 
 import mesharray as ma
+from tests.support.actors import AsyncActor, BadInit, Counter, Probe
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,12 +6,12 @@ import threading
 
 import numpy as np
 import pytest
-from actors import Counter, Probe
 
 import mesharray as ma
 from mesharray.proc import ProcMesh
 from mesharray.runtime.controller import Controller
 from mesharray.runtime.worker import run_worker
+from tests.support.actors import Counter, Probe
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,7 +11,6 @@ import typing
 
 import numpy as np
 import pytest
-from actors import Counter, Probe
 
 from mesharray._core import Shape
 from mesharray.runtime import protocol as P
@@ -19,6 +18,7 @@ from mesharray.runtime.channel import Channel, flush_all
 from mesharray.runtime.future import Future
 from mesharray.runtime.router import get_router
 from mesharray.transport.connection import Connection
+from tests.support.actors import Counter, Probe
 
 pytestmark = pytest.mark.timeout(60)
 

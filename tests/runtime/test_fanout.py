@@ -11,7 +11,6 @@ import time
 
 import numpy as np
 import pytest
-from actors import Counter, Probe
 
 import mesharray as ma
 from mesharray._core import dispatch_frames, pack_frame
@@ -20,6 +19,7 @@ from mesharray.runtime import protocol as P
 from mesharray.runtime.channel import Fanout
 from mesharray.runtime.router import get_router
 from mesharray.transport.connection import Connection
+from tests.support.actors import Counter, Probe
 
 pytestmark = pytest.mark.timeout(60)
 

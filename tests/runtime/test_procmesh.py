@@ -6,9 +6,9 @@ import asyncio
 import time
 
 import pytest
-from actors import Counter, Probe
 
 import mesharray as ma
+from tests.support.actors import Counter, Probe
 
 pytestmark = pytest.mark.timeout(60)
 

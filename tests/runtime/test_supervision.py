@@ -11,9 +11,9 @@ import time
 
 import psutil
 import pytest
-from actors import AsyncActor, Owner, Probe
 
 import mesharray as ma
+from tests.support.actors import AsyncActor, Owner, Probe
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -78,7 +78,7 @@ def test_a_call_to_every_actor_right_after_a_kill_fails_at_once_and_says_how():
 
 
 def test_broadcast_reaches_the_live_actors_then_reports_the_dead_one():
-    from actors import Counter
+    from tests.support.actors import Counter
 
     with ma.proc_mesh(hosts=1, procs=3, forward_logs=False) as procs:
         c = procs.spawn("c", Counter, 0)
@@ -154,9 +154,9 @@ def test_stop_fails_pending_calls_and_spawn_after_stop_raises():
 
 _ORPHAN_SCRIPT = textwrap.dedent("""
     import os, sys, time
-    sys.path[:0] = [{root!r}, {here!r}]
+    sys.path.insert(0, {root!r})
     import mesharray as ma
-    from actors import Probe
+    from tests.support.actors import Probe
     procs = ma.proc_mesh(hosts=1, procs=3, forward_logs=False)
     p = procs.spawn("p", Probe)
     print(" ".join(map(str, p.pid.call().get().tolist()[0])), flush=True)
@@ -165,10 +165,9 @@ _ORPHAN_SCRIPT = textwrap.dedent("""
 
 
 def test_workers_exit_when_the_controller_dies(tmp_path):
-    here = os.path.dirname(__file__)
-    root = os.path.dirname(os.path.dirname(here))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     script = tmp_path / "ctl.py"
-    script.write_text(_ORPHAN_SCRIPT.format(root=root, here=here))
+    script.write_text(_ORPHAN_SCRIPT.format(root=root))
     before = {ch.pid for ch in psutil.Process().children(recursive=True)}
     ctl = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from actors import TorchProbe
 
 import mesharray as ma
 from mesharray.runtime.router import get_router
+from tests.support.actors import TorchProbe
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.timeout(90)

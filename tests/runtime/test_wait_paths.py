@@ -6,9 +6,9 @@ import threading
 import time
 
 import pytest
-from actors import Counter, Probe
 
 from mesharray.runtime.router import get_router
+from tests.support.actors import Counter, Probe
 
 pytestmark = pytest.mark.timeout(60)
 

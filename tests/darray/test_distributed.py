@@ -132,7 +132,7 @@ def test_mismatches_raise_before_sending(procs):
         a + procs.zeros((4,))
     with pytest.raises(MeshShapeError, match="several blocks on one rank"):
         a[0:1, :] + a[:, 0:1]  # no operand has every position: no rank layout to compute in
-    # different ranks for the same position: the blocks move (tests/array/test_moves.py)
+    # different ranks for the same position: the blocks move (tests/darray/test_moves.py)
     np.testing.assert_array_equal(_np(a[0] + a[1].reshape_local(1, 3)), np.zeros((2, 1, 3)))
     with pytest.raises(MeshShapeError, match="core dimension"):
         a @ np.ones((4, 2))
@@ -143,7 +143,7 @@ def test_apply_and_endpoint_receives_local_block(procs):
     r = procs.apply(lambda x, k: x[::-1] * k, a, 10)
     assert r.local_shape == (2,) and r.dtype == np.float64
     np.testing.assert_array_equal(_np(r), np.arange(8.0).reshape(2, 2, 2)[..., ::-1] * 10)
-    from _dist_actors import BlockProbe
+    from tests.support.actors import BlockProbe
 
     probes = procs.spawn("probes", BlockProbe)
     got = probes.describe.call(a).get()
@@ -151,7 +151,7 @@ def test_apply_and_endpoint_receives_local_block(procs):
 
 
 def test_blocks_freed_when_controller_array_is_collected(procs):
-    from _dist_actors import BlockProbe
+    from tests.support.actors import BlockProbe
 
     probes = procs.spawn("counter", BlockProbe)
     gc.collect()
@@ -398,7 +398,7 @@ def test_a_tiny_reduction_right_after_another_op_writes_all_its_frames_at_once(m
 def test_tiny_reductions_with_several_roots_in_a_loop_free_what_they_drop(procs):
     # one program for all members, sent once: each group's root answers with its value,
     # and the frees of dropped results (held by the roots only) reach their holders
-    from _dist_actors import BlockProbe
+    from tests.support.actors import BlockProbe
 
     probes = procs.spawn("tiny_loop", BlockProbe)
     x = procs.rank_array().astype("float64")
@@ -475,7 +475,7 @@ def test_a_tiny_reduction_in_a_loop_whose_input_fails_on_one_rank_raises_the_ori
 def test_failing_tiny_reductions_free_their_intermediate_blocks(procs):
     # the failure of a tiny result is raised on its holder after the rest of its program
     # ran: the frees that come after the collective (the local reduction's intermediate)
-    from _dist_actors import BlockProbe
+    from tests.support.actors import BlockProbe
 
     probes = procs.spawn("tiny_fail", BlockProbe)
     x = procs.rank_array().astype("float64") + procs.zeros((3,))
@@ -545,7 +545,7 @@ def test_a_block_an_actor_kept_is_never_reused_for_another_result(procs):
     # the worker recycles the memory of large freed blocks for the results of collectives;
     # a block that an endpoint still holds must not be among them (it was: its values
     # changed under the actor once the controller dropped the array)
-    from _dist_actors import BlockKeeper
+    from tests.support.actors import BlockKeeper
 
     keepers = procs.spawn("keepers", BlockKeeper)
     n = (2 << 20) // 8  # over the pool's 1 MiB minimum

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from k8s_actors import Where
 from k8s_util import free_port, wait_until
 
 import mesharray as ma
+from tests.support.actors import Where
 
 pytestmark = pytest.mark.timeout(180)
 
-ROOT = str(Path(__file__).resolve().parents[2])
+ROOT = str(Path(__file__).resolve().parents[3])
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:

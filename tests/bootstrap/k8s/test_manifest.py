@@ -144,7 +144,7 @@ def test_resources_by_flag():
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "mesharray", "k8s", *args], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "PYTHONPATH": str(HERE.parents[1])})
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(HERE.parents[2])})
 
 
 def test_cli_prints_what_kubernetes_validate_accepts(tmp_path):

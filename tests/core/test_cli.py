@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import pytest
-from _mpirun_harness import ROOT, clean_env
 
 from mesharray.__main__ import main
+from tests.support.mpirun import ROOT, clean_env
 
 pytestmark = pytest.mark.timeout(60)
 

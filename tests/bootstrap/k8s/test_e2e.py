@@ -6,10 +6,10 @@ import time
 
 import numpy as np
 import pytest
-from k8s_actors import Where
 from k8s_util import api_connections, free_port, wait_until
 
 import mesharray as ma
+from tests.support.actors import Where
 
 pytestmark = pytest.mark.timeout(180)
 
