@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tests.support.actors import Probe
 from job_util import processes_naming
 
 import mesharray as ma
+from tests.support.actors import JobProbe as Probe
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="127.0.0.x addresses: Linux")]
@@ -57,7 +57,7 @@ job = ma.job.LocalJob(meshes={"workers": 2})
 hosts = job.state(cached_path=".mesharray/job.json").workers
 took = time.monotonic() - t
 procs = hosts.spawn_procs(per_host={"procs": 1})
-from tests.support.actors import Probe
+from tests.support.actors import JobProbe as Probe
 import numpy as np
 ids = [v[0] for v in np.asarray(procs.spawn("p", Probe).where.call().get(timeout=30)).ravel()]
 print(json.dumps({"id": job.id, "took": took, "ids": ids}))

@@ -12,10 +12,10 @@ import sys
 
 import numpy as np
 import pytest
-from tests.support.actors import Probe
 
 import mesharray as ma
 from mesharray.bootstrap.workspace import GitIgnore, Workspace, scan
+from tests.support.actors import JobProbe as Probe
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,6 +13,7 @@ import asyncio
 import ctypes
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -457,8 +458,8 @@ class BlockKeeper(ma.Actor):
         return float(self.kept[0]), int(self.kept.ctypes.data)
 
 
-class Probe(ma.Actor):
-    """Says where it runs, what it sees of its environment, and imports what it is told to."""
+class JobProbe(ma.Actor):
+    """Says where it runs, what it sees of its environment, and imports what it is told to (tests/job)."""
 
     @ma.endpoint
     def where(self) -> tuple:
