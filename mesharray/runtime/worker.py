@@ -22,26 +22,34 @@ Execution model
 - Replies go back on the connection that carried the call.
 - Heartbeats go to the controller every ``heartbeat_interval`` seconds from a
   thread of their own; the controller declares a worker hung when they stop.
+- The process's main thread runs what :func:`run_on_main_thread` hands it
+  (``ma.spmd`` runs a user's script there, as ``python script.py`` would:
+  signal handlers and libraries that check for the main thread work), one
+  task at a time; otherwise it waits for the end.
 - When the controller connection ends (EOF: the controller died or stopped
-  us), the worker exits; on Linux, ``PR_SET_PDEATHSIG`` also kills it when its
+  us), the worker exits, also while a main-thread task still runs (another
+  thread then ends the process: a script blocked in a collective cannot be
+  asked to return); on Linux, ``PR_SET_PDEATHSIG`` also kills it when its
   parent process dies.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import inspect
 import logging
 import os
 import pickle
+import queue
 import socket
 import sys
 import threading
 import traceback
 from threading import get_ident
 from time import perf_counter_ns
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from .._platform import sched_batch, worker_sched, worker_spin
 from ..errors import SerializationError
@@ -59,7 +67,7 @@ from .recorder import ENABLED as RECORD
 from .recorder import MAX_ROWS, REC, SPAN, set_title, thread_stacks
 from .router import set_secret
 
-__all__ = ["run_worker", "Worker", "error_record", "set_sched_class", "set_spin"]
+__all__ = ["run_worker", "Worker", "error_record", "set_sched_class", "set_spin", "run_on_main_thread"]
 
 log = logging.getLogger("mesharray.worker")
 
@@ -74,6 +82,36 @@ _current = REC.current
 _rows = REC.rows
 _MAX_ROWS = MAX_ROWS
 _CALL, _REPLY, _OK = P.CALL, P.REPLY, P.OK
+_T = TypeVar("_T")
+
+#: the worker that owns this process's main thread (run_worker with exit_process=True)
+_main_worker: Worker | None = None
+
+
+def run_on_main_thread(fn: Callable[[], _T]) -> concurrent.futures.Future[_T]:
+    """Run ``fn()`` on this worker process's main thread; a future of what it returns (or raises).
+
+    For code that must run where ``python script.py`` runs a script:
+    ``signal.signal`` works only there, and libraries (torch's DataLoader,
+    ...) behave differently elsewhere. Tasks run one at a time, in order. The
+    future is cancelled when the worker stops before the task started; a task
+    running when the worker stops is not waited for (the process exits).
+
+    Raises
+    ------
+    RuntimeError
+        This process's main thread is not a worker's: rank 0 of an MPI job
+        runs its worker in a thread of the controller's script.
+    """
+    w = _main_worker
+    if w is None or w.main_tasks is None:
+        raise RuntimeError("this worker does not own its process's main thread (rank 0 under mpirun runs in "
+                           "the controller's process): nothing can run there")
+    fut: concurrent.futures.Future[_T] = concurrent.futures.Future()
+    w.main_tasks.put((fn, fut))
+    if w.done.is_set():  # stopped meanwhile: nobody will take it
+        fut.cancel()
+    return fut
 
 
 def _set_pdeathsig() -> None:
@@ -229,6 +267,55 @@ class Worker:
         self.label: str | None = None
         self.mesh_name = "procs"
         self.actor_names: list[str] = []
+        #: tasks for the main thread (run_on_main_thread), None while it does not serve them
+        self.main_tasks: queue.SimpleQueue | None = None
+        self.main_busy = False
+        #: ends the process (run_worker sets it): called once, by the main thread or, when a
+        #: main-thread task still runs at the stop, by a thread of its own
+        self.finish: Callable[[], Any] | None = None
+        self._finish_lock = threading.Lock()
+
+    def stop_serving(self) -> None:
+        """The controller is gone or stopped us: wake the main thread, which ends the process.
+
+        When the main thread is busy with a task (a script blocked in a
+        collective), a thread of its own ends the process instead.
+        """
+        self.done.set()
+        tasks = self.main_tasks
+        if tasks is not None:
+            tasks.put(None)
+            if self.main_busy and self.finish is not None:
+                threading.Thread(target=self.finish, name="mesharray-exit", daemon=True).start()
+
+    def serve_main_thread(self) -> None:
+        """Run the tasks of :func:`run_on_main_thread` until the worker stops (the main thread's loop)."""
+        tasks = self.main_tasks
+        assert tasks is not None
+        while not self.done.is_set():
+            item = tasks.get()
+            if item is None:
+                break
+            fn, fut = item
+            if self.done.is_set() or not fut.set_running_or_notify_cancel():
+                fut.cancel()
+                continue
+            self.main_busy = True
+            try:
+                result = fn()
+            except BaseException as exc:  # (SystemExit and KeyboardInterrupt too: the caller decides)
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+            finally:
+                self.main_busy = False
+        while True:  # tasks queued after the stop never run
+            try:
+                item = tasks.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[1].cancel()
 
     # -- connections ------------------------------------------------------
     def on_peer_socket(self, sock) -> None:
@@ -247,7 +334,7 @@ class Worker:
         self.inbound.discard(conn)
 
     def on_controller_closed(self, conn, exc) -> None:
-        self.done.set()
+        self.stop_serving()
 
     # -- the event loop for async actors ------------------------------------
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -289,7 +376,7 @@ class Worker:
         elif kind == P.STOP:
             if flags & P.F_REPLY:
                 conn.send(P.REPLY, 0, msg_id, P.OK, 0, _EMPTY_OK)
-            self.done.set()
+            self.stop_serving()
         else:
             log.warning("worker %d: ignoring frame of unknown kind %d", self.rank, kind)
 
@@ -704,6 +791,10 @@ def run_worker(controller_address: str, secret: bytes, rank: int, *, listen: str
     from .router import get_router
 
     get_router().identity = {"role": "peer", "rank": rank, "pid": w.pid, "host": w.host}
+    if exit_process and threading.current_thread() is threading.main_thread():
+        global _main_worker
+        w.main_tasks = queue.SimpleQueue()  # (before any call can arrive)
+        _main_worker = w
     sock = connect(controller_address, secret)
     chan = Channel(sock, handler=w.on_frame, on_close=w.on_controller_closed, name="controller",
                    on_call=w._call)
@@ -719,15 +810,24 @@ def run_worker(controller_address: str, secret: bytes, rank: int, *, listen: str
         ready.set()
     hb = threading.Thread(target=w.heartbeat_loop, name="mesharray-heartbeat", daemon=True)
     hb.start()
-    w.done.wait()
-    w.shutdown()
-    hb.join(1.0)
-    if exit_process:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except Exception:
-            pass
-        flush_forwarding()
-        os._exit(w.exitcode)
-    return w.exitcode
+
+    def finish() -> int:
+        with w._finish_lock:  # once: the main thread, or the thread ending a process whose main thread is busy
+            w.shutdown()
+            hb.join(1.0)
+            if exit_process:
+                try:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                except Exception:
+                    pass
+                flush_forwarding()
+                os._exit(w.exitcode)
+            return w.exitcode
+
+    if w.main_tasks is not None:
+        w.finish = finish
+        w.serve_main_thread()
+    else:
+        w.done.wait()
+    return finish()
