@@ -58,8 +58,9 @@ class AgentClient:
         self.lost: BaseException | None = None
         self.handlers: dict[str, Callable[[tuple], None]] = {}
         self.on_lost: list[Callable[[BaseException], None]] = []
-        #: the agent's copy of this controller's tree, once synced (spawned processes use it)
+        #: the agent's copy of this controller's tree, once synced (spawned processes use it), and that tree
         self.workspace: str | None = None
+        self.workspace_source: str | None = None
         self._replies: dict[int, Any] = {}
         self._reply_cond = threading.Condition()
         self._ids = itertools.count(1)
@@ -301,7 +302,9 @@ def launch(agents: list[AgentClient], procs: int, *, forward_logs: bool = True, 
     authenticated connection, never on a command line); ``python`` is the
     interpreter of the workers on every host (default: the agent's). An agent
     with a synced workspace (:func:`sync_workspace`) puts it first on the
-    workers' ``sys.path`` and makes it their working directory.
+    workers' ``sys.path`` and makes it their working directory; the workers'
+    ``MESHARRAY_WORKSPACE`` names that copy and ``MESHARRAY_WORKSPACE_SOURCE``
+    the tree it copies (``ma.spmd`` finds a script of the tree there).
     """
     if not isinstance(procs, int) or isinstance(procs, bool) or procs < 1:
         raise ValueError(f"procs per host must be an int >= 1, got {procs!r}")
@@ -326,7 +329,7 @@ def launch(agents: list[AgentClient], procs: int, *, forward_logs: bool = True, 
         for a, rs in zip(agents, ranks):
             a.send({"op": "spawn", "mesh": mesh_id, "ranks": rs, "controller": f"tcp:{a.local_ip}:{port}",
                     "forward_logs": forward_logs, "sys_path": [p for p in sys.path if p],
-                    "data_plane": data_plane, "env": dict(env or {}), "python": python,
+                    "data_plane": data_plane, "env": _workspace_env(a, env), "python": python,
                     "workspace": a.workspace is not None})
         ctl.adopt(shape.size, timeout=timeout, progress=progress, check=lambda: remote.check(ctl))
         remote.controller = ctl
@@ -335,6 +338,15 @@ def launch(agents: list[AgentClient], procs: int, *, forward_logs: bool = True, 
         remote.release()
         raise
     return Launch(ctl, shape, remote.release, None)
+
+
+def _workspace_env(agent: AgentClient, env: dict | None) -> dict:
+    """``env`` plus, for an agent with a synced workspace, where the copy is and what it copies."""
+    out = dict(env or {})
+    if agent.workspace is not None and agent.workspace_source is not None:
+        out.setdefault("MESHARRAY_WORKSPACE", agent.workspace)
+        out.setdefault("MESHARRAY_WORKSPACE_SOURCE", agent.workspace_source)
+    return out
 
 
 def sync_workspace(agents: list[AgentClient], root: str, timeout: float = 300.0) -> dict[str, dict[str, int]]:
@@ -374,7 +386,7 @@ def sync_workspace(agents: list[AgentClient], root: str, timeout: float = 300.0)
             done = a.request({"op": "sync_done"}, max(deadline - time.monotonic(), 1.0))
             if not done.get("ok"):
                 raise BootstrapError(f"workspace sync failed: {done.get('error')}")
-            a.workspace = str(done["path"])
+            a.workspace, a.workspace_source = str(done["path"]), root
             results[i] = {"files": len(files), "copied": len(plan["need"]), "bytes": sent,
                           "deleted": int(plan.get("deleted", 0))}
         except BaseException as exc:
