@@ -69,6 +69,7 @@ if TYPE_CHECKING:  # what __getattr__ below returns, for type checkers and edito
     # ("X as X": an explicit re-export)
     from . import job as job
     from . import k8s as k8s
+    from . import spmd as spmd
     from ._core import Shape as Shape
     from ._core import broadcast_shapes as broadcast_shapes
     from ._core import reduction_plan as reduction_plan
@@ -123,7 +124,7 @@ _LAZY = {
 }
 
 # submodules reached as attributes (``ma.k8s.attach(...)``), imported on first use
-_SUBMODULES = {"k8s": "mesharray.k8s", "job": "mesharray.job"}
+_SUBMODULES = {"k8s": "mesharray.k8s", "job": "mesharray.job", "spmd": "mesharray.spmd"}
 
 # Modules whose objects can make distributed arrays (a ProcMesh's zeros, ones, ...):
 # the first use of one also loads mesharray.darray, which installs itself into proc

@@ -12,6 +12,8 @@ Usage::
     python -m mesharray k8s manifest --name NAME --hosts N --image IMAGE [...]
                                                 # Kubernetes objects of a mesh (| kubectl apply -f -)
     python -m mesharray job status|kill [PATH]  # the job of a job file (ma.job; default .mesharray/job.json)
+    python -m mesharray torchrun [torchrun's flags] [--job PATH | --hosts ADDR,...] script.py [args...]
+                                                # a torchrun script on a mesh (ma.spmd)
 
 Running through ``python -m mesharray`` adds one guarantee to a launch such as
 ``mpirun -n 4 python -m mesharray train.py``: an unhandled exception (or a
@@ -43,6 +45,8 @@ usage: python -m mesharray script.py [args...]
        python -m mesharray k8s manifest --name NAME --hosts N --image IMAGE [--procs-per-host 8]
                                   [--namespace NS] [--jobset] [--resources gpu=8] [--secret-name S]
        python -m mesharray job status|kill [PATH] # a job (ma.job) of a job file, default .mesharray/job.json
+       python -m mesharray torchrun [--nproc-per-node N] [--nnodes N] [--standalone] [--master-addr A]
+                                  [--master-port P] [--job PATH | --hosts ADDR,...] script.py [args...]
        python -m mesharray top URL                # live per-rank table of procs.telemetry.serve()'s URL
        python -m mesharray --version
 
@@ -454,6 +458,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .job.cli import main as job_main
 
         return job_main(args[1:])
+    if first == "torchrun":
+        from .spmd.cli import main as torchrun_main
+
+        return torchrun_main(args[1:])
     if first == "info":
         extra = args[1:]
         unknown = [a for a in extra if a not in ("--json", "--probe")]

@@ -22,7 +22,7 @@ LAYERS = [
     ("mesharray.runtime",),
     ("mesharray.actor", "mesharray.buffer"),
     ("mesharray.bootstrap", "mesharray.observe"),
-    ("mesharray.proc", "mesharray.k8s", "mesharray.job"),
+    ("mesharray.proc", "mesharray.k8s", "mesharray.job", "mesharray.spmd"),
     ("mesharray.darray",),
     ("mesharray", "mesharray.__main__"),
 ]

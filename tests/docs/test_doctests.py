@@ -38,6 +38,8 @@ STILL_SKIPPED = {
     ("mesharray.job.slurm.SlurmJob", ""): "needs a SLURM cluster (tests/slurm starts one)",
     ("mesharray.job.kubernetes.KubernetesJob", ""): "needs a Kubernetes cluster (tests/k8s/test_job.py has one)",
     ("mesharray.collectives.mpi_comms.world_comm", "world_comm()"): "needs a mesh launched under mpirun (tests/mpi)",
+    ("mesharray.spmd", ""): "runs a torch training script (tests/spmd runs examples/ddp_train.py)",
+    ("mesharray.spmd.launch.run", ""): "runs a torch training script (tests/spmd runs examples/ddp_train.py)",
 }
 
 
