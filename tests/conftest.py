@@ -89,3 +89,40 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+
+#: the DDP example every way of running it is checked against (tests/spmd, tests/slurm)
+_DDP_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "ddp_train.py")
+
+
+def _ddp_digest(output: str) -> str:
+    """The final weights' digest that examples/ddp_train.py prints (rank 0), from a run's output."""
+    import re
+
+    found = re.findall(r"final weights sha256 ([0-9a-f]{16})", output)
+    assert len(found) == 1, f"expected one digest line in the output, got {found}:\n{output[-3000:]}"
+    return found[0]
+
+
+@pytest.fixture(scope="session")
+def torchrun_ddp():
+    """examples/ddp_train.py run once a session by torch's own ``torchrun --standalone --nproc-per-node 2``.
+
+    ``script``, ``args``, ``digest`` (of the final weights it printed) and
+    ``digest_of(output)`` (the same, from another run's output).
+    """
+    import shutil
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    pytest.importorskip("torch")
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not installed")
+    args = ["--steps", "6"]
+    r = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", _DDP_SCRIPT, *args],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return SimpleNamespace(script=_DDP_SCRIPT, args=args, digest=_ddp_digest(r.stdout), digest_of=_ddp_digest)

@@ -141,6 +141,19 @@ def test_a_new_process_reattaches_in_seconds_without_a_new_allocation(slurm_job,
         print(f"\nre-attach from a new process: {got['took']:.2f} s; spawn_procs 2x2 after it: {got['spawn']:.2f} s")
 
 
+def test_a_torchrun_script_across_the_nodes_ends_with_torchruns_weights(slurm_job, slurm_dir, torchrun_ddp, capsys):
+    job, _ = slurm_job
+    hosts = job.state().workers
+    try:
+        procs = hosts.spawn_procs(per_host={"procs": 1})
+        codes = ma.spmd.run(procs, torchrun_ddp.script, args=torchrun_ddp.args)  # GROUP_RANK 0 and 1: node1, node2
+        assert np.asarray(codes).tolist() == [[0], [0]]
+        procs.stop()
+    finally:
+        hosts.detach()
+    assert torchrun_ddp.digest_of(capsys.readouterr().out) == torchrun_ddp.digest
+
+
 def test_status_and_a_queued_job_that_times_out_then_is_killed(slurm_job, slurm_dir, capfd):
     job, d = slurm_job
     st = _cli("job", "status", str(d / "job.json"), cwd=slurm_dir)
