@@ -32,7 +32,8 @@ to top (``docs/internals.md``, "Layers"):
 - :mod:`.proc` — :class:`ProcMesh`, :class:`HostMesh`, :func:`proc_mesh`,
   :func:`attach`, :func:`this_host`; :mod:`.k8s` — ``ma.k8s``, meshes of
   Kubernetes pods; :mod:`.job` — ``ma.job``, allocations that outlive a script
-  (local agents, SLURM, Kubernetes, your machines).
+  (local agents, SLURM, Kubernetes, your machines); :mod:`.spmd` — ``ma.spmd``,
+  existing torchrun scripts run on a mesh.
 - :mod:`.darray` — distributed arrays (blocks in the workers).
 - :mod:`.__main__` — ``python -m mesharray``, the command line.
 """
