@@ -135,6 +135,7 @@ class Outcome:
 
     @property
     def ok(self) -> bool:
+        """Every rank exited 0."""
         return self.first is None
 
     def status(self) -> int:
@@ -196,6 +197,8 @@ def run_outcome(procs: ProcMesh, script: str, args: Sequence[str] = (), env: dic
     labels = _labels(procs)
     lay = layout(procs.host_ids)
     n = len(lay)
+    if n == 0:
+        raise ValueError(f"spmd.run needs at least one process; {procs!r} has none")
     groups = max((g for _, _, g, _ in lay), default=-1) + 1
     actors = procs.spawn("__mesharray_spmd__", ScriptRank).flatten("rank")
     first = next(pos for pos, t in enumerate(lay) if t[0] == 0)

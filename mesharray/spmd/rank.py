@@ -52,7 +52,7 @@ def find_script(path: str) -> str:
 
     In the copy of a synced workspace first (``MESHARRAY_WORKSPACE_SOURCE`` is
     the controller's tree, ``MESHARRAY_WORKSPACE`` this host's copy of it,
-    both set by the agent for processes spawned after ``sync_workspace``),
+    both set in the processes a host agent spawns after ``sync_workspace``),
     else at the same path. ``FileNotFoundError`` names the host and every
     place looked at.
     """
