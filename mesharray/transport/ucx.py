@@ -94,7 +94,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from . import auth
 from .address import parse_address
@@ -164,7 +164,7 @@ def ucx_version() -> str:
     return _ucp.version()
 
 
-def describe() -> dict[str, object]:
+def describe() -> dict[str, Any]:
     """What this process's UCX would use (for ``info``): version, ``UCX_TLS``, transports/devices, RMA mode.
 
     Applies :func:`ucx_defaults` (as a plane would) and starts one engine briefly to ask UCX
