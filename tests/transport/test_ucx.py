@@ -165,7 +165,66 @@ def _ring_member(out, cmds, secret, rank, dtype, op, n):
     plane.close()
 
 
-_ROLES = {"duplex": _serve_duplex, "tags": _serve_tags, "hold": _connect_and_hold, "owner": _owner,
+def _buffer_owner(out, cmds, secret, nbytes):
+    """A process of host id "owner-host" with a UCX process plane: owns a ``Buffer``, sends its pickle."""
+    import pickle
+
+    os.environ["MESHARRAY_HOST_ID"] = "owner-host"
+    from mesharray.buffer import Buffer
+    from mesharray.transport.dataplane import start_process_plane
+
+    start_process_plane(secret, "127.0.0.1", "ucx")
+    block = _pattern(5, nbytes)
+    buf = Buffer(block)
+    out.put(("pickle", pickle.dumps(buf)))
+    while True:
+        cmd = cmds.get(timeout=120)
+        if cmd == "exit":
+            break
+        if cmd[0] == "gil":
+            out.put(("holding", None))
+            end = time.monotonic() + cmd[1]
+            while time.monotonic() < end:
+                sum(range(200_000))
+            out.put(("held", None))
+        elif cmd[0] == "drop":
+            t = time.monotonic()
+            buf.drop()
+            out.put(("dropped", time.monotonic() - t))
+        elif cmd[0] == "digest":
+            out.put(("digest", _digest(block)))
+
+
+def _buffer_reader(out, cmds, secret, data, nbytes):
+    """A process of host id "reader-host" with a UCX process plane: reads/writes the pickled Buffer."""
+    import pickle
+
+    os.environ["MESHARRAY_HOST_ID"] = "reader-host"
+    from mesharray.buffer import TRANSFERS
+    from mesharray.transport.dataplane import start_process_plane
+
+    start_process_plane(secret, "127.0.0.1", "ucx")
+    buf = pickle.loads(data)
+    while True:
+        cmd = cmds.get(timeout=120)
+        if cmd == "exit":
+            break
+        try:
+            if cmd == "read":
+                dst = np.zeros(nbytes, np.uint8)
+                t = time.monotonic()
+                n = buf.read_into(dst).get(timeout=60)
+                out.put(("read", (n, _digest(dst), time.monotonic() - t, dict(TRANSFERS))))
+            elif cmd == "write":
+                out.put(("wrote", buf.write_from(_pattern(6, 100)).get(timeout=60)))
+            elif cmd == "drop":
+                buf.drop()
+                out.put(("dropped", None))
+        except Exception as exc:  # the test checks the error
+            out.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+_ROLES = {"buffer-owner": _buffer_owner, "buffer-reader": _buffer_reader, "duplex": _serve_duplex, "tags": _serve_tags, "hold": _connect_and_hold, "owner": _owner,
           "reader": _reader, "ring": _ring_member}
 
 
@@ -652,3 +711,38 @@ def test_ring_allreduce_runs_in_c_between_processes(children, dtype, op):
         np.testing.assert_array_equal(np.frombuffer(raw, dtype=dtype), want)
         assert native == 1
         c.cmds.put("done")
+
+
+
+# --------------------------------------------------------------------------- Buffer over the process planes
+def test_buffer_api_across_host_ids_goes_over_the_ucx_plane(children, rma):
+    n = 4 << 20
+    owner = children("buffer-owner", SECRET, n)
+    data = owner.expect("pickle")
+    reader = children("buffer-reader", SECRET, data, n)
+    reader.cmds.put("read")
+    got, digest, _, paths = reader.expect("read")
+    assert got == n and digest == _digest(_pattern(5, n)) and paths["plane"] == 1 and paths["stream"] == 0
+    # while the owner's Python holds the GIL: served by its engine, not by its Python
+    owner.cmds.put(("gil", 3.0))
+    owner.expect("holding")
+    time.sleep(0.2)
+    reader.cmds.put("read")
+    got, digest, took, _ = reader.expect("read")
+    assert digest == _digest(_pattern(5, n)) and took < 1.5, took
+    owner.expect("held", timeout=30)
+    reader.cmds.put("write")
+    assert reader.expect("wrote") == 100
+    want = _pattern(5, n)
+    want[:100] = _pattern(6, 100)
+    owner.cmds.put(("digest",))
+    assert owner.expect("digest") == _digest(want)
+    owner.cmds.put(("drop",))
+    assert owner.expect("dropped") < 1.0
+    reader.cmds.put("read")
+    assert "dropped by its owner" in reader.expect("error")
+    owner.proc.kill()
+    owner.proc.join(10)
+    reader.cmds.put("read")
+    err = reader.expect("error")
+    assert err.startswith(("ActorDiedError", "MeshArrayError")), err
