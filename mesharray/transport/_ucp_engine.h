@@ -144,6 +144,8 @@ typedef struct ma_link {
     unsigned seq;
     char *left;       /* bytes of a message received beyond what a recv_into asked for */
     size_t left_off, left_len;
+    char *scratch;    /* the ring's reduction chunks, kept between calls (no page faults per call) */
+    size_t scratch_len;
     struct ma_link *next_zombie;
 } ma_link;
 
@@ -414,6 +416,7 @@ static int srv_advance(ma_engine *e) {
 
 static void link_free(ma_link *l) {
     free(l->left);
+    free(l->scratch);
     free(l);
 }
 
@@ -1698,13 +1701,17 @@ static int ma_ring_run(ma_link *right, ma_link *left, const ma_step *steps, size
         rc = MA_ENOMEM;
         goto out;
     }
-    for (int k = 0; k < MA_RING_WINDOW; k++) {
-        r.tmp[k] = (char *)malloc(chunk ? chunk : 1);
-        if (r.tmp[k] == NULL) {
+    if (chunk == 0) chunk = 1;
+    if (left->scratch_len < MA_RING_WINDOW * chunk) {
+        free(left->scratch);
+        left->scratch = (char *)malloc(MA_RING_WINDOW * chunk);
+        left->scratch_len = left->scratch != NULL ? MA_RING_WINDOW * chunk : 0;
+        if (left->scratch == NULL) {
             rc = MA_ENOMEM;
             goto out;
         }
     }
+    for (int k = 0; k < MA_RING_WINDOW; k++) r.tmp[k] = left->scratch + (size_t)k * chunk;
     for (size_t i = 0; i < n; i++) {
         if (steps[i].flags & ST_RECV) {
             if ((steps[i].flags & ST_REDUCE) && steps[i].nbytes > chunk) {
@@ -1759,7 +1766,6 @@ out:
             if (ma_op_done(&r.sends[i])) ma_op_release(&r.sends[i]);
             if (ma_op_done(&r.recvs[i])) ma_op_release(&r.recvs[i]);
         }
-    for (int k = 0; k < MA_RING_WINDOW; k++) free(r.tmp[k]);
     free(r.sends);
     free(r.recvs);
     free(r.ridx);

@@ -101,6 +101,14 @@ def _connect_and_hold(out, cmds, address, secret, nbytes):
     time.sleep(120)
 
 
+def _hold_gil(seconds: float) -> None:
+    """Hold the GIL for about ``seconds``: one C call (``sum`` over a range), no switch interval."""
+    t = time.perf_counter()
+    sum(range(2_000_000))
+    per = (time.perf_counter() - t) / 2_000_000
+    sum(range(int(seconds / per)))
+
+
 def _owner(out, cmds, secret, nbytes, readonly):
     """Own a block of ``nbytes`` (pattern 3) registered with its plane; obey commands until "exit"."""
     plane = ucx.UcxPlane(secret, "127.0.0.1", lambda link, tag: None)
@@ -119,9 +127,8 @@ def _owner(out, cmds, secret, nbytes, readonly):
             break
         if cmd[0] == "gil":  # hold the GIL in pure Python for cmd[1] seconds
             out.put(("holding", os.getpid()))
-            end = time.monotonic() + cmd[1]
-            while time.monotonic() < end:
-                sum(range(200_000))
+            time.sleep(0.2)  # (the queue's feeder thread needs the GIL to send that)
+            _hold_gil(cmd[1])
             out.put(("held", None))
         elif cmd[0] == "drop":
             t = time.monotonic()
@@ -183,9 +190,8 @@ def _buffer_owner(out, cmds, secret, nbytes):
             break
         if cmd[0] == "gil":
             out.put(("holding", None))
-            end = time.monotonic() + cmd[1]
-            while time.monotonic() < end:
-                sum(range(200_000))
+            time.sleep(0.2)  # (the queue's feeder thread needs the GIL to send that)
+            _hold_gil(cmd[1])
             out.put(("held", None))
         elif cmd[0] == "drop":
             t = time.monotonic()
