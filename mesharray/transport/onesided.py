@@ -468,7 +468,7 @@ def drop(st: dict[str, Any]) -> None:
                 return
             except cma.CmaDenied:
                 pass
-        mine = process_plane()
+        mine: Any = process_plane()
         if path == "stream" and st.get("plane") and mine is not None and mine.kind == st["plane"][0]:
             mine.buffer_transfer(st["plane"][1], st, 2, 0, 0)  # zeroes the token; the owner's engine answers
             return

@@ -230,7 +230,8 @@ def _buffer_reader(out, cmds, secret, data, nbytes):
             out.put(("error", f"{type(exc).__name__}: {exc}"))
 
 
-_ROLES = {"buffer-owner": _buffer_owner, "buffer-reader": _buffer_reader, "duplex": _serve_duplex, "tags": _serve_tags, "hold": _connect_and_hold, "owner": _owner,
+_ROLES = {"buffer-owner": _buffer_owner, "buffer-reader": _buffer_reader, "duplex": _serve_duplex,
+          "tags": _serve_tags, "hold": _connect_and_hold, "owner": _owner,
           "reader": _reader, "ring": _ring_member}
 
 
@@ -752,3 +753,31 @@ def test_buffer_api_across_host_ids_goes_over_the_ucx_plane(children, rma):
     reader.cmds.put("read")
     err = reader.expect("error")
     assert err.startswith(("ActorDiedError", "MeshArrayError")), err
+
+
+def test_the_stub_names_what_the_extension_has():
+    # (tests/core/test_stub.py does the full check for _core; here names and members, both ways)
+    import ast
+    import types
+    from pathlib import Path
+
+    from mesharray.transport import _ucp
+
+    tree = ast.parse((Path(__file__).resolve().parents[2] / "mesharray" / "transport" / "_ucp.pyi").read_text())
+
+    def names(body):
+        out = {}
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                out[node.name] = node
+            elif isinstance(node, ast.AnnAssign):
+                out[node.target.id] = node
+        return {k: v for k, v in out.items() if not k.startswith("_")}
+
+    stub = names(tree.body)
+    binary = {k for k, v in vars(_ucp).items() if not k.startswith("_") and not isinstance(v, types.ModuleType)
+              and getattr(v, "__module__", _ucp.__name__) == _ucp.__name__}
+    assert set(stub) == binary
+    for cls in ("Engine", "Link"):
+        members = {k for k in vars(getattr(_ucp, cls)) if not k.startswith("_")}
+        assert set(names(stub[cls].body)) == members, cls
