@@ -87,6 +87,7 @@ is the one both get.
 
 from __future__ import annotations
 
+import atexit
 import ipaddress
 import os
 import secrets
@@ -94,6 +95,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 from . import auth
@@ -157,6 +159,14 @@ BUFFER_TAG = b"\x00ucx-buffer"
 GRACE_US = int(os.environ.get("MESHARRAY_UCX_GRACE_US", "2000"))
 SPIN_US = int(os.environ.get("MESHARRAY_UCX_SPIN_US", "25"))
 RMA_MODES = ("auto", "get", "served")
+#: every engine of this process: closed at exit, before UCX's own destructors run under its progress thread
+_ENGINES: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_engines() -> None:
+    for engine in list(_ENGINES):
+        engine.close()
 
 
 def ucx_version() -> str:
@@ -385,6 +395,7 @@ class UcxPlane:
         self.secret = secret
         self.on_link = on_link
         self._engine = _ucp.Engine(GRACE_US, SPIN_US, int(LINK_TIMEOUT))
+        _ENGINES.add(self._engine)
         self._lock = threading.Lock()
         self._closed = False
         self._links: set[UcxLink] = set()   # links held by the plane: Buffer links, both ends
