@@ -301,6 +301,10 @@ static void srv_reply(ma_srv *s, ma_op *op, ma_rep_msg *rep, uint32_t status, ui
     rep->magic = MA_MAGIC;
     rep->status = status;
     rep->nbytes = nbytes;
+    if (s->link->ep == NULL) { /* force-closed meanwhile: nothing to answer on */
+        ma_op_start(op, UCS_STATUS_PTR(UCS_ERR_CONNECTION_RESET));
+        return;
+    }
     ma_op_start(op, ucp_tag_send_nbx(s->link->ep, rep, sizeof(*rep), MA_TAG(s->link->send_id, s->seq, K_REPLY), &p));
 }
 
@@ -345,7 +349,7 @@ static void srv_start(ma_engine *e, ma_link *l, const ma_req_msg *m) {
     ucp_request_param_t p;
     if (m->op == 0) {
         srv_reply(s, &s->o[0], &s->rep, 0, m->nbytes);
-        if (m->nbytes) {
+        if (m->nbytes && l->ep != NULL) {
             ma_param_send(&p, &s->o[1]);
             p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
             p.memh = r->memh;
@@ -374,6 +378,8 @@ static void srv_start(ma_engine *e, ma_link *l, const ma_req_msg *m) {
     e->srv = s;
 }
 
+static void link_force_close(ma_engine *e, ma_link *l);
+
 /* Move served operations along; free the finished ones. Returns whether anything happened. */
 static int srv_advance(ma_engine *e) {
     int did = 0;
@@ -387,14 +393,24 @@ static int srv_advance(ma_engine *e) {
             s->stage = 3;
             did = 1;
         }
-        int all = ma_op_done(&s->o[0]) && (s->stage == 9 || (ma_op_done(&s->o[1]) && (s->stage == 1 || s->stage == 3)
-                                                             ? ma_op_done(&s->o[2]) : 0));
-        if (s->stage == 9) all = ma_op_done(&s->o[0]);
-        if (!all && s->stage == 2) {
-            /* a writer that went away or never sent: give the block back (the receive fails) */
+        int all;
+        if (s->stage == 9)
+            all = ma_op_done(&s->o[0]);
+        else if (s->stage == 2)
+            all = 0;
+        else
+            all = ma_op_done(&s->o[0]) && ma_op_done(&s->o[1]) && ma_op_done(&s->o[2]);
+        if (!all && (s->stage == 2 || s->stage == 1 || s->stage == 3)) {
             if (now == 0) now = ma_now();
-            if ((broken || now > s->deadline) && !ma_op_done(&s->o[1]) && s->o[1].req != NULL)
+            if (s->stage == 2 && (broken || now > s->deadline) && !ma_op_done(&s->o[1]) && s->o[1].req != NULL) {
+                /* a writer that went away or never sent: give the block back (the receive fails) */
                 ucp_request_cancel(e->worker, s->o[1].req);
+            } else if (s->stage != 2 && now > s->deadline && !broken) {
+                /* a reader that stopped taking its bytes: a send cannot be cancelled, the endpoint
+                 * can (every request on it completes); the reader opens a new link */
+                if (LOAD(s->link->error) == 0) STORE(s->link->error, (int)UCS_ERR_TIMED_OUT);
+                link_force_close(e, s->link);
+            }
         }
         if (!all) {
             pp = &s->next;

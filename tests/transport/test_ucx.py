@@ -166,7 +166,10 @@ def _ring_member(out, cmds, secret, rank, dtype, op, n):
     ring = RingCollective(rank, 2, right, left)
     x = (np.arange(n) % 97 + rank * 3 + 1).astype(dtype)
     res = ring.allreduce(x, op=op)
-    out.put(("result", (res.tobytes(), ring.native_runs)))
+    b = x.copy()
+    ring.broadcast(b, root=1)
+    g = ring.allgather(x[:1000])
+    out.put(("result", (res.tobytes(), b.tobytes(), g.tobytes(), ring.native_runs)))
     cmds.get(timeout=60)
     ring.close()
     plane.close()
@@ -714,9 +717,24 @@ def test_ring_allreduce_runs_in_c_between_processes(children, dtype, op):
     xs = [(np.arange(n) % 97 + r * 3 + 1).astype(dtype) for r in (0, 1)]
     want = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}[op](*xs)
     for c in (a, b):
-        raw, native = c.expect("result")
+        raw, bcast, gathered, native = c.expect("result")
         np.testing.assert_array_equal(np.frombuffer(raw, dtype=dtype), want)
-        assert native == 1
+        np.testing.assert_array_equal(np.frombuffer(bcast, dtype=dtype), xs[1])
+        np.testing.assert_array_equal(np.frombuffer(gathered, dtype=dtype).reshape(2, 1000), [xs[0][:1000], xs[1][:1000]])
+        assert native == 3  # allreduce, broadcast and allgather, all in the compiled loop
+        c.cmds.put("done")
+
+
+def test_ring_falls_back_to_python_for_other_dtypes(children):
+    a, b = children("ring", SECRET, 0, "complex64", "sum", 5000), children("ring", SECRET, 1, "complex64", "sum", 5000)
+    addr_a, addr_b = a.expect("address"), b.expect("address")
+    a.cmds.put(addr_b)
+    b.cmds.put(addr_a)
+    xs = [(np.arange(5000) % 97 + r * 3 + 1).astype("complex64") for r in (0, 1)]
+    for c in (a, b):
+        raw, _, _, native = c.expect("result")
+        np.testing.assert_array_equal(np.frombuffer(raw, dtype="complex64"), xs[0] + xs[1])
+        assert native == 2  # the reduction took the Python loop; broadcast and allgather move bytes in C
         c.cmds.put("done")
 
 
