@@ -155,8 +155,10 @@ MAX_ADDRESS = 1 << 16
 LINK_TIMEOUT = float(os.environ.get("MESHARRAY_COLLECTIVE_TIMEOUT", "60"))
 #: links a plane opens for Buffer transfers are tagged with this; the plane keeps them (never ``on_link``)
 BUFFER_TAG = b"\x00ucx-buffer"
-#: milliseconds, microseconds: see :class:`~mesharray.transport._ucp.Engine`
+#: microseconds callers must have been quiet before the progress thread leads (env ``MESHARRAY_UCX_GRACE_US``)
 GRACE_US = int(os.environ.get("MESHARRAY_UCX_GRACE_US", "2000"))
+#: microseconds a caller waiting for at most 64 KiB polls before it sleeps (env ``MESHARRAY_UCX_SPIN_US``;
+#: adaptive: skipped after a run of polls that caught nothing)
 SPIN_US = int(os.environ.get("MESHARRAY_UCX_SPIN_US", "25"))
 RMA_MODES = ("auto", "get", "served")
 #: every engine of this process: closed at exit, before UCX's own destructors run under its progress thread
@@ -306,19 +308,20 @@ class UcxLink:
         if view.nbytes:
             try:
                 self._native.send(view, LINK_TIMEOUT)
-            except (ConnectionError, TimeoutError) as exc:
-                raise type(exc)(f"data link to {self.peer or 'peer'}: {exc}") from None
+            except (ConnectionError, TimeoutError) as exc:  # (a timeout too, as on a TcpLink)
+                raise ConnectionError(f"data link to {self.peer or 'peer'}: {exc}") from None
 
     def recv_into(self, view) -> None:
-        """Fill all of ``view`` (``ConnectionError`` if the peer goes away first)."""
+        """Fill all of ``view`` (``ConnectionError`` if the peer goes away first, or after
+        :data:`LINK_TIMEOUT` seconds without data)."""
         view = memoryview(view).cast("B")
         if self._closed:
             raise ConnectionError(f"data link to {self.peer or 'peer'} is closed")
         if view.nbytes:
             try:
                 self._native.recv_into(view, LINK_TIMEOUT)
-            except (ConnectionError, TimeoutError) as exc:
-                raise type(exc)(f"data link to {self.peer or 'peer'}: {exc}") from None
+            except (ConnectionError, TimeoutError) as exc:  # (a timeout too, as on a TcpLink)
+                raise ConnectionError(f"data link to {self.peer or 'peer'}: {exc}") from None
 
     @property
     def broken(self) -> bool:
