@@ -218,7 +218,7 @@ class RingCollective:
         raw = buf.reshape(-1).view(np.uint8).data
         last = (root - 1) % self.size  # the member that does not forward
         if self._native:
-            base = buffer_address(raw, True)[0] if raw.nbytes else 0
+            base = buffer_address(raw, self.rank != root)[0] if raw.nbytes else 0  # (the root only reads)
             flags = _SEND if self.rank == root else (_RECV | (0 if self.rank == last else _FORWARD))
             self._run_native([(base + a, min(CHUNK, raw.nbytes - a), flags) for a in range(0, raw.nbytes, CHUNK)])
             return buf
