@@ -10,7 +10,12 @@ process's plane and measures
 With ``--full`` (what bench/README.md's table comes from), in the same run:
 
 - ``ucx_perftest`` (from the libucx wheel) between two processes: ``tag_bw``,
-  ``ucp_put_bw`` and ``ucp_get`` at 64 MiB, UCX's own ceiling on this machine;
+  ``ucp_put_bw`` and ``ucp_get`` at 64 MiB, UCX's own ceiling on this machine,
+  in its default wait mode (``-E poll``: both processes spin), and ``tag_bw``
+  in ``-E sleep`` too (they sleep in ``ucp_worker_wait``, as the planes do: on
+  a loaded 2-core machine spinning costs perftest more than it gains; the
+  one-sided tests hang in that mode, UCX's software RMA over TCP needing the
+  target to progress);
 - ``Buffer.read_into`` of 64 MiB across two host ids (``MESHARRAY_HOST_ID``):
   an owner with a UCX process plane (served by its UCX engine) and one without
   (the TCP stream path), read by this process;
@@ -165,8 +170,12 @@ def timed(fn, rounds: int, warmup: int) -> list[float]:
 
 
 # --- ucx_perftest ---------------------------------------------------------------------------
-def perftest(test: str, size: int = BIG, iters: int = 20) -> float:
-    """GB/s of ``ucx_perftest -t test -s size`` between two processes on this machine (UCX_ENV)."""
+def perftest(test: str, size: int = BIG, iters: int = 20, mode: str = "poll") -> float:
+    """GB/s of ``ucx_perftest -t test -s size -E mode`` between two processes on this machine (UCX_ENV).
+
+    ``mode``: ``poll`` (perftest's default: both processes spin in ``ucp_worker_progress``)
+    or ``sleep`` (they wait in ``ucp_worker_wait``, as mesharray's planes do).
+    """
     import socket
     import subprocess
 
@@ -178,12 +187,13 @@ def perftest(test: str, size: int = BIG, iters: int = 20) -> float:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([exe, "-p", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen([exe, "-p", str(port), "-E", mode], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
     try:
         for _ in range(50):  # the server listens after its UCX init
             time.sleep(0.1)
             out = subprocess.run([exe, "127.0.0.1", "-p", str(port), "-t", test, "-s", str(size), "-n", str(iters),
-                                  "-w", "2"], env=env, capture_output=True, text=True, timeout=300)
+                                  "-w", "2", "-E", mode], env=env, capture_output=True, text=True, timeout=300)
             if out.returncode == 0:
                 break
         else:
@@ -325,26 +335,33 @@ def ring_allreduce(kind: str, rounds: int) -> tuple[list[float], int]:
 def full(args) -> None:
     """The issue-34 table: perftest, planes, Buffer reads and the allreduce, in one run."""
     load0 = os.getloadavg()[0]
-    tags = [perftest("tag_bw")]
-    pt = {t: perftest(t) for t in ("ucp_put_bw", "ucp_get")}
+    modes = ("poll", "sleep")
+    tags: dict[str, list[float]] = {m: [perftest("tag_bw", mode=m)] for m in modes}
+    # (one-sided tests in sleep mode hang: UCX's software RMA over TCP needs the target to progress)
+    pt = {t: perftest(t, mode="poll") for t in ("ucp_put_bw", "ucp_get")}
     reads = buffer_reads(args.big_rounds)
-    tags.append(perftest("tag_bw"))
-    rings = {k: [] for k in KINDS}
+    for m in modes:
+        tags[m].append(perftest("tag_bw", mode=m))
+    rings: dict[str, list[float]] = {k: [] for k in KINDS}
     natives = {}
     for _ in range(args.passes):
         for k in KINDS:
             times, natives[k] = ring_allreduce(k, args.ring_rounds)
             rings[k] += times
-    tags.append(perftest("tag_bw"))
+    for m in modes:
+        tags[m].append(perftest("tag_bw", mode=m))
     med = statistics.median
-    tag = med(tags)  # before, between and after the reads: the load moves
+    tag = {m: med(tags[m]) for m in modes}  # before, between and after the reads: the load moves
     print(f"load average {load0:.2f} -> {os.getloadavg()[0]:.2f}; UCX_TLS={os.environ['UCX_TLS']}")
-    print(f"ucx_perftest 64 MiB: tag_bw {tag:.2f} GB/s (median of {', '.join(f'{t:.2f}' for t in tags)}), "
-          f"ucp_put_bw {pt['ucp_put_bw']:.2f} GB/s, ucp_get {pt['ucp_get']:.2f} GB/s")
+    for m in modes:
+        print(f"ucx_perftest 64 MiB, -E {m:<5}: tag_bw {tag[m]:.2f} GB/s (median of "
+              f"{', '.join(f'{t:.2f}' for t in tags[m])})")
+    print(f"ucx_perftest 64 MiB, -E poll : ucp_put_bw {pt['ucp_put_bw']:.2f} GB/s, ucp_get {pt['ucp_get']:.2f} GB/s")
     for k in KINDS:
         r = sorted(reads[k])
         print(f"Buffer.read_into 64 MiB across host ids, owner {'UCX plane' if k == 'ucx' else 'TCP stream':<10}: "
-              f"median {med(r):.2f} GB/s (min {r[0]:.2f}, max {r[-1]:.2f}) = {med(r) / tag:.2f}x perftest tag_bw")
+              f"median {med(r):.2f} GB/s (min {r[0]:.2f}, max {r[-1]:.2f}) = {med(r) / tag['poll']:.2f}x perftest "
+              f"tag_bw (poll), {med(r) / tag['sleep']:.2f}x (sleep)")
     print(f"a read while the owner holds the GIL for 3 s: UCX {reads['gil-ucx'][0]:.3f} s, "
           f"TCP stream {reads['gil-tcp'][0]:.3f} s")
     for k in KINDS:
