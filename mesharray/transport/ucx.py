@@ -151,7 +151,8 @@ _ID = struct.Struct("!Q")
 MAX_TAG = 256
 #: the longest UCP worker address a peer may send in the handshake
 MAX_ADDRESS = 1 << 16
-#: seconds a link send/receive may wait without progress (env ``MESHARRAY_COLLECTIVE_TIMEOUT``, as TCP links)
+#: seconds one link send/receive (or Buffer transfer) may take (env ``MESHARRAY_COLLECTIVE_TIMEOUT``, the
+#: collectives' bound, as TCP links'; a ring step: without any of its requests completing)
 LINK_TIMEOUT = float(os.environ.get("MESHARRAY_COLLECTIVE_TIMEOUT", "60"))
 #: links a plane opens for Buffer transfers are tagged with this; the plane keeps them (never ``on_link``)
 BUFFER_TAG = b"\x00ucx-buffer"
