@@ -401,6 +401,7 @@ class UcxPlane:
         self._engine = _ucp.Engine(GRACE_US, SPIN_US, int(LINK_TIMEOUT))
         _ENGINES.add(self._engine)
         self._lock = threading.Lock()
+        self._connecting = threading.Lock()
         self._closed = False
         self._links: set[UcxLink] = set()   # links held by the plane: Buffer links, both ends
         self._to: dict[str, UcxLink] = {}   # this process's Buffer link per owner plane
@@ -497,14 +498,18 @@ class UcxPlane:
             link = self._to.get(address)
         if link is not None and not link.broken:
             return link
-        # the owner's plane listened before any handle left its process: refused means it is gone
-        link = self.connect(address, BUFFER_TAG, timeout=LINK_TIMEOUT, retry=False)
-        with self._lock:
-            old = self._to.get(address)
-            self._to[address] = link
-        if old is not None:
-            old.close()
-        return link
+        with self._connecting:  # one link per owner, even when several threads start at once
+            with self._lock:
+                link = self._to.get(address)
+            if link is not None and not link.broken:
+                return link
+            # the owner's plane listened before any handle left its process: refused means it is gone
+            new = self.connect(address, BUFFER_TAG, timeout=LINK_TIMEOUT, retry=False)
+            with self._lock:
+                self._to[address] = new
+        if link is not None:
+            link.close()  # (broken)
+        return new
 
     def buffer_transfer(self, address: str, handle: dict, op: int, local: int, nbytes: int) -> int:
         """Read (``op`` 0) into, or write (1) from, ``nbytes`` at ``local``, or drop (2), a block

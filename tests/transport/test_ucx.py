@@ -633,6 +633,29 @@ def test_buffer_read_write_and_drop_between_processes(children, plane, rma):
     assert plane.buffer_transfer(h["address"], h, 1, part.ctypes.data, part.nbytes) == ucx._ucp.DROPPED
 
 
+def test_concurrent_transfers_from_many_threads_share_one_link(children, plane, rma):
+    n = 1 << 20
+    owner = children("owner", SECRET, n, False)
+    h = owner.expect("handle")
+    want, errors = _pattern(3, n), []
+
+    def reads():
+        try:
+            for _ in range(5):
+                status, got = _read(plane, h, n)
+                assert status == 0 and np.array_equal(got, want)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reads) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+    assert len(plane._to) == 1
+
+
 def test_buffer_dropped_by_its_owner_and_forged_handles(children, plane, monkeypatch):
     monkeypatch.setenv("MESHARRAY_UCX_RMA", "served")
     n = 1 << 16
