@@ -43,7 +43,7 @@ Bulk data:
 - :mod:`.ucx`        — the UCX data plane (the ``ucx`` extra): the same links
                        over UCX (RDMA where there is one), one-sided Buffer
                        transfers, the ring's loop in C.
-- ``_ucp``           — its compiled half (Cython over UCP's C API, the engine in
+- :mod:`._ucp`       — its compiled half (Cython over UCP's C API, the engine in
                        ``_ucp_engine.h``), built where the ``libucx`` wheel is.
 """
 
