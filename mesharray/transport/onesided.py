@@ -21,8 +21,8 @@ the first path that applies:
   served in C by the owner's UCX engine — its native progress thread when
   its Python is busy — or is a one-sided ``ucp_get_nbx``/``ucp_put_nbx``
   where the transport does RMA natively (``MESHARRAY_UCX_RMA``; see
-  :mod:`.ucx`). Either way the owner's Python never runs (except for the
-  first transfer between two processes, which opens their link);
+  :mod:`.ucx`). Either way the owner's Python never runs (only the opening
+  of the link between two processes does, when the first handle arrives);
 - ``stream``: otherwise (another host, or the kernel denies cross-memory
   attach): a TCP stream served by a small thread in the owner, which
   reads/writes the block with ``sendall``/``recv_into`` straight from/to the
@@ -69,7 +69,7 @@ from .sockio import recv_exactly_into
 
 log = logging.getLogger("mesharray.buffer")
 
-__all__ = ["TRANSFERS", "register", "unregister", "export", "transfer", "drop", "local_tokens_ok"]
+__all__ = ["TRANSFERS", "register", "unregister", "export", "prepare", "transfer", "drop", "local_tokens_ok"]
 
 #: transfers this process made, by path ("local", "cma", "plane", "stream")
 TRANSFERS = {"local": 0, "cma": 0, "plane": 0, "stream": 0}
@@ -333,6 +333,16 @@ def export(st: dict[str, Any]) -> dict[str, Any]:
         if st["plane"] is not None:
             _registry().map_ucx(st["slot"], plane, st)
     return dict(st)
+
+
+def prepare(st: dict[str, Any]) -> None:
+    """A handle arrived in this process: where its transfers will take the UCX plane, start opening
+    the link to the owner's plane in the background (the one step that runs the owner's Python: its
+    listener's handshake), so that the first transfer finds it open even if the owner is busy then."""
+    plane: Any = process_plane()
+    if not st.get("plane") or plane is None or plane.kind != st["plane"][0] or st["host"] == _registry().host:
+        return
+    plane.prepare_link(st["plane"][1])
 
 
 def local_tokens_ok(st: dict[str, Any], path: str) -> bool:

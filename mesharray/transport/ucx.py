@@ -67,9 +67,10 @@ served otherwise), ``get`` (always RMA: what a NIC runs, testable over TCP)
 or ``served``. ``drop()`` of the owner stops serving the block at once and
 unmaps it only after the served transfers in flight finished or failed;
 hardware RMA to an unmapped block fails at the reader (the NIC refuses the
-stale key). Transfers between two processes reuse one link, opened at the
-first: that one runs the owner's Python (its listener's handshake), every
-later one does not.
+stale key). Transfers between two processes reuse one link, opened when the
+first handle arrives (:meth:`UcxPlane.prepare_link`, in the background) or at
+the first transfer: that opening runs the owner's Python (its listener's
+handshake), no transfer does.
 
 Configuration
 -------------
@@ -405,6 +406,7 @@ class UcxPlane:
         self._closed = False
         self._links: set[UcxLink] = set()   # links held by the plane: Buffer links, both ends
         self._to: dict[str, UcxLink] = {}   # this process's Buffer link per owner plane
+        self._preparing: set[str] = set()   # owner planes a link is being opened to (prepare_link)
         self._token_rkey: bytes | None = None
         self._listener = Listener(secret, self._on_socket, kind="tcp", host=host)
         h, p = parse_address(self._listener.address)[1][:2]
@@ -510,6 +512,25 @@ class UcxPlane:
         if link is not None:
             link.close()  # (broken)
         return new
+
+    def prepare_link(self, address: str) -> None:
+        """Open the Buffer link to the plane at ``address`` in a background thread, unless one is open
+        or opening (errors are left to the first transfer, which tries again)."""
+        with self._lock:
+            if address in self._preparing or (address in self._to and not self._to[address].broken):
+                return
+            self._preparing.add(address)
+
+        def run() -> None:
+            try:
+                self._buffer_link(address)
+            except Exception:  # pragma: no cover - the first transfer says why
+                pass
+            finally:
+                with self._lock:
+                    self._preparing.discard(address)
+
+        threading.Thread(target=run, name="mesharray-ucx-prepare", daemon=True).start()
 
     def buffer_transfer(self, address: str, handle: dict, op: int, local: int, nbytes: int) -> int:
         """Read (``op`` 0) into, or write (1) from, ``nbytes`` at ``local``, or drop (2), a block

@@ -212,8 +212,12 @@ def _buffer_reader(out, cmds, secret, data, nbytes):
     from mesharray.buffer import TRANSFERS
     from mesharray.transport.dataplane import start_process_plane
 
-    start_process_plane(secret, "127.0.0.1", "ucx")
-    buf = pickle.loads(data)
+    plane = start_process_plane(secret, "127.0.0.1", "ucx")
+    buf = pickle.loads(data)  # starts opening the link to the owner's plane (prepare_link)
+    deadline = time.monotonic() + 30
+    while not plane._to and time.monotonic() < deadline:
+        time.sleep(0.01)
+    out.put(("ready", len(plane._to)))
     while True:
         cmd = cmds.get(timeout=120)
         if cmd == "exit":
@@ -768,16 +772,15 @@ def test_buffer_api_across_host_ids_goes_over_the_ucx_plane(children, rma):
     owner = children("buffer-owner", SECRET, n)
     data = owner.expect("pickle")
     reader = children("buffer-reader", SECRET, data, n)
-    reader.cmds.put("read")
-    got, digest, _, paths = reader.expect("read")
-    assert got == n and digest == _digest(_pattern(5, n)) and paths["plane"] == 1 and paths["stream"] == 0
-    # while the owner's Python holds the GIL: served by its engine, not by its Python
+    assert reader.expect("ready") == 1  # the handle's arrival opened the link to the owner's plane
+    # the first read, while the owner's Python holds the GIL: served by its engine, not by its Python
     owner.cmds.put(("gil", 3.0))
     owner.expect("holding")
     time.sleep(0.2)
     reader.cmds.put("read")
-    got, digest, took, _ = reader.expect("read")
-    assert digest == _digest(_pattern(5, n)) and took < 1.5, took
+    got, digest, took, paths = reader.expect("read")
+    assert got == n and digest == _digest(_pattern(5, n)) and took < 1.5, took
+    assert paths["plane"] == 1 and paths["stream"] == 0
     owner.expect("held", timeout=30)
     reader.cmds.put("write")
     assert reader.expect("wrote") == 100
