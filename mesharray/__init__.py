@@ -6,7 +6,7 @@
 [4, 6]
 
 Heavy parts (the runtime, engines, MPI) are imported lazily on first use, so
-``import mesharray`` never imports torch, mpi4py or ucxx.
+``import mesharray`` never imports torch, mpi4py or UCX (``libucx``, the compiled ``_ucp``).
 
 The public API is this module's namespace (``__all__``). The modules, bottom
 to top (``docs/internals.md``, "Layers"):

@@ -249,14 +249,24 @@ def info(probe: bool = False) -> dict[str, Any]:
     engines["torch"] = f"torch {torch_version}" if torch_version else None
     engines["xla"] = f"torch_xla {_version('torch_xla')}" if _has("torch_xla") else None
 
-    # UCX before MPI: Open MPI's wheel carries an older UCX that, once loaded, keeps ucxx from loading
+    # UCX before MPI: Open MPI's wheel carries an older UCX that, once loaded, keeps the libucx wheel's from loading
     from mesharray.transport.dataplane import plane_kind, ucx_status
 
-    ucx_ok, ucx_why = ucx_status() if _has("ucxx") else (False, "ucxx is not installed; pip install 'mesharray[ucx]'")
+    ucx_ok, ucx_why = ucx_status() if _has("libucx") else (False, "libucx is not installed; pip install 'mesharray[ucx]'")
     transports: dict[str, str | None] = {"tcp": "tcp (loopback unless told otherwise)"}
     transports["unix"] = "unix sockets" if hasattr(__import__("socket"), "AF_UNIX") else None
     transports["shm"] = "shared memory" if os.name == "posix" else None
-    transports["ucx"] = f"ucxx {_version('ucxx-cu12') or _version('ucxx') or ''}".strip() if ucx_ok else None
+    if ucx_ok:
+        from mesharray.transport import ucx
+
+        try:
+            d = ucx.describe()
+            transports["ucx"] = (f"UCX {d['version']} (UCX_TLS={d['UCX_TLS']}: {', '.join(d['transports']) or 'none'};"
+                                 f" Buffer RMA {d['rma']})")
+        except Exception as exc:  # UCX loads but cannot start here: say why
+            transports["ucx"] = f"UCX {ucx.ucx_version()} (cannot start: {exc})"
+    else:
+        transports["ucx"] = None
     if _has("mpi4py"):
         library = _mpi_library()
         transports["mpi"] = f"mpi4py {_version('mpi4py')}" + (f" ({library})" if library else "")
@@ -266,7 +276,7 @@ def info(probe: bool = False) -> dict[str, Any]:
     setting = os.environ.get("MESHARRAY_DATA_PLANE") or "auto"
     try:
         between = plane_kind(setting)
-    except Exception as exc:  # a bad setting, or ucx asked for without ucxx: say so
+    except Exception as exc:  # a bad setting, or ucx asked for without the extra: say so
         between = f"invalid: {exc}"
     data_plane = {"setting": setting, "same host": "shared memory", "between hosts": between,
                   "tcp": "built in", "ucx": ucx_why if ucx_ok else f"unavailable: {ucx_why}"}

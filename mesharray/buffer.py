@@ -227,4 +227,5 @@ def _rebuild(state: dict) -> Buffer:
     b._state = state
     b._owned = False
     b._dropped = False
+    onesided.prepare(state)  # (a UCX link to the owner starts opening now, not at the first read)
     return b

@@ -947,7 +947,7 @@ def attach(addresses: Sequence[str], *, secret: str | bytes | None = None, timeo
         Seconds to wait for every agent to answer (agents still starting are retried).
     transport : {"auto", "shm", "tcp", "ucx"}, optional
         The data plane between hosts (default ``MESHARRAY_DATA_PLANE``, else
-        ``auto``: UCX when ``ucxx`` is installed, else TCP). Processes of one
+        ``auto``: UCX where there is an RDMA device and the UCX plane loads, else TCP). Processes of one
         host always share memory.
 
     Raises

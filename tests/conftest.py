@@ -12,9 +12,9 @@ import warnings
 
 import pytest
 
-# ucxx before anything imports mpi4py: Open MPI's pip wheel carries an older UCX, and
-# once that one is loaded into the test process ucxx cannot load its own (the other
-# order works). Loading it costs ~0.5 s, only where the `ucx` extra is installed.
+# The libucx wheel's UCX before anything imports mpi4py: Open MPI's pip wheel carries an
+# older UCX, and once that one is loaded into the test process the wheel's cannot load
+# (the other order works). Only where the `ucx` extra is installed.
 try:
     from mesharray.transport.dataplane import ucx_status
 

@@ -1,11 +1,20 @@
-"""Check a built wheel: manylinux tag, contents (package data too), stripped extension, no accelerator libraries.
+"""Check a built wheel: manylinux tag, contents (package data too), stripped extension, what it links, no
+accelerator libraries.
 
 Run by ``make wheel`` after ``auditwheel repair`` and ``check-wheel-contents``::
 
     python tools/check_wheel.py dist/mesharray-*.whl
 
-Prints one line per wheel (tag, size, the extension's size) and exits 1 with
-the reasons if a check fails.
+Prints one line per wheel (tag, size, each extension's size and the libraries
+it links) and exits 1 with the reasons if a check fails.
+
+What the extensions may link (``DT_NEEDED``): ``mesharray._core`` the C library
+only (:data:`SYSTEM_LIBS`). ``mesharray.transport._ucp``, the UCX data plane, is
+built only where UCX is installed (the ``ucx`` extra in a development venv, never
+in the isolated build of a release wheel); if a wheel has it, it links
+``libucp.so.0`` and ``libucs.so.0`` (:data:`UCX_LIBS`) from the user's ``libucx``
+wheel, and those must not be grafted into the wheel (no ``mesharray.libs/libuc*``):
+UCX comes from the ``libucx`` wheel, one copy per environment.
 """
 
 from __future__ import annotations
@@ -18,6 +27,10 @@ import zipfile
 ACCELERATOR_LIBS = (b"libcuda", b"libcudart", b"libnccl", b"libtorch", b"libamdhip64", b"librccl", b"libtpu")
 #: files every wheel must hold: package data included, not only the Python modules
 REQUIRED = ("mesharray/__init__.py", "mesharray/_core.pyi", "mesharray/py.typed", "mesharray/observe/static/index.html")
+#: what any extension may link: the C library and its parts
+SYSTEM_LIBS = ("libc.so", "libm.so", "libpthread.so", "libdl.so", "librt.so", "ld-linux")
+#: what the UCX extension links besides: UCX's own libraries, from the libucx wheel
+UCX_LIBS = ("libucp.so", "libucs.so")
 
 
 def elf_sections(data: bytes) -> list[str]:
@@ -38,6 +51,38 @@ def elf_sections(data: bytes) -> list[str]:
     return out
 
 
+def elf_needed(data: bytes) -> list[str]:
+    """The ``DT_NEEDED`` entries (linked libraries) of a 64-bit little-endian ELF file."""
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise ValueError("not a 64-bit little-endian ELF file")
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, _ = struct.unpack_from("<HHH", data, 0x3A)
+    sections = []
+    for i in range(shnum):
+        _, kind, _, _, offset, size, link = struct.unpack_from("<IIQQQQI", data, shoff + i * shentsize)
+        sections.append((kind, offset, size, link))
+    out = []
+    for kind, offset, size, link in sections:
+        if kind != 6:  # SHT_DYNAMIC
+            continue
+        str_off = sections[link][1]
+        for pos in range(offset, offset + size, 16):
+            tag, val = struct.unpack_from("<qQ", data, pos)
+            if tag == 0:
+                break
+            if tag == 1:  # DT_NEEDED
+                start = str_off + val
+                out.append(data[start:data.index(b"\0", start)].decode())
+    return out
+
+
+def check_links(name: str, so: str, needed: list[str]) -> list[str]:
+    """Problems with what extension ``so`` links (see the module docstring)."""
+    allowed = SYSTEM_LIBS + (UCX_LIBS if so.rsplit("/", 1)[-1].startswith("_ucp") else ())
+    return [f"{name}: {so} links {lib}, which it must not (allowed: {', '.join(allowed)})"
+            for lib in needed if not lib.startswith(allowed)]
+
+
 def check(path: str) -> list[str]:
     problems = []
     name = path.rsplit("/", 1)[-1]
@@ -53,6 +98,8 @@ def check(path: str) -> list[str]:
         for n in names:
             if n.endswith(".c"):
                 problems.append(f"{name}: ships generated C source {n}")
+            if n.startswith("mesharray.libs/libuc"):
+                problems.append(f"{name}: grafts {n}: UCX must come from the libucx wheel, not from this one")
         sos = [n for n in names if n.endswith(".so") and n.startswith("mesharray/")]
         if not sos:
             problems.append(f"{name}: no compiled extension")
@@ -65,6 +112,9 @@ def check(path: str) -> list[str]:
                 debug = [s for s in sections if s.startswith(".debug") or s == ".symtab"]
                 if debug:
                     problems.append(f"{name}: {so} is not stripped (sections {debug})")
+                needed = elf_needed(data)
+                sizes[-1] += f" (links {', '.join(needed) or 'nothing'})"
+                problems += check_links(name, so, needed)
             for lib in ACCELERATOR_LIBS:
                 if lib in data:
                     problems.append(f"{name}: {so} references {lib.decode()}: the wheel must stay accelerator-agnostic")

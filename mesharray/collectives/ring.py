@@ -18,6 +18,14 @@ message each way — for two hosts, the whole message once each way.
 Sends run in one thread per group (blocking sends release the GIL); receives
 and reductions in the caller's. A peer that goes away fails the operation
 with :class:`~mesharray.errors.ActorDiedError` naming it, never a hang.
+
+Over the UCX plane (links with a ``ring_run`` method: :mod:`mesharray.transport.ucx`)
+the whole loop runs in compiled code instead: the same steps, chunks and order
+are written as a table ``(address, nbytes, flags)`` that one C call executes
+(posting sends and receives, reducing each chunk as it lands, forwarding it),
+without the GIL and without a thread hand-off per chunk. Reductions of the
+dtypes of ``ucx.RING_DTYPES`` (floats and integers of 1 to 8 bytes, native byte
+order) run there; others take the Python loop.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from .._core import buffer_address
 from ..errors import ActorDiedError
 from ..transport.dataplane import Link
 from ._args import as_contiguous, check_out, split_mean
@@ -37,6 +46,8 @@ __all__ = ["RingCollective", "CHUNK", "UFUNCS"]
 #: bytes per pipelined chunk
 CHUNK = 1 << 20
 UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
+# the flags of a compiled ring step (transport.ucx / _ucp.ring_run)
+_SEND, _RECV, _REDUCE, _FORWARD = 1, 2, 4, 8
 
 
 class RingCollective:
@@ -58,9 +69,16 @@ class RingCollective:
         self._q: queue.Queue = queue.Queue()
         self._err: BaseException | None = None
         self._thread: threading.Thread | None = None
-        if size > 1:
-            self._thread = threading.Thread(target=self._send_loop, name="mesharray-ring-send", daemon=True)
-            self._thread.start()
+        # the compiled loop: both links of one UCX plane (their own ring_run)
+        self._native = (size > 1 and type(right) is type(left) and callable(getattr(right, "ring_run", None)))
+        #: operations the compiled loop ran (tests and benchmarks read it)
+        self.native_runs = 0
+        if size > 1 and not self._native:
+            self._start_sender()
+
+    def _start_sender(self) -> None:
+        self._thread = threading.Thread(target=self._send_loop, name="mesharray-ring-send", daemon=True)
+        self._thread.start()
 
     # -- the sending thread ------------------------------------------------------------
     def _send_loop(self) -> None:
@@ -79,6 +97,8 @@ class RingCollective:
 
     def _send(self, view: memoryview) -> None:
         if view.nbytes:
+            if self._thread is None:  # (compiled links, a dtype their loop does not reduce)
+                self._start_sender()
             self._q.put(view)
 
     def _recv(self, view: memoryview) -> None:
@@ -126,8 +146,21 @@ class RingCollective:
             np.divide(out, self.size, out=out)
         return out
 
+    def _run_native(self, rows: list[tuple[int, int, int]], dtype: str = "u1", op: str = "sum") -> None:
+        steps = np.array(rows, dtype=np.uint64).reshape(-1, 3)
+        try:
+            self.right.ring_run(self.left, steps, dtype, op, CHUNK)  # type: ignore[union-attr]
+        except (ConnectionError, OSError) as exc:
+            raise self._died("exchanging with", f"{self.peers[0]}/{self.peers[1]}".strip("/"), exc) from exc
+        self.native_runs += 1
+
     def _allreduce(self, flat: np.ndarray, ufunc: np.ufunc) -> None:
         L, i = self.size, self.rank
+        code = flat.dtype.str[1:]
+        if self._native and flat.dtype.isnative and code in _native_dtypes(self.right):
+            op = next(k for k, v in UFUNCS.items() if v is ufunc)
+            self._run_native(self._allreduce_plan(flat), code, op)
+            return
         seg = self._segments(flat.size)
         step = max(1, CHUNK // max(1, flat.itemsize))
         raw = flat.view(np.uint8).data
@@ -158,6 +191,23 @@ class RingCollective:
         finally:
             self._finish()
 
+    def _allreduce_plan(self, flat: np.ndarray) -> list[tuple[int, int, int]]:
+        """The steps of :meth:`_allreduce`, in its order, as ``(address, nbytes, flags)`` rows."""
+        L, i = self.size, self.rank
+        seg = self._segments(flat.size)
+        isz = flat.itemsize
+        step = max(1, CHUNK // max(1, isz))
+        base = buffer_address(flat, True)[0] if flat.size else 0
+        rows = []
+        s, e = seg[i]
+        rows += [(base + a * isz, (min(a + step, e) - a) * isz, _SEND) for a in range(s, e, step)]
+        received = [((i - 1 - k) % L, True) for k in range(L - 1)] + [((i - k) % L, False) for k in range(L - 1)]
+        for k, (j, reduce) in enumerate(received):
+            flags = _RECV | (_REDUCE if reduce else 0) | (0 if k == len(received) - 1 else _FORWARD)
+            s, e = seg[j]
+            rows += [(base + a * isz, (min(a + step, e) - a) * isz, flags) for a in range(s, e, step)]
+        return rows
+
     def broadcast(self, buf: Any, root: int = 0) -> np.ndarray:
         """Copy ``buf`` of member ``root`` into ``buf`` of every member (pipelined along the ring)."""
         buf = as_contiguous(buf, "buf")
@@ -167,6 +217,11 @@ class RingCollective:
             return buf
         raw = buf.reshape(-1).view(np.uint8).data
         last = (root - 1) % self.size  # the member that does not forward
+        if self._native:
+            base = buffer_address(raw, self.rank != root)[0] if raw.nbytes else 0  # (the root only reads)
+            flags = _SEND if self.rank == root else (_RECV | (0 if self.rank == last else _FORWARD))
+            self._run_native([(base + a, min(CHUNK, raw.nbytes - a), flags) for a in range(0, raw.nbytes, CHUNK)])
+            return buf
         try:
             for a in range(0, raw.nbytes, CHUNK):
                 part = raw[a:a + CHUNK]
@@ -182,6 +237,15 @@ class RingCollective:
         """Member ``j`` fills ``parts[j]`` (any sizes, known to all); afterwards every member has all of them."""
         L, i = self.size, self.rank
         if L == 1:
+            return
+        if self._native:
+            def row(j: int, flags: int) -> list[tuple[int, int, int]]:
+                n = memoryview(parts[j]).nbytes
+                return [(buffer_address(parts[j], True)[0], n, flags)] if n else []
+            rows = row(i, _SEND)
+            for s in range(L - 1):
+                rows += row((i - 1 - s) % L, _RECV | (_FORWARD if s < L - 2 else 0))
+            self._run_native(rows)
             return
         try:
             self._send(parts[i])
@@ -215,3 +279,8 @@ class RingCollective:
 
     def __repr__(self) -> str:
         return f"RingCollective(rank={self.rank}, size={self.size})"
+
+
+def _native_dtypes(link: Any) -> frozenset:
+    """The reductions a link's compiled loop supports (``dtype.str`` without the byte order)."""
+    return getattr(link, "ring_dtypes", frozenset())

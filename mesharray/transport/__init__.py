@@ -39,11 +39,14 @@ Bulk data:
                        hosts (TCP), and the choice of plane.
 - :mod:`.onesided`   — the one-sided transfers behind ``ma.Buffer``: the owner's
                        registry and tokens, cross-memory attach, its stream
-                       server, the UCX plane's links.
+                       server, the UCX plane's transfers.
 - :mod:`.ucx`        — the UCX data plane (the ``ucx`` extra): the same links
-                       over UCX (RDMA where there is one).
+                       over UCX (RDMA where there is one), one-sided Buffer
+                       transfers, the ring's loop in C.
+- :mod:`._ucp`       — its compiled half (Cython over UCP's C API, the engine in
+                       ``_ucp_engine.h``), built where the ``libucx`` wheel is.
 """
 
-# (not ucx: it needs the ucx extra, and ``from mesharray.transport import *`` imports what is listed)
+# (not ucx nor _ucp: they need the ucx extra, and ``from mesharray.transport import *`` imports what is listed)
 __all__ = ["framing", "auth", "address", "listener", "connection", "poller", "spin", "readiness", "sockio",
            "shm", "fdpass", "cma", "hostid", "dataplane", "onesided"]

@@ -12,8 +12,9 @@ Two implementations share one interface:
 - :class:`TcpPlane` (built in): one TCP listener per process; each link is one
   TCP connection, authenticated with the job secret (the HMAC challenge of
   :mod:`.auth`) before its tag is read.
-- ``UcxPlane`` (:mod:`.ucx`, the ``ucx`` extra): the same over UCX (``ucxx``),
-  RDMA where the hardware has it, TCP otherwise.
+- ``UcxPlane`` (:mod:`.ucx`, the ``ucx`` extra): the same over UCX (UCP's C
+  API through the compiled ``_ucp``), RDMA where the hardware has it, TCP
+  otherwise; one-sided ``Buffer`` transfers and the ring's loop run in C.
 
 A *link* is full duplex: one thread may :meth:`Link.send` while another
 :meth:`Link.recv_into` on the same link (ring collectives need both at once).
@@ -27,8 +28,8 @@ accepting side's code waits on (``take(tag)``), which is how the members of a
 collective group find each other's links.
 
 ``MESHARRAY_DATA_PLANE`` (or ``transport=``) selects ``auto`` (shared memory
-on a host; between hosts UCX where there is RDMA hardware and ``ucxx`` imports,
-else TCP), ``shm``,
+on a host; between hosts UCX where there is RDMA hardware and the UCX plane
+loads, else TCP), ``shm``,
 ``tcp`` or ``ucx``; :func:`plane_kind` resolves it.
 """
 
@@ -273,7 +274,7 @@ def start_process_plane(secret: bytes, host: str, kind: str = "tcp") -> DataPlan
     with _PLANE_LOCK:
         if _PLANE is None:
             if kind == "ucx":
-                ucx = importlib.import_module(".ucx", __package__)  # the ucx extra: imports ucxx
+                ucx = importlib.import_module(".ucx", __package__)  # the ucx extra: libucx + _ucp
                 _PLANE = ucx.UcxPlane(secret, host, _dispatch)
             else:
                 _PLANE = TcpPlane(secret, host, _dispatch)
@@ -294,20 +295,21 @@ def rendezvous() -> Rendezvous:
 def ucx_status() -> tuple[bool, str]:
     """Whether the UCX data plane can be used here, and why (for ``info`` and errors)."""
     try:
-        importlib.import_module(".ucx", __package__)  # imports ucxx
+        ucx = importlib.import_module(".ucx", __package__)  # loads libucx and the compiled _ucp
     except ImportError as exc:
-        return False, f"ucxx is not installed ({exc}); pip install 'mesharray[ucx]'"
+        return False, f"{exc}"
     except Exception as exc:  # a broken install: say what broke
-        return False, f"ucxx failed to load: {type(exc).__name__}: {exc}"
-    return True, "ucxx imports"
+        return False, f"UCX failed to load: {type(exc).__name__}: {exc}"
+    return True, f"UCX {ucx.ucx_version()} (compiled plane)"
 
 
 def plane_kind(requested: str | None = None) -> str:
     """The data plane to use between hosts: ``"tcp"`` or ``"ucx"``, from ``requested`` or the environment.
 
     ``auto`` (the default) picks UCX when this machine has an RDMA device and
-    ``ucxx`` imports, else TCP (:func:`.ucx.rdma_available` says why); ``ucx``
-    without ``ucxx`` raises :class:`BootstrapError` naming the extra; ``shm``
+    the UCX plane loads, else TCP (over plain TCP the built-in plane is as
+    fast); ``ucx`` without it raises :class:`BootstrapError` naming the
+    extra; ``shm``
     is only a choice for one host, and means TCP between hosts.
 
     Examples
@@ -339,7 +341,7 @@ def plane_kind(requested: str | None = None) -> str:
 
 
 def _rdma_present() -> bool:
-    """Whether the kernel lists an RDMA device (checked without importing ucxx)."""
+    """Whether the kernel lists an RDMA device (checked without loading UCX)."""
     try:
         return bool(os.listdir("/sys/class/infiniband"))
     except OSError:

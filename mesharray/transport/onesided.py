@@ -15,8 +15,14 @@ the first path that applies:
   owner. The owner allows it at registration (``PR_SET_PTRACER_ANY`` where
   Yama restricts ptrace);
 - ``plane``: another host, when the owner and the reader both run a UCX data
-  plane (:mod:`.dataplane`): one link of that plane carries the request
-  header below and the bytes;
+  plane (:mod:`.ucx`): the block is mapped with UCX once, when its handle
+  first leaves the owner (``ucp_mem_map``; the packed remote keys of the
+  block and of the token table travel in the handle), and a transfer is
+  served in C by the owner's UCX engine — its native progress thread when
+  its Python is busy — or is a one-sided ``ucp_get_nbx``/``ucp_put_nbx``
+  where the transport does RMA natively (``MESHARRAY_UCX_RMA``; see
+  :mod:`.ucx`). Either way the owner's Python never runs (only the opening
+  of the link between two processes does, when the first handle arrives);
 - ``stream``: otherwise (another host, or the kernel denies cross-memory
   attach): a TCP stream served by a small thread in the owner, which
   reads/writes the block with ``sendall``/``recv_into`` straight from/to the
@@ -26,9 +32,12 @@ the first path that applies:
 
 Every request presents the block's secret (a capability carried only by the
 handle) and its token; the owner keeps an 8-byte token per registered block
-in a table whose address never moves, which readers on the ``cma`` path
-check with the same one-sided call before each transfer. Dropping zeroes the
-token (one-sidedly where the path allows) and the owner releases the block.
+in a table whose address never moves, which readers on the ``cma`` and UCX
+RMA paths check with the same one-sided call before each transfer. Dropping
+zeroes the token (one-sidedly where the path allows) and the owner releases
+the block; a block mapped with UCX is unmapped, and its memory let go, only
+after the served transfers in flight finished or failed (a release that has
+to wait keeps the block until a later sweep).
 
 ``TRANSFERS`` counts the transfers of this process by path.
 """
@@ -54,13 +63,13 @@ from .._proc_stat import start_time as _start_time
 from ..errors import ActorDiedError, MeshArrayError
 from . import cma
 from .auth import HANDSHAKE_TIMEOUT
-from .dataplane import on_tag, process_plane
+from .dataplane import process_plane
 from .hostid import memory_domain
 from .sockio import recv_exactly_into
 
 log = logging.getLogger("mesharray.buffer")
 
-__all__ = ["TRANSFERS", "register", "unregister", "export", "transfer", "drop", "local_tokens_ok"]
+__all__ = ["TRANSFERS", "register", "unregister", "export", "prepare", "transfer", "drop", "local_tokens_ok"]
 
 #: transfers this process made, by path ("local", "cma", "plane", "stream")
 TRANSFERS = {"local": 0, "cma": 0, "plane": 0, "stream": 0}
@@ -91,6 +100,8 @@ class _Registry:
         self.token_base = buffer_address(self.tokens, True)[0]
         self.blocks: dict[int, tuple[Any, memoryview, bytes]] = {}
         self.free = list(range(self.CAP - 1, -1, -1))
+        self.mapped: dict[int, Any] = {}  # slot -> the UCX plane that maps it (transport.ucx)
+        self.held: dict[int, tuple[Any, memoryview]] = {}  # released slots whose UCX transfers still run
         self.host = _host_key()
         self.pid = os.getpid()
         self.start = _start_time(self.pid)
@@ -112,9 +123,20 @@ class _Registry:
         # blocks dropped by another process (token zeroed remotely) are released here
         for slot in [s for s in self.blocks if int(self.tokens[s]) == 0]:
             self._release(slot)
+        for slot in list(self.held):  # released blocks whose UCX transfers were still running
+            self._release(slot)
 
-    def _release(self, slot: int) -> None:
-        _, mem, _ = self.blocks.pop(slot)
+    def _release(self, slot: int, wait: float = 0.0) -> None:
+        if slot in self.blocks:
+            obj, mem, _ = self.blocks.pop(slot)
+            self.held[slot] = (obj, mem)
+        plane = self.mapped.get(slot)
+        if plane is not None:
+            # no new UCX transfer starts; unmap once those in flight finished or failed
+            if not plane.unregister_block(slot, wait):
+                return  # still running: the block (and its memory) stay held until a later sweep
+            del self.mapped[slot]
+        _, mem = self.held.pop(slot)
         try:
             mem.release()
         except BufferError:  # a transfer still holds a slice; the view goes with it
@@ -127,7 +149,17 @@ class _Registry:
                 self._sweep()
                 return
             self.tokens[slot] = 0
-            self._release(slot)
+            self._release(slot, UCX_DROP_WAIT)
+
+    def map_ucx(self, slot: int, plane: Any, st: dict[str, Any]) -> None:
+        """Map a block with the process's UCX plane (once): its remote keys go in the handle state."""
+        with self.lock:
+            if slot in self.mapped or slot not in self.blocks:
+                return
+            st["rkey"] = plane.register_block(slot, st["addr"], st["nbytes"], st["readonly"], st["token"],
+                                              st["token_addr"], st["secret"])
+            st["token_rkey"] = plane.token_rkey(self.token_base, self.tokens.nbytes)
+            self.mapped[slot] = plane
 
     def lookup(self, slot: int, token: int, secret: bytes) -> memoryview | None:
         with self.lock:
@@ -166,6 +198,8 @@ _MAGIC = b"MAB2"
 #: a stream transfer at least this large is split over several connections (``MESHARRAY_BUFFER_STREAMS``)
 _SPLIT = 8 << 20
 _STREAMS = max(1, int(os.environ.get("MESHARRAY_BUFFER_STREAMS", "4")))
+#: seconds the owner's drop() waits for UCX transfers in flight before it leaves the block to a later sweep
+UCX_DROP_WAIT = 5.0
 
 
 class _Server:
@@ -234,45 +268,6 @@ class _Server:
                 return
 
 
-_PLANE_TAG = b"MABF/"
-_PLANE_SERVING = False
-
-
-def _serve_on_plane() -> None:
-    """Serve this process's registered blocks to links of its data plane tagged ``MABF/`` (once)."""
-    global _PLANE_SERVING
-    if not _PLANE_SERVING:
-        _PLANE_SERVING = True
-        on_tag(_PLANE_TAG, _serve_link)
-
-
-def _serve_link(link: Any, tag: bytes) -> None:
-    """One request on a data-plane link: the same header and replies as the TCP stream server."""
-    try:
-        head = tag[len(_PLANE_TAG):]
-        if len(head) != _REQ.size:
-            return
-        magic, op, slot, token, secret, offset, nbytes = _REQ.unpack(head)
-        reg = _registry()
-        mem = reg.lookup(slot, token, secret) if magic == _MAGIC else None
-        if mem is None or op not in (0, 1) or offset + nbytes > mem.nbytes:
-            link.send(_REP.pack(_MAGIC, 1, 0))
-            return
-        link.send(_REP.pack(_MAGIC, 0, nbytes))
-        part = mem[offset:offset + nbytes]
-        if op == 0:
-            if nbytes:
-                link.send(part)
-        else:
-            if nbytes:
-                link.recv_into(part)
-            link.send(_REP.pack(_MAGIC, 0, nbytes))
-    except (ConnectionError, OSError):
-        pass
-    finally:
-        link.close()
-
-
 def _recv_header(conn: socket.socket, n: int, deadline: float) -> bytes:
     """``n`` bytes that must all arrive before ``deadline`` (one deadline, not one per recv)."""
     buf = bytearray(n)
@@ -333,11 +328,21 @@ def export(st: dict[str, Any]) -> dict[str, Any]:
     if st["server"] is None:
         st["server"] = _registry().server_address()
     if "plane" not in st:
-        plane = process_plane()  # a UCX data plane serves reads and writes too
+        plane = process_plane()  # a UCX data plane serves reads and writes too, from C
         st["plane"] = (plane.kind, plane.address) if plane is not None and plane.kind == "ucx" else None
         if st["plane"] is not None:
-            _serve_on_plane()
+            _registry().map_ucx(st["slot"], plane, st)
     return dict(st)
+
+
+def prepare(st: dict[str, Any]) -> None:
+    """A handle arrived in this process: where its transfers will take the UCX plane, start opening
+    the link to the owner's plane in the background (the one step that runs the owner's Python: its
+    listener's handshake), so that the first transfer finds it open even if the owner is busy then."""
+    plane: Any = process_plane()
+    if not st.get("plane") or plane is None or plane.kind != st["plane"][0] or st["host"] == _registry().host:
+        return
+    plane.prepare_link(st["plane"][1])
 
 
 def local_tokens_ok(st: dict[str, Any], path: str) -> bool:
@@ -425,30 +430,13 @@ def _stream(st: dict[str, Any], write: bool, local: int, nbytes: int) -> None:
 
 
 def _plane_transfer(st: dict[str, Any], plane: Any, write: bool, local: int, nbytes: int) -> None:
-    """The transfer over the owner's UCX data plane (both ends have one): one link, tag transfers."""
-    head = _REQ.pack(_MAGIC, 1 if write else 0, st["slot"], st["token"], st["secret"], 0, nbytes)
-    view = memoryview((ctypes.c_char * nbytes).from_address(local)).cast("B") if nbytes else memoryview(b"")
+    """The transfer over the UCX data planes of both ends (:meth:`.ucx.UcxPlane.buffer_transfer`)."""
     try:
-        link = plane.connect(st["plane"][1], _PLANE_TAG + head, timeout=60)
+        status = plane.buffer_transfer(st["plane"][1], st, 1 if write else 0, local, nbytes)
     except (ConnectionError, OSError) as exc:
-        view.release()
-        raise ActorDiedError(pid=st["pid"], reason=f"the process owning the buffer is unreachable: {exc}") from exc
-    try:
-        rep = bytearray(_REP.size)
-        link.recv_into(memoryview(rep))
-        if _REP.unpack(rep)[1] != 0:
-            raise MeshArrayError(_DROPPED)
-        if write:
-            if nbytes:
-                link.send(view)
-            link.recv_into(memoryview(rep))
-        elif nbytes:
-            link.recv_into(view)
-    except ConnectionError as exc:
-        raise ActorDiedError(pid=st["pid"], reason=f"the buffer's owner went away mid-transfer: {exc}") from exc
-    finally:
-        link.close()
-        view.release()
+        raise ActorDiedError(pid=st["pid"], reason=f"the buffer's owner is unreachable or went away: {exc}") from exc
+    if status != 0:
+        raise MeshArrayError(_DROPPED)
 
 
 def _stream_part(st: dict[str, Any], write: bool, local: int, offset: int, nbytes: int) -> None:
@@ -490,9 +478,13 @@ def drop(st: dict[str, Any]) -> None:
                 return
             except cma.CmaDenied:
                 pass
+        mine: Any = process_plane()
+        if path == "stream" and st.get("plane") and mine is not None and mine.kind == st["plane"][0]:
+            mine.buffer_transfer(st["plane"][1], st, 2, 0, 0)  # zeroes the token; the owner's engine answers
+            return
         if st["server"] is not None:
             with socket.create_connection(tuple(st["server"]), timeout=10) as conn:
                 conn.sendall(_REQ.pack(_MAGIC, 2, st["slot"], st["token"], st["secret"], 0, 0))
                 _recv_exact(conn, _REP.size)
-    except (ActorDiedError, OSError, MeshArrayError):
+    except (ActorDiedError, OSError, MeshArrayError):  # (ConnectionError is an OSError)
         pass  # the owner is gone: nothing left to release

@@ -1,50 +1,110 @@
-"""The UCX data plane: :class:`UcxPlane` and :class:`UcxLink`, over ``ucxx`` (the ``ucx`` extra).
+"""The UCX data plane: :class:`UcxPlane` and :class:`UcxLink`, over UCP's C API (:mod:`._ucp`).
 
 Same interface and semantics as :class:`~.dataplane.TcpPlane` /
 :class:`~.dataplane.TcpLink`: blocking whole-buffer ``send`` / ``recv_into``,
 full duplex (one thread sends while another receives on the same link), a
 tag announced by the connecting side and handed to ``on_link(link, tag)`` in a
-thread of the plane's own, links authenticated with the job secret first
-(:mod:`.auth`'s challenge, over the endpoint's stream, before its tag is read).
+thread of the plane's own, links authenticated with the job secret first. On
+top of that, one-sided ``Buffer`` transfers (:meth:`UcxPlane.buffer_transfer`)
+and the ring collectives' send/receive loop (:func:`ring_run`) run in C.
 
-ucxx's low-level API is driven from plain threads, without asyncio: one UCX
-worker per plane in blocking progress mode, and the **thread that waits drives
-the progress** (leader/follower). The leader runs ``ucp_worker_progress``; for a
-request of at most 64 KiB it first polls for up to ``MESHARRAY_UCX_SPIN_US``
-(adaptive: skipped while spins keep missing), then arms the worker and sleeps
-in ``epoll`` on its event fd. Other waiters sleep on an event of their own, set
-when their request is done or the lead is theirs; a background thread takes
-the lead when no caller has for a few milliseconds. Links use UCX's *stream*
-API (a per-endpoint ordered byte stream: ``TcpLink``'s semantics, and nothing
-another endpoint can match). :func:`ucx_defaults` sets UCX's environment before
-the first context (``UCX_TLS=tcp`` without an RDMA device, 4 MiB TCP segments,
-``UCXX_LOG_LEVEL=FATAL``). Addresses look like ``ucx:HOST:PORT``.
+The compiled half
+-----------------
+``mesharray.transport._ucp`` (Cython over ``ucp.h``; the C in
+``_ucp_engine.h``) is built by ``setup.py`` wherever the ``libucx`` wheel (the
+``ucx`` extra) is installed. Each plane has one UCP context and one worker in
+multi-thread mode, and a native progress thread that never takes the GIL. The
+thread that waits for a request drives the worker (posting, progress, and when
+idle ``ucp_worker_arm`` + ``epoll`` on the worker's event fd, in one ``nogil``
+section); other waiting threads sleep on a condition variable of their own
+until a pass of the leader completes something. The progress thread leads
+only once callers have been quiet for a grace period (2 ms), sleeping in
+``epoll`` meanwhile, so an idle process uses no CPU and a busy one does not
+pay a thread switch per operation. Whoever leads also serves this process's
+registered ``Buffer`` blocks to other processes (below), so those are served
+while this process's Python is busy, even holding the GIL.
 
-Importing this module imports ``ucxx``; importing :mod:`mesharray` never does.
-Import it before ``mpi4py`` where both are used: Open MPI's pip wheel bundles an
-older UCX under the same library names, and whichever loads first is the one
-both get. Why this design, what it costs (every ucxx call releases the GIL; a
-stream has no flow control; the listener binds every interface) and what it was
-measured against: ``docs/internals.md``, "Many hosts" ("The UCX plane").
+Links and the handshake
+-----------------------
+A link starts as a TCP connection to the plane's listener (the address is
+``ucx:HOST:PORT``), authenticated with the mutual HMAC challenge of
+:mod:`.auth` before a byte of anything else is read. Over that socket the two
+sides exchange the tag, their UCP worker addresses and a 48-bit receive id each
+(a table slot and 32 random bits); then each creates an endpoint to the
+other's worker (``ucp_ep_create`` from the address, error handling mode
+``PEER``) and the socket is closed. No UCP endpoint exists before the peer
+proved the secret. Messages are tag messages: ``id << 16 | sequence << 8 |
+kind``, matched worker-wide, so a message reaches a link only with its
+receive id. ``send`` is one tag message; ``recv_into`` probes the link's next
+message and receives it straight into the caller's memory (a message longer
+than what is asked for keeps its tail for the next call): an ordered byte
+stream, as a TCP link. Closing sends a FIN message after the data (tags of one
+endpoint arrive in order), then flushes and closes the endpoint; a receiver
+learns of a close from the FIN, of a dead peer from UCX's error callback.
+
+Buffers: what one-sided means here
+----------------------------------
+A registered block is mapped once (``ucp_mem_map``) and its packed remote key
+travels only inside the ``Buffer`` handle, next to the token that is checked
+before every transfer. Two ways to move the bytes, both without the owner's
+Python:
+
+- **RMA** (``ucp_get_nbx`` / ``ucp_put_nbx`` after a ``ucp_get_nbx`` of the
+  owner's token word; a put is followed by a flush) where the endpoint has a
+  transport that does RMA natively: ``rc``/``dc`` on an InfiniBand or RoCE
+  NIC (no CPU of the owner at all), ``cma``/``knem``/``xpmem`` between
+  processes of one machine (the kernel copies). With ``ud`` or ``tcp``, UCX
+  emulates RMA in software: the *owner's* worker must progress to serve it.
+- **Served** (tag messages): a 64-byte request (slot, token, 128-bit secret,
+  offset, size) goes to the owner's worker, whose leader — its native progress
+  thread when its Python is busy — checks it and answers with the bytes as one
+  tag message (a read), or posts a receive into the block and says go (a
+  write). Over TCP this is as fast as UCX's tag bandwidth; its software RMA is
+  several times slower.
+
+``MESHARRAY_UCX_RMA`` picks: ``auto`` (the default: RMA where it is native,
+served otherwise), ``get`` (always RMA: what a NIC runs, testable over TCP)
+or ``served``. ``drop()`` of the owner stops serving the block at once and
+unmaps it only after the served transfers in flight finished or failed;
+hardware RMA to an unmapped block fails at the reader (the NIC refuses the
+stale key). Transfers between two processes reuse one link, opened when the
+first handle arrives (:meth:`UcxPlane.prepare_link`, in the background) or at
+the first transfer: that opening runs the owner's Python (its listener's
+handshake), no transfer does.
+
+Configuration
+-------------
+Before the first engine of the process, :func:`ucx_defaults` sets (only where
+the user has not) ``UCX_TLS=tcp`` when the machine has no RDMA device
+(``/sys/class/infiniband`` empty) — two host ids on one machine must not take
+shared memory, which UCX would pick between processes of one kernel — and 4
+MiB TCP segments (``UCX_TCP_RX_SEG_SIZE`` / ``UCX_TCP_TX_SEG_SIZE``). Importing
+this module loads the ``libucx`` wheel's libraries (``libucx.load_library``)
+and the compiled module, never ``ucxx``; importing :mod:`mesharray` does
+neither. Import it before ``mpi4py`` where both are used: Open MPI's pip wheel
+bundles an older UCX under the same library names, and whichever loads first
+is the one both get.
 """
 
 from __future__ import annotations
 
-import hmac
+import atexit
 import ipaddress
 import os
-import select
+import secrets
+import socket
 import struct
 import threading
 import time
 import weakref
-from typing import Callable
+from typing import Any, Callable
 
-from ..errors import AuthenticationError
 from . import auth
+from .address import parse_address
+from .listener import Listener
+from .sockio import recv_exactly
 
-# Read by libucs when ucxx loads it, so it must be set before the import: ucxx itself sets
-# UCX_MEMTYPE_CACHE, which UCX >= 1.19 no longer knows and warns about in every process.
+# Read by libucs when it loads: UCX >= 1.19 warns in every process about variables it does not know
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 
@@ -58,59 +118,115 @@ def _foreign_ucx() -> list[str]:
     return sorted(p for p in paths if "/libucx/" not in p)
 
 
-try:
-    import ucxx._lib.libucxx as _ucx
-    from ucxx._lib.arr import Array
-except OSError as _exc:
-    # Seen here: Open MPI's pip wheel bundles an older UCX; once mpi4py has loaded it, the
-    # wheel's libuct.so binds to that libucs.so.0 and misses symbols. Say so, not just the symbol.
-    _other = _foreign_ucx()
-    if not _other:
-        raise
-    raise OSError(f"ucxx cannot load its UCX: another UCX ({', '.join(_other)}) was loaded into this "
-                  f"process first, e.g. by mpi4py with Open MPI's wheel; import mesharray.transport.ucx "
-                  f"(or call dataplane.ucx_status()) before mpi4py ({_exc})") from _exc
+def _load():
+    """Load the wheel's UCX libraries, then the compiled module (``ImportError`` says what is missing)."""
+    try:
+        import libucx  # the ucx extra: the libucx wheel
+    except ImportError as exc:
+        raise ImportError(f"the libucx wheel is not installed ({exc}); pip install 'mesharray[ucx]'") from exc
+    other = _foreign_ucx()
+    if other:
+        # Open MPI's pip wheel bundles an older UCX; once mpi4py has loaded it, the wheel's
+        # libraries bind to that libucs.so.0 and miss symbols: say so, not just the symbol
+        raise OSError(f"cannot load the libucx wheel's UCX: another UCX ({', '.join(other)}) was loaded into "
+                      f"this process first, e.g. by mpi4py with Open MPI's wheel; import "
+                      f"mesharray.transport.ucx (or call dataplane.ucx_status()) before mpi4py")
+    libucx.load_library()
+    try:
+        from . import _ucp
+    except ImportError as exc:
+        raise ImportError(f"mesharray's UCX extension (mesharray.transport._ucp) is not built ({exc}): pip install "
+                          f"'mesharray[ucx]', then rebuild (python setup.py build_ext --inplace)") from exc
+    return _ucp
 
-__all__ = ["UcxPlane", "UcxLink", "ucx_defaults", "parse_ucx_address", "rdma_available"]
+
+_ucp = _load()
+
+__all__ = ["UcxPlane", "UcxLink", "ucx_defaults", "parse_ucx_address", "rdma_available", "ring_run",
+           "rma_mode", "ucx_version", "describe"]
 
 _TAG = struct.Struct("!H")
+_ADDR = struct.Struct("!I")
+_ID = struct.Struct("!Q")
 #: the longest tag a link may carry: ``dataplane.MAX_TAG`` (not imported: dataplane imports this module)
 MAX_TAG = 256
-#: seconds a leader sleeps in epoll before it looks around again (a safety net, not a poll)
-_POLL_S = 0.5
-#: seconds a waiting thread polls before it sleeps in epoll (env ``MESHARRAY_UCX_SPIN_US``)
-SPIN_S = float(os.environ.get("MESHARRAY_UCX_SPIN_US", "25")) * 1e-6
-#: the largest request that spins (a large transfer is better served asleep: the cores copy the data)
-SPIN_MAX = 64 << 10
-#: how often a waiter asks UCX whether the endpoint is alive (its close callback usually says first)
-_ALIVE_EVERY_S = 0.25
-#: how long the idle progress thread lets callers come back before it takes the lead
-_IDLE_GRACE_S = 0.005
-#: after a peer failure, how long a waiter lets UCX cancel its request before it raises anyway
-_CANCEL_GRACE_S = 2.0
-#: a link whose last sends went unanswered waits before it closes (see _linger) until its peer
-#: closed, or UCX made no progress for LINGER_IDLE_S, or LINGER_MAX_S passed
-LINGER_IDLE_S = 0.05
-LINGER_MAX_S = 2.0
+#: the longest UCP worker address a peer may send in the handshake
+MAX_ADDRESS = 1 << 16
+#: seconds one link send/receive (or Buffer transfer) may take (env ``MESHARRAY_COLLECTIVE_TIMEOUT``, the
+#: collectives' bound, as TCP links'; a ring step: without any of its requests completing)
+LINK_TIMEOUT = float(os.environ.get("MESHARRAY_COLLECTIVE_TIMEOUT", "60"))
+#: links a plane opens for Buffer transfers are tagged with this; the plane keeps them (never ``on_link``)
+BUFFER_TAG = b"\x00ucx-buffer"
+#: microseconds callers must have been quiet before the progress thread leads (env ``MESHARRAY_UCX_GRACE_US``)
+GRACE_US = int(os.environ.get("MESHARRAY_UCX_GRACE_US", "2000"))
+#: microseconds a caller waiting for at most 64 KiB polls before it sleeps (env ``MESHARRAY_UCX_SPIN_US``;
+#: adaptive: skipped after a run of polls that caught nothing)
+SPIN_US = int(os.environ.get("MESHARRAY_UCX_SPIN_US", "25"))
+RMA_MODES = ("auto", "get", "served")
+#: every engine of this process: closed at exit, before UCX's own destructors run under its progress thread
+_ENGINES: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_engines() -> None:
+    for engine in list(_ENGINES):
+        engine.close()
+
+
+def ucx_version() -> str:
+    """The UCX version the plane runs with."""
+    return _ucp.version()
+
+
+def describe() -> dict[str, Any]:
+    """What this process's UCX would use (for ``info``): version, ``UCX_TLS``, transports/devices, RMA mode.
+
+    Applies :func:`ucx_defaults` (as a plane would) and starts one engine briefly to ask UCX
+    which transport resources it found (``ucp_context_print_info``), limited by ``UCX_TLS``.
+    """
+    ucx_defaults()
+    engine = _ucp.Engine(GRACE_US, SPIN_US, int(LINK_TIMEOUT))
+    try:
+        resources = engine.resources()
+    finally:
+        engine.close()
+    return {"version": _ucp.version(), "UCX_TLS": os.environ.get("UCX_TLS", "all"), "transports": resources,
+            "rma": rma_mode(), "rdma_device": rdma_available()}
+
+
+def rma_mode(environ=os.environ) -> str:
+    """How Buffer transfers move (``MESHARRAY_UCX_RMA``): ``auto``, ``get`` or ``served``.
+
+    Examples
+    --------
+    >>> rma_mode({}), rma_mode({"MESHARRAY_UCX_RMA": "GET"})
+    ('auto', 'get')
+    >>> rma_mode({"MESHARRAY_UCX_RMA": "rdma"})
+    Traceback (most recent call last):
+    ...
+    ValueError: MESHARRAY_UCX_RMA must be one of ('auto', 'get', 'served'), got 'rdma'
+    """
+    mode = environ.get("MESHARRAY_UCX_RMA", "auto").lower()
+    if mode not in RMA_MODES:
+        raise ValueError(f"MESHARRAY_UCX_RMA must be one of {RMA_MODES}, got {mode!r}")
+    return mode
 
 
 def ucx_defaults(environ=os.environ) -> dict[str, str]:
     """Set the UCX environment defaults this plane is fast with; return what was set.
 
     Only variables the user has not set are written: ``UCX_TLS=tcp`` where the
-    machine has no RDMA device, 4 MiB TCP segments, and ucxx's own log at FATAL.
+    machine has no RDMA device, and 4 MiB TCP segments.
 
     Examples
     --------
     >>> env = {"UCX_TLS": "rc,sm", "UCX_TCP_RX_SEG_SIZE": "1m"}
     >>> sorted(ucx_defaults(env))
-    ['UCXX_LOG_LEVEL', 'UCX_TCP_TX_SEG_SIZE']
+    ['UCX_TCP_TX_SEG_SIZE']
     >>> env["UCX_TLS"], env["UCX_TCP_RX_SEG_SIZE"], env["UCX_TCP_TX_SEG_SIZE"]
     ('rc,sm', '1m', '4m')
     """
-    # ucxx logs every endpoint failure at ERROR on stderr; here a peer that goes away is
-    # a ConnectionError raised to the caller, with UCX's reason in its message
-    want = {"UCX_TCP_RX_SEG_SIZE": "4m", "UCX_TCP_TX_SEG_SIZE": "4m", "UCXX_LOG_LEVEL": "FATAL"}
+    want = {"UCX_TCP_RX_SEG_SIZE": "4m", "UCX_TCP_TX_SEG_SIZE": "4m"}
     if not rdma_available():
         want["UCX_TLS"] = "tcp"
     done = {}
@@ -124,10 +240,8 @@ def ucx_defaults(environ=os.environ) -> dict[str, str]:
 def rdma_available() -> bool:
     """Whether this machine has an RDMA device (``/sys/class/infiniband`` lists one).
 
-    Without one, UCX runs over TCP, where two threads driving links at once (a ring
-    collective's sender and receiver) contend for the GIL that every ucxx call releases,
-    and the built-in TCP plane serves collectives faster; so an automatic choice of plane
-    picks UCX only where this is true (``docs/internals.md``, "Many hosts").
+    Without one, UCX runs over TCP; ``auto`` (:func:`~.dataplane.plane_kind`)
+    then keeps the built-in TCP plane.
     """
     try:
         return bool(os.listdir("/sys/class/infiniband"))
@@ -155,402 +269,112 @@ def parse_ucx_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _dial_host(host: str) -> str:
-    """The address to connect to for ``host``: ``127.0.0.1`` for any loopback address.
-
-    UCX's TCP transport looks up the network device that holds the address a connection
-    request arrived on; the loopback device holds 127.0.0.1 only, so a connection to
-    127.0.0.3 (how tests run several "hosts" on one machine) is refused as "not
-    connected". Every 127.x address reaches the same listener, which binds all interfaces.
+def _tcp_address(address: str) -> str:
+    """The listener's ``tcp:HOST:PORT`` for a ``ucx:HOST:PORT`` address.
 
     Examples
     --------
-    >>> _dial_host("127.0.0.3"), _dial_host("10.1.2.3"), _dial_host("node7")
-    ('127.0.0.1', '10.1.2.3', 'node7')
+    >>> _tcp_address("ucx:127.0.0.3:7"), _tcp_address("ucx:[::1]:7")
+    ('tcp:127.0.0.3:7', 'tcp:[::1]:7')
     """
+    host, port = parse_ucx_address(address)
     try:
-        ip = ipaddress.ip_address(host)
+        v6 = ipaddress.ip_address(host).version == 6
     except ValueError:
-        return host
-    if ip.is_loopback:
-        return "127.0.0.1" if ip.version == 4 else "::1"
-    return host
+        v6 = False
+    return f"tcp:[{host}]:{port}" if v6 else f"tcp:{host}:{port}"
 
 
-# --------------------------------------------------------------------------- progress
-class _Follower:
-    """A thread waiting while another leads: woken when ``done()`` or to take the lead."""
-
-    __slots__ = ("done", "woken")
-
-    def __init__(self, done: Callable[[], bool]) -> None:
-        self.done = done
-        self.woken = threading.Event()
-
-
-class _Engine:
-    """One UCX context and worker in blocking mode, progressed by whichever thread waits."""
-
-    def __init__(self) -> None:
-        ucx_defaults()
-        self.context = _ucx.UCXContext(
-            feature_flags=(_ucx.Feature.STREAM, _ucx.Feature.TAG, _ucx.Feature.WAKEUP))
-        self.worker = _ucx.UCXWorker(self.context)
-        self.worker.init_blocking_progress_mode()
-        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._epoll = select.epoll()
-        self._epoll.register(self.worker.epoll_file_descriptor, select.EPOLLIN)
-        self._epoll.register(self._wake_fd, select.EPOLLIN)
-        self._lock = threading.Lock()
-        self._leader = False
-        self._waiters = 0     # callers inside wait()
-        self._followers: list[_Follower] = []  # callers asleep while another leads
-        self._activity = 0    # bumps on every wait(): the idle thread's sign that callers are busy
-        self.links: weakref.WeakSet[UcxLink] = weakref.WeakSet()
-        self._spin_hits = 1.0  # moving average: how often a spin caught the answer
-        self.progressed = 0  # progress passes that did something (a lingering close watches it)
-        self._spin_probe = 0
-        self.closed = False
-        self._idle = threading.Thread(target=self._idle_loop, name="mesharray-ucx-progress", daemon=True)
-        self._idle.start()
-
-    def kick(self) -> None:
-        """Wake the leader out of epoll (a request was posted, or a link failed)."""
-        try:
-            os.eventfd_write(self._wake_fd, 1)
-        except OSError:  # pragma: no cover - closed during shutdown
-            pass
-
-    def _pass(self, timeout: float, spin: float = 0.0) -> None:
-        """One progress pass; sleep in epoll (at most ``timeout`` s) if there was nothing to do.
-
-        With ``spin``, keep polling that many seconds before sleeping: an answer that is
-        already on its way comes back without the epoll wake-up's latency.
-        """
-        worker = self.worker
-        if worker.progress_once():
-            while worker.progress_once():
-                pass
-            self.progressed += 1
-            return
-        if spin and (self._spin_hits >= 0.3 or not self._spin_probe & 31):
-            # Adaptive: a spin that keeps missing (the peer is slow, or the cores are busy and
-            # spinning would steal the peer's) is skipped, and retried every 32nd pass.
-            self._spin_probe += 1
-            end = time.perf_counter() + spin
-            hit = False
-            while time.perf_counter() < end:
-                if worker.progress_once():
-                    hit = True
-                    break
-            self._spin_hits = 0.75 * self._spin_hits + 0.25 * hit
-            if hit:
-                while worker.progress_once():
-                    pass
-                self.progressed += 1
-                return
-        elif spin:
-            self._spin_probe += 1
-        if not worker.arm():  # events pending: progress again at once
-            return
-        if self._epoll.poll(timeout):
-            try:
-                os.eventfd_read(self._wake_fd)
-            except BlockingIOError:
-                pass
-
-    def wait(self, done: Callable[[], bool], deadline: float | None = None, spin: float = 0.0) -> bool:
-        """Progress (or let the leader progress) until ``done()``; ``False`` if ``deadline`` passed first.
-
-        ``spin``: seconds to poll before each sleep in epoll (small messages: see :meth:`_pass`).
-        """
-        lock = self._lock
-        me: _Follower | None = None
-        kicked = False
-        with lock:
-            self._waiters += 1
-            self._activity += 1
-        try:
-            while True:
-                if done():
-                    return True
-                now = time.monotonic()
-                if deadline is not None and now >= deadline:
-                    return False
-                left = _POLL_S if deadline is None else min(_POLL_S, deadline - now)
-                with lock:
-                    lead = not self._leader
-                    if lead:
-                        self._leader = True
-                    else:
-                        if me is None:
-                            me = _Follower(done)
-                        me.woken.clear()
-                        self._followers.append(me)
-                        if not kicked:  # the leader may be asleep in epoll: it must see our request
-                            self.kick()
-                            kicked = True
-                if not lead:
-                    assert me is not None
-                    if not me.woken.wait(left):
-                        with lock:
-                            if me in self._followers:
-                                self._followers.remove(me)
-                    continue
-                try:
-                    while not done():
-                        self._pass(left, spin)
-                        if self._followers:  # racy read: a follower missed here waits left s at most
-                            self._wake_followers(False)
-                        if deadline is not None and time.monotonic() >= deadline:
-                            break
-                finally:
-                    self._step_down()
-        finally:
-            with lock:
-                self._waiters -= 1
-
-    def _wake_followers(self, hand_over: bool) -> None:
-        """Wake the followers whose requests are done; with ``hand_over``, one more to lead."""
-        with self._lock:
-            keep = []
-            for f in self._followers:
-                if f.done():
-                    f.woken.set()
-                elif hand_over:
-                    f.woken.set()
-                    hand_over = False
-                else:
-                    keep.append(f)
-            self._followers[:] = keep
-
-    def _step_down(self) -> None:
-        with self._lock:
-            self._leader = False
-        if self._followers:
-            self._wake_followers(True)
-
-    def _idle_loop(self) -> None:
-        # Not a follower: waking it at every hand-over would cost each operation a thread
-        # switch. It looks every few ms whether callers went quiet, and then leads.
-        lock = self._lock
-        seen = -1
-        while not self.closed:
-            with lock:
-                idle = not (self._leader or self._waiters) and self._activity == seen
-                seen = self._activity
-                if idle:
-                    self._leader = True
-            if not idle:
-                time.sleep(_IDLE_GRACE_S)
-                continue
-            try:
-                self._pass(_POLL_S)
-            except Exception:  # pragma: no cover - keep serving; the failing link reports its own error
-                pass
-            finally:
-                self._step_down()
-
-    def close(self) -> None:
-        """Close every link of this engine and stop the idle thread.
-
-        The file descriptors are closed with the engine object (:meth:`__del__`), not here: a
-        thread may still be inside ``kick()``, and a closed descriptor number can be reused.
-        """
-        links = list(self.links)
-        _linger(self, [link for link in links if link._unanswered() and not link._closed])
-        for link in links:
-            link.close(linger=False)
-        self.closed = True
-        self.kick()
-        if self._idle is not threading.current_thread():
-            self._idle.join(timeout=2 * _POLL_S + 1)
-
-    def __del__(self) -> None:
-        try:
-            self._epoll.close()
-            os.close(self._wake_fd)
-        except (AttributeError, OSError):  # pragma: no cover - half-built
-            pass
+def _recv_msg(sock: socket.socket, head: struct.Struct, limit: int, what: str) -> bytes:
+    (n,) = head.unpack(recv_exactly(sock, head.size))
+    if n > limit:
+        raise ValueError(f"{what} of {n} bytes; at most {limit}")
+    return recv_exactly(sock, n) if n else b""
 
 
 # --------------------------------------------------------------------------- link
 class UcxLink:
-    """A data-plane link over one UCX endpoint (stream API: an ordered byte stream, like TCP)."""
+    """A data-plane link over a pair of UCP endpoints (tag messages read as an ordered byte stream)."""
 
-    def __init__(self, engine: _Engine, endpoint, peer: str = "") -> None:
-        self._engine = engine
-        self._ep = endpoint
+    def __init__(self, native, peer: str = "") -> None:
+        self._native = native
         self.peer = peer
-        self._error: str | None = None
         self._closed = False
-        self._orphans: list = []  # (request, buffer) pairs given up on but not yet cancelled
-        # sends completed, and how many of them the peer had provably read: those done before a
-        # receive was posted that then completed (it answered them). A close with sends beyond
-        # that lingers (see _linger): a request/answer link's asking side closes at once
-        self._sends = 0
-        self._answered = 0
-        self._alive_checked = 0.0
-        endpoint.set_close_callback(self._on_close)
-        engine.links.add(self)
-
-    def _on_close(self, *args) -> None:
-        # runs inside a progress pass, in whichever thread leads: mark and wake, nothing more
-        if self._error is None:
-            self._error = "closed" if self._closed else "the peer closed the link or went away"
-        self._engine.kick()
-
-    def _broken(self) -> bool:
-        # The close callback sets _error; ``ep.alive`` is the fallback. It is asked rarely:
-        # every call into ucxx releases the GIL, and with a second busy thread in the
-        # process (a ring's sender) each release can cost a GIL hand-over of tens of µs.
-        if self._error is not None:
-            return True
-        now = time.monotonic()
-        if now - self._alive_checked < _ALIVE_EVERY_S:
-            return False
-        self._alive_checked = now
-        return not self._ep.alive
-
-    def _run(self, post, view, what: str, deadline: float | None = None) -> None:
-        peer = self.peer or "peer"
-        if self._closed or self._engine.closed:
-            raise ConnectionError(f"data link to {peer} is closed")
-        if self._broken():
-            raise ConnectionError(f"data link to {peer} broke before {what}: {self._error or 'endpoint error'}")
-        try:
-            req = post(Array(view))
-        except Exception as exc:  # ucxx raises on a dead endpoint
-            raise ConnectionError(f"data link to {peer} broke while {what}: {exc}") from exc
-        engine = self._engine
-        failed_at: list[float] = []
-
-        def done() -> bool:
-            if req.completed:
-                return True
-            if self._broken():
-                now = time.monotonic()
-                if not failed_at:
-                    failed_at.append(now)
-                return now - failed_at[0] > _CANCEL_GRACE_S
-            return False
-
-        try:
-            finished = engine.wait(done, deadline, SPIN_S if view.nbytes <= SPIN_MAX else 0.0)
-        except (OSError, ValueError) as exc:  # the plane was closed under us (its epoll is gone)
-            raise ConnectionError(f"data link to {peer} closed while {what}") from exc
-        if not finished:
-            self._abort()
-            if not req.completed:
-                self._orphans.append((req, view))
-            raise TimeoutError(f"data link to {peer}: {what} not finished in time")
-        if not req.completed:
-            # UCX has not let go of the buffer yet: keep it alive until close() cancels the request
-            self._orphans.append((req, view))
-            raise ConnectionError(f"data link to {peer} broke while {what}: {self._error}")
-        try:
-            req.check_error()
-        except Exception as exc:
-            why = f"{self._error} ({exc})" if self._error else str(exc)
-            raise ConnectionError(f"data link to {peer} broke while {what}: {why}") from exc
 
     def send(self, data) -> None:
-        """Send all of ``data`` (blocks until UCX has taken it; the GIL is released meanwhile)."""
+        """Send all of ``data`` as one message (blocks until UCX is done with it: a large one until
+        the peer receives it; the GIL is released meanwhile)."""
         view = memoryview(data).cast("B")
-        if view.nbytes:
-            self._run(self._ep.stream_send, view, "sending")
-            self._sends += 1
-
-    def recv_into(self, view: memoryview) -> None:
-        """Fill all of ``view`` (``ConnectionError`` if the peer goes away first)."""
-        view = memoryview(view).cast("B")
-        if view.nbytes:
-            sends = self._sends
-            self._run(self._ep.stream_recv, view, "receiving")
-            if sends > self._answered:
-                self._answered = sends
-
-    # handshake helpers: the same calls, with a deadline
-    def _send_before(self, data: bytes, deadline: float) -> None:
-        self._run(self._ep.stream_send, memoryview(data), "handshaking", deadline)
-
-    def _recv_before(self, n: int, deadline: float) -> bytes:
-        buf = bytearray(n)
-        self._run(self._ep.stream_recv, memoryview(buf), "handshaking", deadline)
-        return bytes(buf)
-
-    def _abort(self) -> None:
-        if self._error is None:
-            self._error = "aborted"
-        self.close()
-
-    def _unanswered(self) -> bool:
-        # a send the peer may not have read yet (see _sends), on a link still up
-        return self._sends > self._answered and self._error is None
-
-    def close(self, linger: bool = True) -> None:
-        """Close the link; one whose last sends went unanswered first lets them reach the peer
-        (:func:`_linger`)."""
         if self._closed:
-            return
-        if linger and self._unanswered() and not self._engine.closed:
-            _linger(self._engine, [self])
-        self._closed = True
-        self._engine.links.discard(self)
-        try:
-            # cancels this endpoint's requests (their waiters raise ConnectionError), then closes it
-            self._ep.close_blocking(period=1_000_000_000, max_attempts=1)
-        except Exception:  # pragma: no cover - already broken
-            pass
-        self._orphans = [(req, view) for req, view in self._orphans if not req.completed]
-        try:
-            self._ep.remove_close_callback()  # the callback holds the link: no cycle left for the GC
-        except Exception:  # pragma: no cover
-            pass
-        if not self._engine.closed:
-            self._engine.kick()
+            raise ConnectionError(f"data link to {self.peer or 'peer'} is closed")
+        if view.nbytes:
+            try:
+                self._native.send(view, LINK_TIMEOUT)
+            except (ConnectionError, TimeoutError) as exc:  # (a timeout too, as on a TcpLink)
+                raise ConnectionError(f"data link to {self.peer or 'peer'}: {exc}") from None
+
+    def recv_into(self, view) -> None:
+        """Fill all of ``view`` (``ConnectionError`` if the peer goes away first, or after
+        :data:`LINK_TIMEOUT` seconds without data)."""
+        view = memoryview(view).cast("B")
+        if self._closed:
+            raise ConnectionError(f"data link to {self.peer or 'peer'} is closed")
+        if view.nbytes:
+            try:
+                self._native.recv_into(view, LINK_TIMEOUT)
+            except (ConnectionError, TimeoutError) as exc:  # (a timeout too, as on a TcpLink)
+                raise ConnectionError(f"data link to {self.peer or 'peer'}: {exc}") from None
+
+    @property
+    def broken(self) -> bool:
+        """Whether the link failed or was closed, here or by the peer."""
+        return self._closed or self._native.broken or self._native.peer_closed
+
+    #: the reductions :meth:`ring_run` does in C (``dtype.str`` without the byte order)
+    ring_dtypes = frozenset(_ucp.DTYPES)
+
+    def ring_run(self, left: UcxLink, steps, dtype: str = "u1", op: str = "sum", chunk: int = 1 << 20) -> None:
+        """Run a ring collective's plan in C with this link as the right one (see :func:`ring_run`)."""
+        ring_run(self, left, steps, dtype, op, chunk)
+
+    def transports(self) -> list[str]:
+        """The UCP transports and devices of this link's endpoint, e.g. ``['tcp/eth0']``."""
+        return [] if self._closed else self._native.transports()
+
+    def close(self) -> None:
+        """Close the link: what was sent still arrives (FIN after it, then a flush)."""
+        if not self._closed:
+            self._closed = True
+            self._native.close()
 
     def __repr__(self) -> str:
         return f"UcxLink({self.peer!r})"
 
 
-def _linger(engine: _Engine, links: list) -> None:
-    """Let what ``links`` sent reach their peers before they close: until each peer closed its end,
-    or UCX made no progress for :data:`LINGER_IDLE_S`, or :data:`LINGER_MAX_S` passed.
+def ring_run(right: UcxLink, left: UcxLink, steps, dtype: str, op: str, chunk: int) -> None:
+    """Run a ring collective's plan in C (``_ucp.ring_run``): no Python, no GIL, per chunk.
 
-    A UCX stream send is complete once UCX has taken the buffer, not once the peer has it, and
-    ucxx closes an endpoint with error handling (what this plane makes, to hear of dead peers)
-    by force: the close could cut off the tail of the data (the peer's receive ended short,
-    "length mismatch"). A peer that got what it wanted closes its end, which ends the wait at
-    once; a peer that closes nothing (both sides closing at once) costs one idle window. A
-    link whose sends were all answered (a request whose answer came) closes without waiting.
+    ``steps`` is a ``(n, 3)`` uint64 array of ``(address, nbytes, flags)``; ``dtype`` a
+    NumPy ``dtype.str`` without the byte order (``"f4"``), ``op`` one of ``sum``,
+    ``prod``, ``min``, ``max``.
     """
-    if not links:
-        return
-    end = time.monotonic() + LINGER_MAX_S
-    seen, quiet_since = engine.progressed, time.monotonic()
-    while any(link._error is None for link in links):
-        now = time.monotonic()
-        if now >= end or now - quiet_since >= LINGER_IDLE_S:
-            return
-        try:  # (short steps: a progress pass with nothing to do sleeps until its deadline)
-            engine.wait(lambda: all(link._error is not None for link in links), min(end, now + 0.005))
-        except (OSError, ValueError):  # the engine was closed under us
-            return
-        if engine.progressed != seen:
-            seen, quiet_since = engine.progressed, time.monotonic()
+    _ucp.ring_run(right._native, left._native, steps, _ucp.DTYPES[dtype], _ucp.OPS[op], chunk, LINK_TIMEOUT)
+
+
+#: the ring's reductions that run in C (``dtype.str[1:]`` of native-order dtypes)
+RING_DTYPES = frozenset(_ucp.DTYPES)
 
 
 # --------------------------------------------------------------------------- plane
 class UcxPlane:
-    """The UCX data plane: a ucxx listener; links are authenticated UCX endpoints.
+    """The UCX data plane: a TCP listener for the handshake; links are pairs of UCP endpoints.
 
     Parameters
     ----------
     secret : bytes
         The job secret (links prove it with the HMAC challenge of :mod:`.auth`).
     host : str
-        The address other hosts reach this one at (the listener binds every interface).
+        The interface the handshake listener binds (the host's advertised address).
     on_link : callable
         ``on_link(link, tag)``, called in a new thread for each accepted, authenticated link.
 
@@ -572,84 +396,189 @@ class UcxPlane:
     kind = "ucx"
 
     def __init__(self, secret: bytes, host: str, on_link: Callable[[UcxLink, bytes], None]) -> None:
+        ucx_defaults()
         self.secret = secret
         self.on_link = on_link
-        self._engine = _Engine()
-        self._listener = _ucx.UCXListener.create(self._engine.worker, 0, self._on_endpoint, deliver_endpoint=True)
-        self.address = f"ucx:{host}:{self._listener.port}"
+        self._engine = _ucp.Engine(GRACE_US, SPIN_US, int(LINK_TIMEOUT))
+        _ENGINES.add(self._engine)
+        self._lock = threading.Lock()
+        self._connecting = threading.Lock()
         self._closed = False
+        self._links: set[UcxLink] = set()   # links held by the plane: Buffer links, both ends
+        self._to: dict[str, UcxLink] = {}   # this process's Buffer link per owner plane
+        self._preparing: set[str] = set()   # owner planes a link is being opened to (prepare_link)
+        self._token_rkey: bytes | None = None
+        self._listener = Listener(secret, self._on_socket, kind="tcp", host=host)
+        h, p = parse_address(self._listener.address)[1][:2]
+        self.address = f"ucx:[{h}]:{p}" if ":" in h else f"ucx:{h}:{p}"
 
-    def _on_endpoint(self, endpoint) -> None:
-        # Inside a progress pass: the handshake blocks, so it gets a thread of its own, and so
-        # does a refusal (closing an endpoint progresses the worker, which a callback may not).
-        threading.Thread(target=self._serve, args=(endpoint,), name="mesharray-ucx-link", daemon=True).start()
+    # -- handshake ------------------------------------------------------------------
+    def _on_socket(self, sock: socket.socket) -> None:
+        threading.Thread(target=self._serve, args=(sock,), name="mesharray-ucx-link", daemon=True).start()
 
-    def _serve(self, endpoint) -> None:
-        link = UcxLink(self._engine, endpoint)
-        if self._closed:
-            link.close()
-            return
-        deadline = time.monotonic() + auth.HANDSHAKE_TIMEOUT
+    def _serve(self, sock: socket.socket) -> None:
         try:
-            ns = os.urandom(auth.NONCE)
-            link._send_before(auth.MAGIC + ns, deadline)
-            answer = auth._server_answer(self.secret, ns, link._recv_before(auth.CLIENT_MSG, deadline))
-            link._send_before(answer, deadline)
-            (n,) = _TAG.unpack(link._recv_before(_TAG.size, deadline))
-            if n > MAX_TAG:
-                raise ValueError(f"tag of {n} bytes; at most {MAX_TAG}")
-            tag = link._recv_before(n, deadline) if n else b""
-        except Exception:  # a refused or broken peer (AuthenticationError is a ConnectionError): drop it
-            link.close()
+            with sock:
+                sock.settimeout(auth.HANDSHAKE_TIMEOUT)
+                tag = _recv_msg(sock, _TAG, MAX_TAG, "tag")
+                addr = _recv_msg(sock, _ADDR, MAX_ADDRESS, "worker address")
+                (send_id,) = _ID.unpack(recv_exactly(sock, _ID.size))
+                native = self._engine.new_link(secrets.randbits(32))
+                native.connect(addr, send_id)
+                me = self._engine.address
+                sock.sendall(_ADDR.pack(len(me)) + me + _ID.pack(native.recv_id))
+                try:
+                    peer = "%s:%s" % sock.getpeername()[:2]
+                except OSError:
+                    peer = ""
+        except (OSError, EOFError, ValueError, ConnectionError):
+            return  # a broken or refused peer: nothing was created for it, or its link just closes
+        link = UcxLink(native, peer)
+        if tag == BUFFER_TAG:
+            with self._lock:
+                self._links = {k for k in self._links if not k.broken}
+                self._links.add(link)  # the engine serves Buffer requests on it, in C
             return
         self.on_link(link, tag)
 
-    def connect(self, address: str, tag: bytes, timeout: float = 30.0) -> UcxLink:
-        """Open a link to the plane at ``address`` (``ucx:HOST:PORT``), announcing ``tag``."""
+    def connect(self, address: str, tag: bytes, timeout: float = 30.0, retry: bool = True) -> UcxLink:
+        """Open a link to the plane at ``address`` (``ucx:HOST:PORT``), announcing ``tag``.
+
+        A refused connection is retried until ``timeout`` (a peer still starting) unless ``retry``
+        is false (a peer known to have listened: refused means gone).
+        """
         if len(tag) > MAX_TAG:
             raise ValueError(f"tag of {len(tag)} bytes; at most {MAX_TAG}")
-        host, port = parse_ucx_address(address)
-        host = _dial_host(host)
+        family, sockaddr = parse_address(_tcp_address(address))
         deadline = time.monotonic() + timeout
         while True:
-            link = None
+            sock = socket.socket(family, socket.SOCK_STREAM)
             try:
-                endpoint = _ucx.UCXEndpoint.create(self._engine.worker, host, port, True)
-                link = UcxLink(self._engine, endpoint, address)
-                self._client_handshake(link, min(deadline, time.monotonic() + auth.HANDSHAKE_TIMEOUT))
-                link._send_before(_TAG.pack(len(tag)) + tag, deadline)
-                return link
-            except AuthenticationError:
-                if link is not None:
-                    link.close()
-                raise
-            except (ConnectionError, TimeoutError, _ucx.UCXError) as exc:
-                if link is not None:
-                    link.close()
-                if time.monotonic() >= deadline:
+                sock.settimeout(max(0.05, deadline - time.monotonic()))
+                sock.connect(sockaddr)
+                auth.client_handshake(sock, self.secret)
+                native = self._engine.new_link(secrets.randbits(32))
+                me = self._engine.address
+                sock.sendall(_TAG.pack(len(tag)) + tag + _ADDR.pack(len(me)) + me + _ID.pack(native.recv_id))
+                addr = _recv_msg(sock, _ADDR, MAX_ADDRESS, "worker address")
+                (send_id,) = _ID.unpack(recv_exactly(sock, _ID.size))
+                native.connect(addr, send_id)
+                sock.close()
+                return UcxLink(native, address)
+            except (ConnectionRefusedError, socket.timeout) as exc:
+                sock.close()
+                if time.monotonic() >= deadline or not retry:
                     raise ConnectionError(f"cannot open a data link to {address}: {exc}") from exc
                 time.sleep(0.02)
+            except EOFError as exc:
+                sock.close()
+                raise ConnectionError(f"cannot open a data link to {address}: the listener closed the "
+                                      f"connection during the handshake") from exc
+            except BaseException:
+                sock.close()
+                raise
 
-    def _client_handshake(self, link: UcxLink, deadline: float) -> None:
-        msg = link._recv_before(4 + auth.NONCE, deadline)
-        if msg[:4] != auth.MAGIC:
-            raise AuthenticationError(f"bad handshake magic {msg[:4]!r}; expected {auth.MAGIC!r}")
-        ns = msg[4:]
-        nc = os.urandom(auth.NONCE)
-        link._send_before(auth.MAGIC + nc + auth._mac(self.secret, b"C", ns, nc), deadline)
+    # -- Buffer ---------------------------------------------------------------------
+    def register_block(self, slot: int, addr: int, nbytes: int, readonly: bool, token: int, token_word: int,
+                       secret: bytes) -> bytes:
+        """Map a registered block (``ucp_mem_map``) and serve it; return its packed remote key."""
+        return self._engine.register(slot, addr, nbytes, readonly, token, token_word, secret)
+
+    def unregister_block(self, slot: int, timeout: float = 5.0) -> bool:
+        """Stop serving ``slot``; unmap it once the transfers in flight finished or failed (False: not yet)."""
+        return self._engine.unregister(slot, timeout)
+
+    def token_rkey(self, addr: int, nbytes: int) -> bytes:
+        """The packed remote key of the owner's token table (mapped once)."""
+        with self._lock:
+            if self._token_rkey is None:
+                self._token_rkey = self._engine.token_table(addr, nbytes)
+            return self._token_rkey
+
+    def _buffer_link(self, address: str) -> UcxLink:
+        with self._lock:
+            link = self._to.get(address)
+        if link is not None and not link.broken:
+            return link
+        with self._connecting:  # one link per owner, even when several threads start at once
+            with self._lock:
+                link = self._to.get(address)
+            if link is not None and not link.broken:
+                return link
+            # the owner's plane listened before any handle left its process: refused means it is gone
+            new = self.connect(address, BUFFER_TAG, timeout=LINK_TIMEOUT, retry=False)
+            with self._lock:
+                self._to[address] = new
+        if link is not None:
+            link.close()  # (broken)
+        return new
+
+    def prepare_link(self, address: str) -> None:
+        """Open the Buffer link to the plane at ``address`` in a background thread, unless one is open
+        or opening (errors are left to the first transfer, which tries again)."""
+        with self._lock:
+            if address in self._preparing or (address in self._to and not self._to[address].broken):
+                return
+            self._preparing.add(address)
+
+        def run() -> None:
+            try:
+                self._buffer_link(address)
+            except Exception:  # pragma: no cover - the first transfer says why
+                pass
+            finally:
+                with self._lock:
+                    self._preparing.discard(address)
+
+        threading.Thread(target=run, name="mesharray-ucx-prepare", daemon=True).start()
+
+    def buffer_transfer(self, address: str, handle: dict, op: int, local: int, nbytes: int) -> int:
+        """Read (``op`` 0) into, or write (1) from, ``nbytes`` at ``local``, or drop (2), a block
+        of the plane at ``address``; ``handle`` carries slot, token, secret and the remote keys.
+
+        Returns 0, or 1 when the owner no longer has the block. The owner's Python never runs
+        (after the first transfer between the two processes, which opens their link).
+        """
+        link = self._buffer_link(address)
+        use_rma = handle.get("rkey") is not None and (
+            rma_mode() == "get" or (rma_mode() == "auto" and link._native.rma_native))
         try:
-            mac = link._recv_before(32, deadline)
-        except ConnectionError as exc:
-            raise AuthenticationError("listener refused our hmac (wrong secret?)") from exc
-        if not hmac.compare_digest(mac, auth._mac(self.secret, b"S", nc, ns)):
-            raise AuthenticationError("listener failed the hmac challenge (wrong secret)")
+            if use_rma:
+                return link._native.buffer_rma(op, handle["token"], handle["token_addr"], handle["token_rkey"],
+                                               handle["addr"], handle["rkey"], local, nbytes, LINK_TIMEOUT)
+            return link._native.buffer_served(op, handle["slot"], handle["token"], handle["secret"], 0, local, nbytes,
+                                              LINK_TIMEOUT)
+        except ConnectionError:
+            if link.broken:
+                with self._lock:
+                    if self._to.get(address) is link:
+                        del self._to[address]
+                link.close()
+            raise
+
+    @property
+    def served(self) -> int:
+        """Buffer requests of other processes this plane answered (in C)."""
+        return self._engine.served
+
+    def transports(self) -> list[str]:
+        """The UCP transports/devices of this plane's live links (``info`` shows them)."""
+        with self._lock:
+            links = list(self._links) + list(self._to.values())
+        return sorted({t for link in links for t in link.transports()})
 
     def close(self) -> None:
         """Stop accepting, and close every link this plane opened or accepted."""
         if self._closed:
             return
         self._closed = True
-        self._listener = None
+        self._listener.close()
+        with self._lock:
+            links = list(self._links) + list(self._to.values())
+            self._links.clear()
+            self._to.clear()
+        for link in links:
+            link.close()
         self._engine.close()
 
     def __repr__(self) -> str:

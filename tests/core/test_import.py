@@ -11,7 +11,7 @@ from pathlib import Path
 
 import mesharray
 
-HEAVY = ("torch", "mpi4py", "ucxx")
+HEAVY = ("torch", "mpi4py", "ucxx", "libucx")
 
 
 def test_import_does_not_import_heavy_packages():
