@@ -36,6 +36,7 @@ from threading import get_ident
 from .._core import pack_calls, unpack_header
 from ..errors import ActorDiedError, BackpressureError, BrokenTransportError, ClosedTransportError
 from ..transport.connection import SMALL_FRAME, Connection
+from ..transport.interrupt import guard
 from ..transport.poller import ReadSet
 from . import protocol as P
 from .recorder import REC, SPAN
@@ -217,7 +218,7 @@ class Channel:
         conn = self.conn
         pending = self.pending
         if len(pending) >= MAX_PENDING:
-            self._backpressure()
+            self._backpressure()  # ^C
         cork = bool(pending) or conn.corked_bytes > 0
         if park and not cork:
             poller = conn.poller
@@ -225,12 +226,14 @@ class Channel:
             poller.park(conn, now)
         pending[mid] = cb
         try:
-            if conn.send(kind, _F_REPLY, mid, target, view, parts, cork):
+            if conn.send(kind, _F_REPLY, mid, target, view, parts, cork):  # ^C
                 _mark_dirty(conn)
         except _SendErrors:
             pass  # the close handler fails the pending call with the death error
-        except BaseException:  # nothing was sent (a frame over the limit): the caller gets the error
-            pending.pop(mid, None)
+        except BaseException:  # nothing was sent (a frame over the limit), or a Ctrl-C: the caller gets the error
+            pending.pop(mid, None)  # (an interrupted call may still run: its reply is dropped)
+            if conn.corked_bytes:
+                _mark_dirty(conn)
             raise
         err = self.died
         if err is not None:
@@ -266,19 +269,23 @@ class Channel:
         cork = conn.corked_bytes > 0 or (burst and now - self.t_oneway < _BURST)
         self.t_oneway = now
         try:
-            if conn.send(kind, 0, 0, target, view, parts, cork):
+            if conn.send(kind, 0, 0, target, view, parts, cork):  # ^C
                 _mark_dirty(conn)
         except _SendErrors as exc:
             # the peer went away and its close handler has not run yet: the same
             # error every later send will get, not a transport detail
             raise (self.died or self.lost()) from exc
+        except KeyboardInterrupt:
+            if conn.corked_bytes:
+                _mark_dirty(conn)
+            raise
         sent.oneway += 1
 
     # -- reading replies in the caller's thread -----------------------------------
     def wait(self, done, deadline: float | None) -> bool:
         """Read replies in this thread until ``done()`` (or ``deadline``); False if another thread reads."""
         conn = self.conn
-        ok = conn.read_until(done, deadline)
+        ok = conn.read_until(done, deadline)  # ^C
         if ok is None:
             return False
         if ok:
@@ -294,8 +301,8 @@ class Channel:
     def wait_all(chans, done, deadline: float | None) -> bool:
         """:meth:`wait` over several channels (the replies of one ``call()``), one ``poll`` for all."""
         if len(chans) == 1:  # one actor: a blocking read, as call_one's (no poll object, no poll syscall)
-            return chans[0].wait(done, deadline)
-        ended = Connection.read_all([ch.conn for ch in chans], done, deadline)
+            return chans[0].wait(done, deadline)  # ^C
+        ended = Connection.read_all([ch.conn for ch in chans], done, deadline)  # ^C
         if ended is None:
             return False
         _after_read(chans, ended)
@@ -387,7 +394,7 @@ class Fanout:
                             self._died(chan)
                 return
         for chan, vid, cb in zip(chans, self.vids, cbs):  # the general path, rank by rank
-            chan.call(kind, target, vid, parts, cb, True, now)
+            chan.call(kind, target, vid, parts, cb, True, now)  # ^C
 
     @staticmethod
     def _send(conn: Connection, kind: int, target: int, frame: bytes, parts) -> None:
@@ -403,7 +410,7 @@ class Fanout:
 
     def wait(self, done, deadline: float | None) -> bool:
         """:meth:`Channel.wait_all` on these channels."""
-        ended = self._reads.read(done, deadline)
+        ended = self._reads.read(done, deadline)  # ^C
         if ended is None:
             return False
         if ended or any(map(len, self._pendings)):
@@ -458,3 +465,8 @@ def _flush_loop() -> None:
         _flush_wake.clear()
         time.sleep(0.0002)  # let a burst of sends accumulate
         flush_all()
+
+
+# a Ctrl-C in the caller's thread never loses a frame nor a call's bookkeeping (see transport.interrupt)
+guard(Channel.call, Channel.post, Channel.wait, Channel.wait_all, Channel.fail, Channel.view_id, Channel.unpark,
+      _after_read, Fanout.call, Fanout.wait, Fanout._died, _mark_dirty, flush_all)

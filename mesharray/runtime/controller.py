@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 from .. import _platform
 from ..errors import ActorDiedError, BootstrapError, MeshFailure, MeshStoppedError
-from ..transport import framing, shm
+from ..transport import framing, interrupt, shm
 from ..transport.listener import Listener
 from ..transport.spin import set_reply_spin
 from . import protocol as P
@@ -117,6 +117,7 @@ class Controller:
         if heartbeat_timeout <= 0 or heartbeat_interval <= 0:
             raise ValueError(f"heartbeat interval and timeout must be > 0, got "
                              f"{heartbeat_interval} and {heartbeat_timeout}")
+        interrupt.install()  # a Ctrl-C here interrupts the caller, never a connection
         self.router = get_router()
         self.secret = self.router.secret
         self.name = name

@@ -15,6 +15,7 @@ from collections.abc import Callable, Generator
 from time import monotonic as _monotonic
 from typing import Any, Generic, TypeVar
 
+from ..transport.interrupt import guard
 from .channel import Channel
 from .channel import dirty as _dirty
 from .channel import flush_all as _flush_all
@@ -130,7 +131,7 @@ class Future(Generic[T]):
             return
         asked = timeout
         if _dirty:
-            _flush_all()
+            _flush_all()  # ^C
         chan = self._chan
         if chan is not None:
             # read the reply ourselves rather than be woken by the poller thread
@@ -138,22 +139,22 @@ class Future(Generic[T]):
                 raise ValueError(f"timeout must be >= 0, got {timeout}")
             deadline = None if timeout is None else _monotonic() + timeout
             if type(chan) is tuple:  # the replies of a call(): read them all here
-                read = Channel.wait_all(chan, self._done, deadline)
+                read = Channel.wait_all(chan, self._done, deadline)  # ^C
             else:  # one channel, or a Fanout (a call() in a loop)
-                read = chan.wait(self._done, deadline)
+                read = chan.wait(self._done, deadline)  # ^C
             if read:
                 if self._value is not _PENDING:
                     return  # read here and done (the completion released the lock: nothing to wait on)
                 if deadline is not None:
                     timeout = max(0.0, deadline - _monotonic())
             else:
-                self._unpark()  # another thread reads: make sure the poller does too
+                self._unpark()  # another thread reads: make sure the poller does too  # ^C
         if timeout is None:
-            ok = self._lock.acquire()
+            ok = self._lock.acquire()  # ^C
         else:
             if timeout < 0:
                 raise ValueError(f"timeout must be >= 0, got {timeout}")
-            ok = self._lock.acquire(True, timeout)
+            ok = self._lock.acquire(True, timeout)  # ^C
         if not ok:
             raise TimeoutError(f"future not done after {asked:g} s (get(timeout={asked:g})); "
                                f"{_may_have_run(self._chan)}")
@@ -264,3 +265,7 @@ is_done = Future._done
 def reply_on(fut: Future[Any], chan: Any) -> None:
     """Say which polled channel(s) ``fut``'s reply comes on: ``get()`` then reads it in its own thread."""
     fut._chan = chan
+
+
+# a Ctrl-C in the caller's thread lands where waiting can stop (see transport.interrupt)
+guard(Future._wait, Future._set_result, Future._set_exception, Future.add_done_callback, Future._unpark)

@@ -65,6 +65,7 @@ from ..errors import (
     TransportError,
 )
 from . import framing
+from .interrupt import blocking_read, guard
 from .poller import Poller, Writer, _poller_thread, default_poller, default_writer, read_all, socket_closed
 from .sockio import shut
 from .spin import _spin_poll, _spin_recv, mirror
@@ -191,18 +192,18 @@ class Connection:
                             self._out_t0 = _clock()
                             return True
                         if self.corked_bytes >= _CORK_MAX:
-                            self._flush_locked()
+                            self._flush_locked()  # ^C
                     elif out:
                         out.append(data)
-                        self._flush_locked()
+                        self._flush_locked()  # ^C
                     else:
-                        self._write_locked(data)
+                        self._write_locked(data)  # ^C
                 return False
             else:
                 with self._send_lock:
                     if self._out:
-                        self._flush_locked()
-                    self._write_parts_locked([data, *parts])
+                        self._flush_locked()  # ^C
+                    self._write_parts_locked([data, *parts])  # ^C
                 return False
         except TransportError:
             raise
@@ -257,7 +258,7 @@ class Connection:
         data = b"".join(self._out)
         self._out.clear()
         self.corked_bytes = 0
-        self._write_locked(data)
+        self._write_locked(data)  # ^C
 
     def flush(self) -> None:
         """Write the queued (corked) frames now; errors are left to the reader to report."""
@@ -277,14 +278,14 @@ class Connection:
         if self._write_error is not None:
             self._raise_write_error()
         if self._backlog:
-            self._rest_locked(data, 0)
+            self._rest_locked(data, 0)  # ^C
             return
         try:
             sent = self.sock.send(data, _DONTWAIT)
         except (BlockingIOError, InterruptedError):
             sent = 0
         if sent != len(data):
-            self._rest_locked(data, sent)
+            self._rest_locked(data, sent)  # ^C
         # (written at once: the queued and written positions would move alike, so neither moves)
 
     def _rest_locked(self, data: bytes, sent: int) -> None:
@@ -298,7 +299,7 @@ class Connection:
         if not watching:
             self._watch_locked()
         if self._backlog_n > BACKLOG_MAX:
-            self._wait_locked(lambda: self._backlog_n <= BACKLOG_MAX // 2)
+            self._wait_locked(lambda: self._backlog_n <= BACKLOG_MAX // 2)  # ^C
 
     def _write_parts_locked(self, parts) -> None:
         """Write a large frame whose buffers are borrowed: returns once the socket has them all."""
@@ -317,7 +318,23 @@ class Connection:
             self._backlog_n += v.nbytes
         # the caller may reuse its buffers once we return: wait for the writer (which
         # meanwhile keeps every other connection of this process moving)
-        self._wait_locked(lambda: self._written_pos >= end)
+        try:
+            self._wait_locked(lambda: self._written_pos >= end)  # ^C
+        except KeyboardInterrupt:
+            self._own_backlog_locked(end)
+            raise
+
+    def _own_backlog_locked(self, end: int) -> None:
+        """A sender interrupted while the writer writes its frame: the frame stays whole (the writer
+        finishes it), and what is left of it is copied, since the caller may now change its buffers."""
+        left = end - self._written_pos
+        backlog = self._backlog
+        for i in range(len(backlog)):
+            if left <= 0:
+                break
+            v = backlog[i]
+            left -= v.nbytes
+            backlog[i] = memoryview(v.tobytes())
 
     def _send_views(self, views: list) -> None:
         """Write from the front of ``views`` until the socket would block (consumes ``views``)."""
@@ -387,7 +404,7 @@ class Connection:
                 self._raise_write_error()
             if self._closed:
                 raise ClosedTransportError(f"connection {self.name} closed while sending")
-            self._wcond.wait(0.5)
+            self._wcond.wait(0.5)  # ^C
 
     def drain(self, timeout: float | None = None) -> bool:
         """Write the corked frames and wait until the peer has taken everything written.
@@ -527,22 +544,25 @@ class Connection:
         try:
             p = self._pollobj
             if deadline is None:
-                while not done():
-                    if _reply_spin and _spin_poll(p, self._wait_spin):
+                while not done():  # ^C
+                    if _reply_spin and _spin_poll(p, self._wait_spin):  # ^C
                         ok = self._read_polled()
                     else:
                         ok = self._read_some(0)
                     if not ok:
                         break
             else:
-                while not done():
-                    if ((_reply_spin and _spin_poll(p, self._wait_spin, deadline))
-                            or p.poll(int(max(0.0, deadline - time.monotonic()) * 1000))):
+                while not done():  # ^C
+                    if ((_reply_spin and _spin_poll(p, self._wait_spin, deadline))  # ^C
+                            or p.poll(int(max(0.0, deadline - time.monotonic()) * 1000))):  # ^C
                         ok = self._read_polled()
                         if not ok:
                             break
-                    elif time.monotonic() >= deadline:
+                    elif time.monotonic() >= deadline:  # ^C
                         break
+        except KeyboardInterrupt:  # (raised where the connection is whole: see transport.interrupt)
+            poller.rearm(self)  # the reply nobody waits for now: the poller reads it
+            raise
         finally:
             # an ended connection is finished while its read lock is held: the poller
             # (or another caller) must not start reading buffers being released
@@ -785,3 +805,13 @@ class Connection:
                 cb(self, None)
         elif join and t is not threading.current_thread():
             t.join(5.0)
+
+
+# a Ctrl-C in the caller's thread never cuts a frame nor loses bytes read (see .interrupt)
+guard(Connection.send, Connection.write_frame, Connection._flush_locked, Connection.flush, Connection._write_locked,
+      Connection._rest_locked, Connection._write_parts_locked, Connection._own_backlog_locked,
+      Connection._send_views, Connection._fail_writes_locked, Connection._watch_locked, Connection._wait_locked,
+      Connection.read_until, Connection._read_some, Connection._read_polled, Connection._start_big,
+      Connection._read_error, Connection._reader_done, Connection._end_polled, Connection._poll_done,
+      Connection._finish, Connection._drop_backlog, Connection.route)
+blocking_read(Connection.read_until, lambda loc: loc["self"].sock if loc.get("deadline") is None else None)

@@ -27,6 +27,7 @@ from itertools import repeat
 from typing import TYPE_CHECKING
 
 from ..errors import ClosedTransportError
+from .interrupt import guard
 from .readiness import READ, WRITE, readiness_set
 from .spin import _spin_poll, mirror
 
@@ -78,7 +79,7 @@ def read_all(conns, done, deadline: float | None) -> list | None:
             if len(_polls) >= 64:
                 _polls.clear()
             cached = _polls[key] = (_poll_of(held), _sockets_closed, [0, 0])  # (+ its polling's state)
-        return _read_held(held, cached[0], {c._fd: c for c in held}, done, deadline, spin=cached[2])
+        return _read_held(held, cached[0], {c._fd: c for c in held}, done, deadline, spin=cached[2])  # ^C
     finally:
         for c in held:
             c._rlock.release()
@@ -108,9 +109,9 @@ def _read_held(held: list | tuple, p, by_fd: dict, done, deadline: float | None,
                 assert poller is not None, "read_all is for polled connections"
                 if c not in poller._parked:
                     poller.disarm(c)
-        while not done() and by_fd:
-            ready = ((_reply_spin and _spin_poll(p, spin, deadline))
-                     or p.poll(None if deadline is None else int(max(0.0, deadline - time.monotonic()) * 1000)))
+        while not done() and by_fd:  # ^C
+            ready = ((_reply_spin and _spin_poll(p, spin, deadline))  # ^C
+                     or p.poll(None if deadline is None else int(max(0.0, deadline - time.monotonic()) * 1000)))  # ^C
             for fd, _ in ready:
                 c = by_fd.get(fd)
                 if c is not None and not c._read_polled():
@@ -123,8 +124,13 @@ def _read_held(held: list | tuple, p, by_fd: dict, done, deadline: float | None,
                     # (heartbeats) keep this loop going
                     finished.append(c)
                     c._end_polled()
-            if not ready and deadline is not None and time.monotonic() >= deadline:
+            if not ready and deadline is not None and time.monotonic() >= deadline:  # ^C
                 break
+    except KeyboardInterrupt:  # (raised where every connection is whole: see .interrupt)
+        for c in by_fd.values():
+            if c.poller is not None:
+                c.poller.rearm(c)  # replies nobody waits for now: the poller reads them
+        raise
     finally:
         for c in ended:
             if c not in finished:  # (an error between its end and finishing it above)
@@ -174,8 +180,8 @@ class ReadSet:
                 p = self._poll = _poll_of(self.conns)
                 self._fds = {c._fd: c for c in self.conns}
             parked = self._parked
-            ended = _read_held(self.conns, p, self._fds, done, deadline,
-                               parked is not None and parked.keys() >= self._set, self._spin)
+            ended = _read_held(self.conns, p, self._fds, done, deadline,  # ^C
+                               parked is not None and parked.keys() >= self._set, self._spin)  # ^C
             if ended:
                 self._poll = None  # (taken out of both: set up again next time)
             return ended
@@ -424,3 +430,8 @@ def default_writer() -> Writer:
 def _poller_thread():
     p = _threads.get(Poller)
     return p.thread if p is not None else None
+
+
+# a Ctrl-C in the caller's thread never leaves a connection disarmed and unread (see .interrupt)
+guard(read_all, _read_held, ReadSet.read, Poller.park, Poller.park_all, Poller.keep_parked, Poller.keep_parked_all,
+      Poller._start_sweeping, Poller.unpark, Poller.rearm, Poller.disarm, Poller.discard, Writer.watch, Writer.unwatch)

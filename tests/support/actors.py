@@ -83,6 +83,10 @@ class Probe(ma.Actor):
         return a * 2
 
     @ma.endpoint
+    def nbytes(self, data) -> int:
+        return len(memoryview(data).cast("B"))
+
+    @ma.endpoint
     def sleep(self, s: float, value=None):
         time.sleep(s)
         return value
