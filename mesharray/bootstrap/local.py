@@ -7,6 +7,8 @@ which imports the worker's modules once and then ``fork()``\\s one worker per
 rank on request: a fork shares the imported modules copy-on-write. The
 controller itself is never forked (it has threads).
 
+The zygote runs in a session of its own, and so do the workers it forks: a
+Ctrl-C at the controller's terminal interrupts the controller only.
 The zygote is single-threaded. It reads commands from its stdin (the job
 secret travels there, never on argv), reports ``(rank, pid)`` after each fork
 and ``(rank, pid, status)`` when it reaps a worker (``SIGCHLD`` through a
@@ -104,8 +106,10 @@ class LocalBootstrap:
             zenv["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, nprocs)))
         zenv.update(env or {})
         try:
+            # a session of its own: a Ctrl-C typed at the controller's terminal (or a kernel
+            # interrupt, sent to the kernel's process group) reaches the controller only
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(w,), env=zenv, close_fds=True,
-                                         cwd=cwd)
+                                         cwd=cwd, start_new_session=True)
         except OSError as exc:
             os.close(r)
             raise BootstrapError(f"could not start the zygote with {cmd[0]!r}: {exc}") from exc
