@@ -14,6 +14,9 @@ Usage::
     python -m mesharray job status|kill [PATH]  # the job of a job file (ma.job; default .mesharray/job.json)
     python -m mesharray torchrun [torchrun's flags] [--job PATH | --hosts ADDR,...] script.py [args...]
                                                 # a torchrun script on a mesh (ma.spmd)
+    python -m mesharray debug [JOBFILE] [--pid PID]
+                                                # the (ma-debug) console of a controller whose actors
+                                                # called breakpoint() (a notebook's), from another terminal
 
 Running through ``python -m mesharray`` adds one guarantee to a launch such as
 ``mpirun -n 4 python -m mesharray train.py``: an unhandled exception (or a
@@ -48,6 +51,7 @@ usage: python -m mesharray script.py [args...]
        python -m mesharray torchrun [--nproc-per-node N] [--nnodes N] [--standalone] [--master-addr A]
                                   [--master-port P] [--job PATH | --hosts ADDR,...] script.py [args...]
        python -m mesharray top URL                # live per-rank table of procs.telemetry.serve()'s URL
+       python -m mesharray debug [JOBFILE] [--pid PID]  # the debugger of a controller without a terminal
        python -m mesharray --version
 
 Runs a script so that an unhandled exception on any MPI rank aborts the
@@ -472,6 +476,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .spmd.cli import main as torchrun_main
 
         return torchrun_main(args[1:])
+    if first == "debug":
+        from .observe.debug import debug_main
+
+        return debug_main(args[1:])
     if first == "info":
         extra = args[1:]
         unknown = [a for a in extra if a not in ("--json", "--probe")]

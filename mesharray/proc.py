@@ -541,13 +541,71 @@ class ProcMesh(MeshTrait):
         every = self.telemetry.stacks(timeout, native)
         return {r: every.get(r, "<not in the mesh>") for r in self._shape}
 
+    def logging(self, stream: bool = True, aggregate_window: float | None = 0.25,
+                level: int | str | None = None) -> None:
+        """How this mesh's worker output reaches the controller, changed at run time.
+
+        Parameters
+        ----------
+        stream : bool
+            Print the output of this view's ranks here (rank-prefixed). False:
+            not printed, still kept in ``procs.telemetry``'s ``logs`` table.
+        aggregate_window : float or None
+            Seconds during which identical lines of several ranks are joined into
+            one (``[procs=0:8] step done``), for the whole root mesh; ``0`` or
+            ``None`` prints every line as it comes.
+        level : int or str, optional
+            The level of the ``logging`` root logger in this view's workers
+            (``logging.DEBUG``, ``"WARNING"``, ...); None leaves it as it is.
+
+        Until this is called, ``MESHARRAY_LOG_AGGREGATE`` and ``MESHARRAY_LOG_WINDOW``
+        decide (aggregated over 0.25 s), and workers log at ``INFO``.
+
+        Examples
+        --------
+        >>> import logging
+        >>> procs.logging(stream=True, aggregate_window=1.0, level=logging.WARNING)   # doctest: +SKIP
+        >>> procs[0, 1:].logging(stream=False)   # ranks 1.. keep quiet here  # doctest: +SKIP
+        """
+        if not isinstance(stream, bool):
+            raise TypeError(f"stream must be a bool, got {type(stream).__name__}")
+        if aggregate_window is not None and (isinstance(aggregate_window, bool)
+                                             or not isinstance(aggregate_window, (int, float))):
+            raise TypeError(f"aggregate_window must be a number of seconds or None, got {aggregate_window!r}")
+        if aggregate_window is not None and not aggregate_window >= 0:
+            raise ValueError(f"aggregate_window must be >= 0 seconds, got {aggregate_window}")
+        if level is not None:
+            import logging as _logging
+
+            if isinstance(level, str):
+                if not isinstance(_logging.getLevelName(level.upper()), int):
+                    raise ValueError(f"unknown logging level {level!r}; levels are DEBUG, INFO, WARNING, ERROR, "
+                                     f"CRITICAL")
+                level = level.upper()
+            elif isinstance(level, bool) or not isinstance(level, int):
+                raise TypeError(f"level must be a logging level (int or name), got {level!r}")
+        self.check_live()
+        c = self._root.controller
+        ranks = list(self._shape)
+        sink = c.sink
+        if stream:
+            sink.muted.difference_update(ranks)
+        else:
+            sink.muted.update(ranks)
+        sink.show()  # (what waits goes out under the old window)
+        sink.window = float(aggregate_window or 0.0)
+        sink.aggregate = sink.window > 0
+        if level is not None:
+            c.set_log_level(ranks, level)
+
     def stats(self) -> dict:
         """Runtime counters.
 
         Of this mesh: ``replies`` (and ``errors`` among them), ``spawns``,
         ``deaths``, ``log_bytes`` forwarded, ``workers`` and how many are
-        ``alive``. Of this process, all meshes together: ``calls`` sent
-        expecting a reply and ``broadcasts``.
+        ``alive``, ``unresponsive_now`` and ``paused_now`` (in the debugger).
+        Of this process, all meshes together: ``calls`` sent expecting a reply
+        and ``broadcasts``.
         """
         c = self._root.controller
         d = c.counters.as_dict()
@@ -555,6 +613,7 @@ class ProcMesh(MeshTrait):
         d["broadcasts"] = c.router.sent_oneway
         d["restarts"] = self._root.restarts
         d["unresponsive_now"] = sum(1 for w in c.workers.values() if w.alive and w.unresponsive_since is not None)
+        d["paused_now"] = sum(1 for w in c.workers.values() if w.alive and w.paused)
         d["workers"] = len(c.workers)
         d["alive"] = sum(1 for w in c.workers.values() if w.alive)
         return d

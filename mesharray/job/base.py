@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Iterator
 from ..bootstrap.agent import parse_url
 from ..errors import BootstrapError
 from ..proc import HostMesh, attach
+from ..runtime.debugger import announce_in
 
 __all__ = ["Job", "JobState", "JobStatus", "load", "kinds", "DEFAULT_PATH", "FORMAT", "check_meshes", "reachable",
            "job_dir"]
@@ -419,6 +420,8 @@ class Job:
                 h.detach()
             raise
         self._state = JobState(self, hosts)
+        if self.path is not None:  # python -m mesharray debug JOBFILE finds this controller's debugger
+            announce_in(job_dir(self.path))
         return self._state
 
     def __repr__(self) -> str:

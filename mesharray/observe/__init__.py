@@ -23,6 +23,8 @@ them.
   ``api/sql``, ``api/stacks`` and ``/metrics``.
 - :mod:`.top` — ``python -m mesharray top URL``: the terminal view of a web
   view's ``api/state``.
+- :mod:`.debug` — ``python -m mesharray debug [JOBFILE]``: the debugger's
+  ``(ma-debug)`` console from another terminal (a notebook's controller).
 """
 
 from __future__ import annotations

@@ -40,10 +40,12 @@ from ..errors import ActorDiedError, BootstrapError, MeshFailure, MeshStoppedErr
 from ..transport import framing, interrupt, shm
 from ..transport.listener import Listener
 from ..transport.spin import set_reply_spin
+from . import notebook
 from . import protocol as P
 from .caller import future_callback
 from .channel import Channel
 from .counters import Counters
+from .debugger import debugger
 from .future import Future, new_future
 from .logs import LogSink
 from .router import get_router
@@ -57,7 +59,7 @@ class WorkerInfo:
     """What the controller knows about one worker."""
 
     __slots__ = ("rank", "pid", "host", "address", "conn", "last_seen", "_error", "died_at", "unresponsive_since",
-                 "hello")
+                 "hello", "paused")
 
     def __init__(self, rank, pid, host, address, conn, hello: dict | None = None) -> None:
         self.hello = hello or {}  # everything the worker said of itself (memory domain, data plane, ...)
@@ -70,6 +72,8 @@ class WorkerInfo:
         self._error: BaseException | None = None
         self.died_at: float | None = None  # unix time the death (or stop) was recorded
         self.unresponsive_since: float | None = None  # set while its heartbeats are late
+        #: its sessions paused in the debugger (session -> file:line): reported as paused, never unresponsive
+        self.paused: dict = {}
 
     @property
     def error(self) -> BaseException | None:
@@ -130,6 +134,8 @@ class Controller:
         self.kill: Callable[[int], None] | None = None
         self.on_failure: list = []
         self.sink = LogSink()
+        self.log_level: int | str | None = None  # the workers' logging level (procs.logging), once set
+        self.notebook = notebook.attach(self)  # in a Jupyter kernel: the notebook integration
         self.counters = Counters()
         self.stopping = False
         self.stopped = False
@@ -168,6 +174,8 @@ class Controller:
             self.counters.log_bytes += len(payload)
             rank: Any = conn.peer.get("rank")
             self.sink.write(self.labels.get(rank, f"rank={rank}"), target, bytes(payload), rank)
+        elif kind == P.DEBUG:  # code of an actor called breakpoint()
+            debugger().controller_event(self.secret, conn.peer.get("info"), payload)
         elif kind == P.HELLO:
             hello = pickle.loads(payload)
             if hello.get("role") != "worker":
@@ -255,6 +263,9 @@ class Controller:
             for info in list(self.workers.values()):
                 if info.error is not None or now - info.last_seen <= self.heartbeat_timeout:
                     continue
+                if info.paused:  # in the debugger: paused on purpose, never unresponsive nor killed
+                    info.last_seen = now
+                    continue
                 silent = now - info.last_seen
                 if self.kill_unresponsive:
                     err = ActorDiedError((info.rank,), info.pid, reason=(
@@ -320,8 +331,23 @@ class Controller:
         info.last_seen = time.monotonic()
         self.router.register(info.address, info.conn)
         cfg = {"heartbeat_interval": self.heartbeat_interval, "pid": os.getpid(), "label": self.labels.get(info.rank),
-               "mesh": self.name}
+               "mesh": self.name, "debug": os.environ.get("MESHARRAY_DEBUG", "1") != "0"}
+        if self.notebook:  # a call's output goes out before its reply: shown in the cell that made it
+            cfg["sync_output"] = True
+        if self.log_level is not None:
+            cfg["log_level"] = self.log_level
         info.conn.send(P.CONFIG, parts=[pickle.dumps(cfg)])
+
+    def set_log_level(self, ranks: list[int], level: int | str) -> None:
+        """Set the ``logging`` level of the workers of ``ranks`` (and of those that join later)."""
+        self.log_level = level
+        for r in ranks:
+            info = self.workers.get(r)
+            if info is not None and info.alive:
+                try:
+                    info.conn.send(P.CONFIG, parts=[pickle.dumps({"log_level": level})])
+                except ConnectionError:
+                    pass
 
     def adopt_one(self, rank: int, old_pid: int | None, timeout: float = 30.0) -> WorkerInfo:
         """Wait for the hello of a restarted ``rank`` (a process other than ``old_pid``) and configure it."""

@@ -209,6 +209,34 @@ class Future(Generic[T]):
             raise self._exc
         return self._value
 
+    @classmethod
+    def _show_after_wait(cls, fn: Callable[[], object]) -> None:
+        """Have every wait (``get``, ``result``, ``exception``, ``await``) call ``fn()`` when it ends.
+
+        For a controller in a notebook (``runtime.notebook``): ``fn`` prints the
+        workers' output of the call before ``get()`` returns. The methods are
+        rebound (once), so a program outside notebooks runs the same code as before.
+        """
+        if getattr(cls._wait, "_shows", False):
+            return
+        plain_wait, plain_await = cls._wait, cls.__await__
+
+        def _wait(self: Future[Any], timeout: float | None) -> None:
+            try:
+                plain_wait(self, timeout)
+            finally:
+                fn()
+
+        def __await__(self: Future[Any]) -> Generator[Any, None, Any]:
+            try:
+                return (yield from plain_await(self))
+            finally:
+                fn()
+
+        _wait._shows = True  # type: ignore[attr-defined]
+        cls._wait = _wait  # type: ignore[method-assign]
+        cls.__await__ = __await__  # type: ignore[method-assign]
+
     def __repr__(self) -> str:
         if self._value is _PENDING:
             state = "pending"
@@ -233,6 +261,10 @@ def _may_have_run(chan: Any) -> str:
         if c.pending:
             ranks.extend(c.peer.get("ranks", ()))
             info = c.peer.get("info")  # the controller's view of that worker
+            paused = getattr(info, "paused", None)
+            if paused:
+                slow.append(f"rank {info.rank} is paused in the debugger at {', '.join(paused.values())}")
+                continue
             since = getattr(info, "unresponsive_since", None)
             if since is not None:
                 slow.append(f"rank {info.rank} is unresponsive (no heartbeat for "

@@ -25,13 +25,15 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import select
 import sys
 import threading
 import time
 
 from . import protocol as P
 
-__all__ = ["forward_process_output", "flush_forwarding", "LogSink", "set_worker_label", "compress_labels"]
+__all__ = ["forward_process_output", "flush_forwarding", "drain_output", "sync_replies", "LogSink",
+           "set_worker_label", "compress_labels"]
 
 _threads: list[threading.Thread] = []
 _label: str | None = None
@@ -42,25 +44,38 @@ def set_worker_label(label) -> None:
     _label = label
 
 
+_pipes: list[tuple[int, int]] = []  # (read end, stream) of the forwarded fds
+_pipe_lock = threading.Lock()  # held while a pipe's bytes go from read to sent: see drain_output
+_log_conn = None
+
+
 def forward_process_output(conn) -> None:
-    """Redirect fds 1 and 2 of this process to ``conn`` as LOG frames."""
+    """Redirect fds 1 and 2 of this process to ``conn`` as LOG frames.
+
+    A thread per pipe waits for output (``poll``) and then, holding a lock
+    shared with :func:`drain_output`, reads what is there (non-blocking) and
+    sends it: bytes read are always sent before anyone else may read the pipe.
+    """
+    global _log_conn
+    _log_conn = conn
     for fd, stream in ((1, 1), (2, 2)):
         r, w = os.pipe()
         os.dup2(w, fd)
         os.close(w)
+        os.set_blocking(r, False)
+        _pipes.append((r, stream))
 
         def pump(r=r, stream=stream):
+            p = select.poll()
+            p.register(r, select.POLLIN)
             while True:
                 try:
-                    data = os.read(r, 65536)
-                except OSError:
-                    return
-                if not data:
-                    os.close(r)
-                    return
-                try:
-                    conn.send(P.LOG, 0, 0, stream, 0, [data])
-                except ConnectionError:
+                    p.poll()
+                    with _pipe_lock:
+                        if not _pump_once(r, stream):
+                            os.close(r)
+                            return
+                except (OSError, ConnectionError):
                     return
 
         t = threading.Thread(target=pump, name=f"mesharray-log-{fd}", daemon=True)
@@ -74,6 +89,56 @@ def forward_process_output(conn) -> None:
     root = logging.getLogger()
     if not root.handlers:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+
+def _pump_once(r: int, stream: int) -> bool:
+    """Send what pipe ``r`` holds now as LOG frames (``_pipe_lock`` held); False at its end."""
+    while True:
+        try:
+            data = os.read(r, 65536)
+        except BlockingIOError:
+            return True
+        if not data:
+            return False
+        _log_conn.send(P.LOG, 0, 0, stream, 0, [data])  # type: ignore[union-attr]  # (set before any pump)
+
+
+def drain_output() -> None:
+    """Send this process's output so far (flushed, and what its pipes hold) before returning.
+
+    A worker whose controller runs in a notebook calls it before each reply
+    (see :func:`sync_replies`): the LOG frames precede the REPLY on the
+    connection, so the controller has shown a call's output when its
+    ``get()`` returns.
+    """
+    for out in (sys.stdout, sys.stderr):
+        try:
+            out.flush()
+        except (AttributeError, ValueError, OSError):
+            pass
+    with _pipe_lock:
+        for r, stream in _pipes:
+            try:
+                _pump_once(r, stream)
+            except (OSError, ConnectionError):
+                pass
+
+
+def sync_replies(conn, reply_kind: int) -> None:
+    """Make ``conn`` (a worker's connection to its controller) drain this process's output before
+    every frame of ``reply_kind``: the notebook mode of a worker. Replaces the connection's ``send``
+    (an instance attribute), so a worker outside notebooks runs the same code as before."""
+    if "send" in conn.__dict__ or not _pipes:
+        return  # (already synced; or nothing forwarded)
+    send = conn.send
+
+    def synced_send(kind: int, flags: int = 0, msg_id: int = 0, target: int = 0, view: int = 0,
+                    parts=(), cork: bool = False) -> bool:
+        if kind == reply_kind:
+            drain_output()
+        return send(kind, flags, msg_id, target, view, parts, cork)
+
+    conn.send = synced_send
 
 
 def flush_forwarding(timeout: float = 1.0) -> None:
@@ -107,7 +172,10 @@ class LogSink:
     ``step done`` give one ``[procs=0:8] step done``. Each rank's own lines keep
     their order. ``MESHARRAY_LOG_AGGREGATE=0`` (or ``aggregate = False``) prints
     every line as it comes. Every line is kept, per rank, in :meth:`rows` (the
-    ``logs`` telemetry table), whatever is printed.
+    ``logs`` telemetry table), whatever is printed; the lines of ranks in
+    ``muted`` are not printed (``procs.logging(stream=False)``). :meth:`show`
+    prints what waits for its window now (a notebook's ``get()`` does, so that
+    a call's output shows in the cell that made it).
     """
 
     def __init__(self, aggregate: bool | None = None, window: float | None = None) -> None:
@@ -121,6 +189,7 @@ class LogSink:
         self._pending: list[list] = []
         self._last: dict = {}
         self._timer: threading.Timer | None = None
+        self.muted: set = set()  # ranks whose lines are kept but not printed
 
     def write(self, label: str, stream: int, data: bytes, rank: int | None = None) -> None:
         key = (label, stream)
@@ -135,7 +204,9 @@ class LogSink:
             now = time.time()
             for t in texts:
                 self._rows.append((now, rank, label, "stdout" if stream == 1 else "stderr", _level(stream, t), t))
-            if not self.aggregate:
+            if rank in self.muted:
+                return
+            if not self.aggregate or self.window <= 0:
                 self._print(stream, "".join(f"[{label}] {t}\n" for t in texts))
                 return
             who = label if rank is None else rank
@@ -154,6 +225,16 @@ class LogSink:
                 self._timer = threading.Timer(self.window, self._emit)
                 self._timer.daemon = True
                 self._timer.start()
+
+    def show(self) -> None:
+        """Print now the lines that wait for the end of their aggregation window."""
+        if not self._pending:
+            return
+        with self._lock:
+            timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+        self._emit()
 
     def _emit(self) -> None:
         with self._lock:

@@ -20,17 +20,20 @@ STOP        ctl -> worker      msg_id=call id; the worker replies, then exits
 STOP_ACTOR  ctl -> worker      target=actor id; the worker drops the actor
 INTROSPECT  ctl -> worker      msg_id=call id; pickled {"what": "snapshot"|"stacks", ...};
                                the worker replies with its telemetry (runtime.recorder)
+DEBUG       worker <-> ctl     pickled dict: a paused debugger session (runtime.debugger):
+                               ``paused`` on the controller's connection; ``hello``/``cmd``
+                               and ``out``/``running`` on a debug connection of their own
 ==========  =================  ===================================================
 """
 
 from __future__ import annotations
 
 __all__ = [
-    "HELLO", "CONFIG", "CALL", "REPLY", "SPAWN", "VIEW", "HEARTBEAT", "LOG", "STOP", "STOP_ACTOR", "INTROSPECT",
+    "HELLO", "CONFIG", "CALL", "REPLY", "SPAWN", "VIEW", "HEARTBEAT", "LOG", "STOP", "STOP_ACTOR", "INTROSPECT", "DEBUG",
     "F_REPLY", "OK", "ERR", "DIED", "encode_method", "decode_method",
 ]
 
-HELLO, CONFIG, CALL, REPLY, SPAWN, VIEW, HEARTBEAT, LOG, STOP, STOP_ACTOR, INTROSPECT = range(1, 12)
+HELLO, CONFIG, CALL, REPLY, SPAWN, VIEW, HEARTBEAT, LOG, STOP, STOP_ACTOR, INTROSPECT, DEBUG = range(1, 13)
 
 F_REPLY = 1
 

@@ -59,10 +59,11 @@ from ..transport.dataplane import start_process_plane
 from ..transport.hostid import host_id, memory_domain
 from ..transport.listener import Listener
 from ..transport.spin import set_read_spin
+from . import debugger
 from . import protocol as P
 from .channel import Channel
 from .context import Context, current
-from .logs import flush_forwarding, forward_process_output, set_worker_label
+from .logs import flush_forwarding, forward_process_output, set_worker_label, sync_replies
 from .recorder import ENABLED as RECORD
 from .recorder import MAX_ROWS, REC, SPAN, set_title, thread_stacks
 from .router import set_secret
@@ -358,13 +359,7 @@ class Worker:
         elif kind == P.HELLO:
             conn.peer.update(pickle.loads(payload))
         elif kind == P.CONFIG:
-            cfg = pickle.loads(payload)
-            conn.peer["pid"] = cfg.get("pid")
-            self.heartbeat_interval = cfg.get("heartbeat_interval", self.heartbeat_interval)
-            set_worker_label(cfg.get("label"))
-            self.label = cfg.get("label") or self.label
-            self.mesh_name = cfg.get("mesh") or self.mesh_name
-            self._retitle()
+            self._configure(conn, pickle.loads(payload))
         elif kind == P.STOP_ACTOR:
             slot = self.actors.pop(target, None)
             if slot is not None and RECORD:
@@ -373,12 +368,31 @@ class Worker:
                 self.loop().call_soon_threadsafe(slot.queue.put_nowait, None)
         elif kind == P.INTROSPECT:
             self._introspect(conn, msg_id, payload)
+        elif kind == P.DEBUG:
+            debugger.on_command(conn, payload)
         elif kind == P.STOP:
             if flags & P.F_REPLY:
                 conn.send(P.REPLY, 0, msg_id, P.OK, 0, _EMPTY_OK)
             self.stop_serving()
         else:
             log.warning("worker %d: ignoring frame of unknown kind %d", self.rank, kind)
+
+    def _configure(self, conn, cfg: dict) -> None:
+        """The controller's settings: all of them once adopted, then any of them (``procs.logging``)."""
+        if "pid" in cfg:
+            conn.peer["pid"] = cfg["pid"]
+        self.heartbeat_interval = cfg.get("heartbeat_interval", self.heartbeat_interval)
+        if "label" in cfg:
+            set_worker_label(cfg["label"])
+            self.label = cfg["label"] or self.label
+        self.mesh_name = cfg.get("mesh") or self.mesh_name
+        if "log_level" in cfg:
+            logging.getLogger().setLevel(cfg["log_level"])
+        if cfg.get("sync_output"):  # the controller is a notebook: a call's output goes before its reply
+            sync_replies(conn.conn, P.REPLY)
+        if "debug" in cfg:
+            debugger.configure(cfg["debug"])
+        self._retitle()
 
     def _spawn(self, conn, msg_id, actor_id, payload) -> None:
         name, cls, args, kwargs, shape = None, None, (), {}, None
@@ -802,6 +816,8 @@ def run_worker(controller_address: str, secret: bytes, rank: int, *, listen: str
     w.controller = chan
     if exit_process and forward_logs:
         forward_process_output(chan.conn)
+    if exit_process:  # breakpoint() in an actor: a pdb driven from the controller
+        debugger.install_worker(chan, rank, w.pid, w.host, address)
     hello = {"role": "worker", "rank": rank, "pid": w.pid, "host": w.host,
              "address": address, "forward_logs": forward_logs, **extra}
     chan.send(P.HELLO, parts=[pickle.dumps(hello)])
