@@ -11,7 +11,7 @@ secret (from that file: only the controller's user can read it; the
 controller refuses any client that cannot prove it knows the secret) and then
 relays lines: ``list``, ``attach N``, ``cast RANKS CMD``, ``continue``, and
 pdb's own commands once attached. It ends when no rank is paused any more
-after a command, or at ``quit`` / end of input.
+after a command, when the controller goes away, or at ``quit`` / end of input.
 """
 
 from __future__ import annotations
@@ -116,5 +116,5 @@ def debug_main(argv: Sequence[str]) -> int:
             ans = client.line(text)
     finally:
         client.close()
-    print("mesharray debug: the controller went away", file=sys.stderr)
-    return 1
+    print("mesharray debug: the controller's connection ended (its script went on and finished)", flush=True)
+    return 0

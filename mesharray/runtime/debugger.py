@@ -143,6 +143,8 @@ class _Io:
     # pdb's stdin: the next command (pdb has printed its prompt)
     def readline(self) -> str:
         with self.lock:
+            if self.buf and self.buf[-1] == "(Pdb) ":
+                self.buf.pop()  # (pdb's prompt: the client shows its own)
             self.waiting = True
             self._prompt_locked()
         line = self.lines.get()
@@ -155,8 +157,6 @@ class _Io:
             return
         text = "".join(self.buf)
         self.buf.clear()
-        if text.endswith("(Pdb) "):
-            text = text[:-6]
         self._send({"op": "out", "text": text, "prompt": True, "where": self.where})
 
     def _send(self, msg: dict) -> None:
@@ -212,11 +212,12 @@ class _RemotePdb(pdb.Pdb):
         try:
             super().interaction(frame, traceback)
         finally:
+            io.running()
             if self._ran_on:  # (continued: not stepping)
                 self._ran_on = False
                 self._announced = False
                 _sessions.pop(io.sid, None)
-            io.running()
+                self._tell({"op": "resumed", "sid": io.sid, "seq": io.seq + 1})
 
     def _announce(self, endpoint: str, where: str) -> None:
         ctx = current.get()
@@ -235,12 +236,22 @@ class _RemotePdb(pdb.Pdb):
         msg = {"op": "paused", "sid": io.sid, "seq": io.seq, "rank": rank, "n": n, "coords": coords,
                "actor": actor, "endpoint": endpoint, "where": where, "pid": _me.get("pid"),
                "host": _me.get("host"), "address": _me.get("address")}
+        if not self._tell(msg):  # no controller: nobody can drive this session; let the code run on
+            self.set_continue()
+
+    @staticmethod
+    def _tell(msg: dict) -> bool:
+        """A session's news on the controller's connection: ``paused``, and ``resumed`` (before the call's
+        reply, on the same connection: the controller knows it resumed when it has the reply)."""
+        msg["address"] = _me.get("address")
         chan = _me.get("chan")
-        if chan is not None:
-            try:
-                chan.send(P.DEBUG, parts=_msg(msg))
-            except Exception:  # no controller: nobody can drive this session; let the code run on
-                self.set_continue()
+        if chan is None:
+            return False
+        try:
+            chan.send(P.DEBUG, parts=_msg(msg))
+            return True
+        except Exception:
+            return False
 
 
 def on_command(chan: Channel, payload: Any) -> None:
@@ -322,9 +333,16 @@ class Debugger:
         reply): it never blocks; the console runs in a thread of its own.
         """
         msg = pickle.loads(payload)
+        key = (msg.get("address"), msg.get("sid"))
+        if msg.get("op") == "resumed":
+            with self._lock:
+                p = self.sessions.get(key)
+                if p is not None and msg.get("seq", 0) > p.seq:
+                    p.seq = msg["seq"]
+                    self._resumed(p)
+            return
         if msg.get("op") != "paused":
             return
-        key = (msg.get("address"), msg.get("sid"))
         with self._lock:
             self.secret = secret
             p = self.sessions.get(key)
