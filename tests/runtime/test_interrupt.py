@@ -15,7 +15,6 @@ import time
 
 import pytest
 
-import mesharray as ma
 from mesharray.transport import interrupt
 
 pytestmark = pytest.mark.timeout(120)
