@@ -25,7 +25,12 @@ reach the runtime through ``mesharray`` (``ma.proc_mesh``, ``ma.Actor``,
                        :class:`LogSink` prints it prefixed, identical lines of several ranks once.
 - :mod:`.counters`   — :class:`Counters`: replies, errors, spawns, deaths per process mesh
                        (``ProcMesh.stats()``).
+- :mod:`.debugger`   — ``breakpoint()`` in actors: the workers' remote pdb, the controller's
+                       paused sessions and ``(ma-debug)`` console, and its listener for
+                       ``python -m mesharray debug``.
+- :mod:`.notebook`   — a controller in a Jupyter kernel: a call's worker output shown in
+                       its cell, the Ctrl-C guard put back before each cell.
 """
 
 __all__ = ["protocol", "future", "channel", "caller", "router", "worker", "controller", "context", "recorder", "logs",
-           "counters"]
+           "counters", "debugger", "notebook"]

@@ -22,6 +22,9 @@ Control messages:
                        connections at once (:class:`~.poller.ReadSet`).
 - :mod:`.spin`       — the spin policy: how long readers and waiting callers poll
                        a socket before they block.
+- :mod:`.interrupt`  — Ctrl-C in a controller: a SIGINT handler that raises
+                       ``KeyboardInterrupt`` only where the read and write paths
+                       leave every connection whole (lines marked ``# ^C``).
 - :mod:`.readiness`  — the OS's readiness notification under the poller and the
                        writer: ``epoll``, or a :mod:`selectors` selector.
 - :mod:`.sockio`     — reading exactly ``n`` bytes from a blocking socket.

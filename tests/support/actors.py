@@ -125,6 +125,12 @@ class Probe(ma.Actor):
         logging.getLogger("probe").warning(text)
 
     @ma.endpoint
+    def log_at(self, level: str, text: str) -> None:
+        import logging
+
+        logging.getLogger("probe").log(getattr(logging, level), text)
+
+    @ma.endpoint
     def call_peer(self, mesh, method: str, *args):
         return getattr(mesh, method).call(*args).get(timeout=10).tolist()
 
