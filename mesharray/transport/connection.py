@@ -65,7 +65,7 @@ from ..errors import (
     TransportError,
 )
 from . import framing
-from .interrupt import blocking_read, guard
+from .interrupt import blocking_read, guard, unwinding
 from .poller import Poller, Writer, _poller_thread, default_poller, default_writer, read_all, socket_closed
 from .sockio import shut
 from .spin import _spin_poll, _spin_recv, mirror
@@ -560,9 +560,6 @@ class Connection:
                             break
                     elif time.monotonic() >= deadline:  # ^C
                         break
-        except KeyboardInterrupt:  # (raised where the connection is whole: see transport.interrupt)
-            poller.rearm(self)  # the reply nobody waits for now: the poller reads it
-            raise
         finally:
             # an ended connection is finished while its read lock is held: the poller
             # (or another caller) must not start reading buffers being released
@@ -815,3 +812,13 @@ guard(Connection.send, Connection.write_frame, Connection._flush_locked, Connect
       Connection._read_error, Connection._reader_done, Connection._end_polled, Connection._poll_done,
       Connection._finish, Connection._drop_backlog, Connection.route)
 blocking_read(Connection.read_until, lambda loc: loc["self"].sock if loc.get("deadline") is None else None)
+
+
+def _after_interrupt(loc: dict) -> None:
+    """A reader interrupted (at a marked line): the poller reads the reply nobody waits for now."""
+    conn = loc["self"]
+    if conn.poller is not None and not conn._closed:
+        conn.poller.keep_parked(conn)  # (re-armed by its sweep once the reader let go of the read lock)
+
+
+unwinding(Connection.read_until, _after_interrupt)

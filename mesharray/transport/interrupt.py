@@ -35,7 +35,9 @@ default) looks at the interrupted thread's stack when a Ctrl-C comes:
   interrupt is raised.
 
 A waiter interrupted this way hands its connections back to the poller
-thread, which reads the late reply and completes the future (a later
+thread (:func:`unwinding`, run by the handler as it raises: an ``except``
+clause would cost a jump on every normal exit), which reads the late reply
+and completes the future (a later
 ``get()`` returns it; nobody else sees it). The call may still run remotely;
 a call interrupted while its frame was being written is finished by the
 process's writer thread (a frame is never cut), and its reply is dropped.
@@ -52,7 +54,7 @@ import threading
 from types import CodeType, FrameType
 from typing import Any, Callable
 
-__all__ = ["guard", "blocking_read", "install", "installed", "MARK"]
+__all__ = ["guard", "blocking_read", "unwinding", "install", "installed", "MARK"]
 
 #: the comment that marks a line of a guarded function where a KeyboardInterrupt may be raised
 MARK = "# ^C"
@@ -61,6 +63,7 @@ _funcs: list[tuple[Callable[..., Any], str]] = []  # guarded functions, and the 
 _table: dict[CodeType, frozenset[int]] | None = None  # code -> its safe line numbers (built at the first Ctrl-C)
 _woken: list[socket.socket] = []  # sockets given a receive timeout to wake a blocked reader
 _readers: dict[CodeType, Callable[[dict], Any]] = {}  # code of a blocking read -> its socket, from its locals
+_unwinds: dict[CodeType, Callable[[dict], Any]] = {}  # code -> what to do as the interrupt leaves its frame
 _WAKE = struct.pack("ll", 0, 1000)  # struct timeval: 1 ms
 _BLOCK = struct.pack("ll", 0, 0)
 
@@ -82,6 +85,28 @@ def blocking_read(func: Callable[..., Any], sock_of: Callable[[dict], Any]) -> N
     """``func`` may block in ``recv`` on the socket that ``sock_of(its frame's locals)`` names (or None):
     a deferred Ctrl-C wakes it with a receive timeout."""
     _readers[getattr(func, "__func__", func).__code__] = sock_of
+
+
+def unwinding(func: Callable[..., Any], fix: Callable[[dict], Any]) -> None:
+    """Call ``fix(locals of func's frame)`` when a Ctrl-C is raised while a frame of ``func`` is on the stack.
+
+    From the handler, just before it raises: for what the frame would otherwise do in an
+    ``except`` clause, which costs a jump on every normal exit in CPython 3.11. It runs at a
+    marked line of every guarded frame, so the state it looks at is consistent.
+    """
+    _unwinds[getattr(func, "__func__", func).__code__] = fix
+
+
+def _unwind(frame: FrameType | None) -> None:
+    f = frame
+    while f is not None:
+        fix = _unwinds.get(f.f_code)
+        if fix is not None:
+            try:
+                fix(f.f_locals)
+            except Exception:  # (a fix must not turn the interrupt into another error)
+                pass
+        f = f.f_back
 
 
 def _build() -> dict[CodeType, frozenset[int]]:
@@ -176,6 +201,7 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
             _again()  # run again at the next check for signals
         else:
             _unwake()
+            _unwind(frame)
     finally:
         _busy = False
     if not deferred:

@@ -27,7 +27,7 @@ from itertools import repeat
 from typing import TYPE_CHECKING
 
 from ..errors import ClosedTransportError
-from .interrupt import guard
+from .interrupt import guard, unwinding
 from .readiness import READ, WRITE, readiness_set
 from .spin import _spin_poll, mirror
 
@@ -126,11 +126,6 @@ def _read_held(held: list | tuple, p, by_fd: dict, done, deadline: float | None,
                     c._end_polled()
             if not ready and deadline is not None and time.monotonic() >= deadline:  # ^C
                 break
-    except KeyboardInterrupt:  # (raised where every connection is whole: see .interrupt)
-        for c in by_fd.values():
-            if c.poller is not None:
-                c.poller.rearm(c)  # replies nobody waits for now: the poller reads them
-        raise
     finally:
         for c in ended:
             if c not in finished:  # (an error between its end and finishing it above)
@@ -431,6 +426,16 @@ def _poller_thread():
     p = _threads.get(Poller)
     return p.thread if p is not None else None
 
+
+def _after_interrupt(loc: dict) -> None:
+    """A reader of several connections interrupted (at a marked line): the poller reads the replies
+    nobody waits for now, once the reader let go of their read locks (its sweep of parked connections)."""
+    conns = [c for c in loc["by_fd"].values() if c.poller is not None]
+    if conns:
+        conns[0].poller.keep_parked_all(conns)
+
+
+unwinding(_read_held, _after_interrupt)
 
 # a Ctrl-C in the caller's thread never leaves a connection disarmed and unread (see .interrupt)
 guard(read_all, _read_held, ReadSet.read, Poller.park, Poller.park_all, Poller.keep_parked, Poller.keep_parked_all,
