@@ -383,8 +383,13 @@ class Debugger:
 
     # -- queries ------------------------------------------------------------------------------
     def paused(self) -> list[_Paused]:
+        """The sessions paused now (those of a worker that died or was stopped are forgotten)."""
         with self._lock:
-            return sorted((p for p in self.sessions.values() if p.paused), key=lambda p: (p.actor, p.n, p.key))
+            for key, p in list(self.sessions.items()):
+                info = self._infos.get(p.address)
+                if info is not None and info.error is not None:
+                    del self.sessions[key]
+            return sorted((p for p in self.sessions.values() if p.paused), key=lambda p: (p.actor, p.n or 0, p.key))
 
     def listing(self) -> str:
         ps = self.paused()

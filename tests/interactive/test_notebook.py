@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 nbformat = pytest.importorskip("nbformat", reason="nbclient and ipykernel are in the [test] extra")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
+pexpect = pytest.importorskip("pexpect")
 from jupyter_client import KernelManager  # noqa: E402  (after the skips)
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "notebook.ipynb"
@@ -56,7 +58,11 @@ class _Kernel:
 
     def run(self, code: str, timeout: float = 120, interrupt_after: float | None = None) -> tuple[str, list]:
         """(stream text, errors) of one cell; ``interrupt_after``: interrupt the kernel that long after it starts."""
-        msg_id = self.kc.execute(code)
+        return self.wait(self.kc.execute(code), timeout, interrupt_after)
+
+    def wait(self, msg_id: str, timeout: float = 120, interrupt_after: float | None = None) -> tuple[str, list]:
+        """(stream text, errors) of the cell ``msg_id`` (:meth:`run`), once it is done."""
+        code = msg_id
         out: list[str] = []
         errors: list = []
         deadline = time.monotonic() + timeout
@@ -131,6 +137,44 @@ print("deaths", st["deaths"], "alive", st["alive"], "pids", local.pids)
         assert "deaths 0 alive 2" in out, out
         # the output of those calls showed in this cell
         assert "[procs=1] napping 0" in out and "napping 0" in out, out
+        # breakpoint() in a cell's actor: the kernel has no terminal; another one attaches, beside the job file
+        cell = k.kc.execute("""
+class Paused(ma.Actor):
+    @ma.endpoint
+    def work(self, x):
+        y = x + 1
+        breakpoint()
+        return y * 2
+
+print("result", local.slice(procs=0).spawn("p", Paused).work.call_one(1).get(timeout=120))
+""")
+        cli = pexpect.spawn(sys.executable, ["-m", "mesharray", "debug", job_path], encoding="utf-8", timeout=60,
+                            env=dict(os.environ), cwd=str(tmp_path))
+        try:
+            deadline = time.monotonic() + 60
+            while True:  # (until the kernel's debugger announced itself and its rank paused)
+                i = cli.expect([r"\(ma-debug\) ", pexpect.EOF])
+                if i == 0 and " p.work " in cli.before:
+                    break
+                assert time.monotonic() < deadline, cli.before
+                if i == 1:
+                    time.sleep(0.3)
+                    cli = pexpect.spawn(sys.executable, ["-m", "mesharray", "debug", job_path], encoding="utf-8",
+                                        timeout=60, env=dict(os.environ), cwd=str(tmp_path))
+                else:
+                    cli.sendline("list")
+            cli.sendline("attach 0")
+            cli.expect(r"\(Pdb\) ")
+            cli.sendline("p y")
+            cli.expect(r"\(Pdb\) ")
+            assert cli.before.strip().splitlines()[-1].strip() == "2", cli.before
+            cli.sendline("c")
+            cli.expect(["no rank is paused any more", "runs on"])
+        finally:
+            cli.terminate(force=True)
+        out, err = k.wait(cell)
+        assert not err, err
+        assert "result 4" in out and "python -m mesharray debug" in out, out
         # after a restart (the controller is gone, and with it its processes), the job's hosts come back
         k.restart()
         out, err = k.run(f"""
