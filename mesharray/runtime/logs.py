@@ -73,6 +73,7 @@ def forward_process_output(conn) -> None:
                     p.poll()
                     with _pipe_lock:
                         if not _pump_once(r, stream):
+                            _pipes.remove((r, stream))  # (before its fd number can be reused)
                             os.close(r)
                             return
                 except (OSError, ConnectionError):
