@@ -51,6 +51,7 @@ import signal
 import socket
 import struct
 import threading
+import time
 from types import CodeType, FrameType
 from typing import Any, Callable
 
@@ -162,6 +163,7 @@ def _unwake() -> None:
             pass
 
 
+_busy = False  # the handler runs
 _retry = threading.Event()
 _retrier: threading.Thread | None = None
 
@@ -170,6 +172,8 @@ def _retry_loop() -> None:
     while True:
         _retry.wait()
         _retry.clear()
+        while _busy:  # (tripped while the handler runs, it would run it again nested in itself)
+            time.sleep(0.0002)
         _thread.interrupt_main(signal.SIGINT)
 
 
@@ -184,26 +188,27 @@ def _again() -> None:
     _retry.set()
 
 
-_busy = False  # the handler runs (a Ctrl-C during it runs it again, nested, at its next check for signals)
-
-
 def _on_sigint(signum: int, frame: FrameType | None) -> None:
     """The SIGINT handler: Python's default (raise ``KeyboardInterrupt``) where that is safe, else later."""
     global _busy
-    if _busy:  # nested in the handler: the outer one decides, this one comes back later
-        _again()
+    if _busy:  # a Ctrl-C while the handler runs: the outer one raises it, or defers it for both
         return
     _busy = True
     try:
-        deferred = _deferred(frame)
+        try:
+            deferred = _deferred(frame)
+        except Exception:  # (a RecursionError on a deep stack...): never raised where it would break state
+            deferred = True
         if deferred:
-            _wake_readers(frame)
-            _again()  # run again at the next check for signals
+            try:
+                _wake_readers(frame)
+            finally:
+                _again()  # run again at the next check for signals, once this handler returned
         else:
             _unwake()
             _unwind(frame)
     finally:
-        _busy = False
+        _busy = False  # (no check for signals between here and the return or the raise)
     if not deferred:
         raise KeyboardInterrupt
 
