@@ -99,7 +99,8 @@ class _Kernel:
         self.km.shutdown_kernel(now=True)
 
 
-def test_kernel_interrupt_and_restart(tmp_path):
+def test_kernel_interrupt_and_restart(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHARRAY_DEBUG_DIR", str(tmp_path / "rendezvous"))  # (not the user's directory)
     job_path = str(tmp_path / "job.json")
     k = _Kernel(str(tmp_path))
     try:

@@ -22,6 +22,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = pytest.mark.timeout(180)
 
 
+@pytest.fixture(autouse=True)
+def _rendezvous_here(tmp_path, monkeypatch):
+    """Debuggers announce themselves in the test's directory, not the user's."""
+    monkeypatch.setenv("MESHARRAY_DEBUG_DIR", str(tmp_path))
+
+
 def _spawn(args, env=None, cwd=None):
     e = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     return pexpect.spawn(sys.executable, args, encoding="utf-8", timeout=60, env=e, cwd=cwd or HERE,
@@ -137,13 +143,10 @@ def test_debug_cli_from_another_terminal(tmp_path):
         rec = None
         while time.monotonic() < deadline:
             try:
-                os.environ["MESHARRAY_DEBUG_DIR"] = str(tmp_path)
-                rec = find()
+                rec = find()  # (in MESHARRAY_DEBUG_DIR: tmp_path)
                 break
             except LookupError:
                 time.sleep(0.2)
-            finally:
-                os.environ.pop("MESHARRAY_DEBUG_DIR", None)
         assert rec is not None, "the controller announced no debugger"
         assert oct(os.stat(rec["path"]).st_mode & 0o777) == "0o600"
         with pytest.raises(AuthenticationError):
