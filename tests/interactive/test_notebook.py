@@ -195,3 +195,7 @@ print("hosts", hosts.host_ids, "answer", hosts.spawn_procs(per_host={{"procs": 1
         assert "killed" in out and not err, (out, err)
     finally:
         k.close()
+        if os.path.exists(job_path):  # (a failed test ends its job too: no agent left behind)
+            import mesharray as ma
+
+            ma.job.load(job_path).kill()
