@@ -24,6 +24,7 @@ def _wait_for(capsys, needle: str, seen: list, limit: float = 10.0) -> str:
 def test_stream_window_and_level(procs, probes, capsys):
     try:
         seen: list = []
+        procs.logging(aggregate_window=3.0)  # (wide: the four lines join however loaded the machine)
         probes.say.call("together").get(timeout=30)
         assert "[procs=0:4] together" in _wait_for(capsys, "together", seen)
 
