@@ -25,6 +25,7 @@ import functools
 import math
 import numbers
 import operator
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
@@ -642,13 +643,25 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait, StoredArray):
         """
         kwargs = kwargs or {}
         leaves: list = []
+        try:  # a call of a signature seen before: its recipe (see _RECIPES)
+            key: Any = (func, _signature(args, leaves), _signature(kwargs, leaves),
+                        sys.modules["torch"].is_grad_enabled())
+            recipe = _RECIPES.get(key)
+        except TypeError:
+            key = recipe = None
+        if recipe is not None:
+            return recipe(leaves)
+        leaves = []
         targs = array_template(args, leaves)
         tkwargs = array_template(kwargs, leaves)
         plan = broadcast_plan(leaves, (), per_element=True)
         storage_cls = storage_class(leaves)
         if storage_cls is GatheredStorage:
             return _torch_gathered(func, plan, leaves, targs, tkwargs)
-        return storage_cls.torch_function(func, plan, leaves, targs, tkwargs)
+        value = storage_cls.torch_function(func, plan, leaves, targs, tkwargs)
+        if key is not None:
+            _keep_recipe(key, getattr(storage_cls, "torch_recipe", None), func, plan, leaves, targs, tkwargs, value)
+        return value
 
     def __getattr__(self, name: str) -> Any:
         # only what normal lookup did not find: a torch-engine array's Tensor methods and properties
@@ -661,7 +674,14 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait, StoredArray):
         attr = getattr(st, "torch_attr", None)
         if attr is None:
             raise AttributeError(f"'MeshArray' object has no attribute {name!r}")
-        return attr(self, name, broadcast_plan([self], (), per_element=True))
+        key = (name, self._shape, st.lkey)
+        recipe = _RECIPES.get(key)
+        if recipe is not None:
+            return recipe([self])
+        plan = broadcast_plan([self], (), per_element=True)
+        value = attr(self, name, plan)
+        _keep_recipe(key, getattr(st, "attr_recipe", None), self, name, plan, value)
+        return value
 
     # -- reductions ------------------------------------------------------------------------
 
@@ -1149,6 +1169,19 @@ def _mask_values(k: MeshArray, a: MeshArray) -> np.ndarray:
 
 
 def _elementwise(ufunc: np.ufunc, inputs: list, kwargs: dict) -> Any:
+    if not kwargs:  # a call of a signature seen before: its recipe (see _RECIPES)
+        try:
+            key: Any = (ufunc, tuple([_signature(x, None) for x in inputs]))
+            recipe = _RECIPES.get(key)
+        except TypeError:
+            key = recipe = None
+        if recipe is not None:
+            return recipe(inputs)
+        return _elementwise_planned(ufunc, inputs, kwargs, key)
+    return _elementwise_planned(ufunc, inputs, kwargs)
+
+
+def _elementwise_planned(ufunc: np.ufunc, inputs: list, kwargs: dict, key: Any = None) -> Any:
     out = kwargs.pop("out", ())
     if out is None:
         out = ()
@@ -1159,6 +1192,9 @@ def _elementwise(ufunc: np.ufunc, inputs: list, kwargs: dict) -> Any:
     if out:
         kwargs["out"] = tuple(out)
     results = storage_cls.elementwise(ufunc, plan, inputs, kwargs)
+    if key is not None and len(results) == 1:
+        _keep_recipe(key, getattr(storage_cls, "ufunc_recipe", None), ufunc, plan, inputs, kwargs,
+                     _wrap(plan.shape, results[0]))
     wrapped = []
     for i, r in enumerate(results):
         if out and out[i] is not None:
@@ -1167,6 +1203,50 @@ def _elementwise(ufunc: np.ufunc, inputs: list, kwargs: dict) -> Any:
         else:
             wrapped.append(_wrap(plan.shape, r))
     return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
+
+
+#: recipes by call signature: what a storage class (the distributed one, :mod:`mesharray.darray.dispatch`)
+#: gave for repeating an op whose operands are laid out the same way, without planning it again
+_RECIPES: dict = {}
+_PLAIN = (int, float, bool, str, complex, type(None))
+
+
+def _signature(obj: Any, leaves: list | None) -> Any:
+    """A hashable signature of an op's argument: a MeshArray by its mesh Shape and its storage's layout
+    key (appended to ``leaves``), plain values by type and value, containers element by element.
+
+    TypeError for what has no signature (a gathered MeshArray, a tensor, any other object).
+    """
+    t = type(obj)
+    if t is MeshArray:
+        lkey = getattr(obj._storage, "lkey", None)
+        if lkey is None:
+            raise TypeError("no recipe for gathered arrays")
+        if leaves is not None:
+            leaves.append(obj)
+        return (obj._shape, lkey)
+    if t in _PLAIN:
+        return (t, obj) if leaves is not None else (t,)  # (a ufunc's scalar: its type)
+    if t is tuple or t is list:
+        return (t, tuple([_signature(x, leaves) for x in obj]))
+    if t is dict:
+        return (t, tuple([(k, _signature(v, leaves)) for k, v in obj.items()]))
+    if t.__module__ == "torch" and t.__name__ in ("dtype", "Size", "device", "layout", "memory_format"):
+        return (t, obj)
+    if leaves is None and isinstance(obj, np.floating):
+        return (t,)
+    raise TypeError(f"no signature for {t.__name__}")
+
+
+def _keep_recipe(key: Any, maker: Any, *args: Any) -> None:
+    """Keep what ``maker(*args)`` gives (None: the op cannot be repeated from its signature) under ``key``."""
+    if maker is None:
+        return
+    recipe = maker(*args)
+    if recipe is not None:
+        if len(_RECIPES) >= 4096:
+            _RECIPES.clear()
+        _RECIPES[key] = recipe
 
 
 def _torch_gathered(func: Any, plan: Plan, leaves: list, args: Any, kwargs: dict) -> Any:

@@ -27,9 +27,13 @@ from .._core import Shape
 from ..actor import ActorMesh
 from ..errors import ActorDiedError, ActorError, MeshStoppedError
 from ..proc import ProcMesh
+from ..runtime.channel import defer_flush
 from .worker import DataActor, InputFailed, meta_dtype, unpack_small
 
 __all__ = ["DataContext", "data_context"]
+
+#: a command buffer holding this many instructions is sent at once
+BATCH_OPS = int(os.environ.get("MESHARRAY_BATCH_OPS", "256"))
 
 _CONTEXTS: weakref.WeakKeyDictionary[ProcMesh, DataContext] = weakref.WeakKeyDictionary()
 _CTX_LOCK = threading.Lock()
@@ -57,7 +61,7 @@ class _FreeTimer:
             return
         with self._cond:
             had = self._due.get(id(ctx))
-            if had is not None and had[1]() is ctx:
+            if had is not None and had[1]() is ctx and had[0] <= time.monotonic() + delay:
                 return
             self._due[id(ctx)] = (time.monotonic() + delay, weakref.ref(ctx))
             if self._thread is None:
@@ -142,6 +146,9 @@ class DataContext:
         self._hosts = dict(zip(root.mesh_shape, root.host_info))
         self._multi_host = len({h[0] for h in self._hosts.values()}) > 1
         self.plans: dict = {}  # DistributedStorage.reduce's plans by layout and request
+        # the command buffer: (ranks, wire instructions) in the order the ops were issued
+        self._buf: list[tuple[list, list]] = []
+        self._buffered = 0
         self.layouts: dict = {}  # elementwise result layouts by operand layouts
 
     @property
@@ -205,19 +212,96 @@ class DataContext:
         """Fire-and-forget a program to ``ranks`` (ordered after earlier messages)."""
         self.check_live()
         if ranks:
-            ranks = sorted(set(int(r) for r in ranks))
-            self.post(ranks, self.with_frees(ranks, program))
+            self.post(sorted(set(int(r) for r in ranks)), program)
 
     def post(self, ranks: list, program: list) -> None:
-        """Broadcast ``program`` to ``ranks`` (sorted, unique), past any dead rank.
+        """Queue ``program`` for ``ranks`` (sorted, unique) in the command buffer.
 
-        A dead rank is not an error here: the blocks it should have made are
+        The buffer goes out as one message per rank (:meth:`flush`) before this
+        process waits on any reply, when it holds :data:`BATCH_OPS`
+        instructions, or from the runtime's flusher thread within ~0.2 ms. A
+        dead rank is not an error here: the blocks it should have made are
         missing, and whatever uses or fetches them raises
         :class:`~mesharray.ActorDiedError` (survivors of a collective with it
         notice its death in their wait).
         """
+        wire = I.encode(program)
+        with self._lock:
+            buf = self._buf
+            if buf and buf[-1][0] == ranks:
+                buf[-1][1].extend(wire)  # (consecutive ops to the same ranks: one list)
+            else:
+                buf.append((ranks, wire))
+                if len(buf) == 1:
+                    defer_flush(self)
+            self._buffered += len(wire)
+            if self._buffered >= BATCH_OPS:
+                self.flush()
+
+    def post_wire(self, ranks: list, ins: tuple) -> None:
+        """:meth:`post` of one instruction already in its wire form (a recipe's: see :mod:`.dispatch`)."""
+        with self._lock:
+            buf = self._buf
+            if buf and (buf[-1][0] is ranks or buf[-1][0] == ranks):
+                buf[-1][1].append(ins)
+            else:
+                buf.append((ranks, [ins]))
+                if len(buf) == 1:
+                    defer_flush(self)
+            self._buffered += 1
+            if self._buffered >= BATCH_OPS:
+                self.flush()
+
+    def flush(self) -> None:
+        """Send the command buffer and the pending frees: each rank its instructions in order, one
+        message per rank.
+
+        Ranks given the same instructions (every op of a data-parallel step
+        goes to all of them) share one message, pickled once; frees go last
+        (every op that used a freed block was queued before its free). Never
+        raises: a rank that cannot be reached has its blocks missing.
+        """
+        with self._lock:
+            buf = self._buf
+            if not buf and not self._pending:
+                return
+            self._buf = []
+            self._buffered = 0
+            pending, self._pending, self._pending_bytes = self._pending, {}, 0
+            if self._timer:  # (under the lock: a decref now schedules anew)
+                self._timer = False
+                _FREES.cancel(self)
+            try:
+                if len(buf) == 1 and all(rs.issubset(buf[0][0]) for rs in pending.values()):
+                    ranks, wire = buf[0]  # (one message for all: the common case)
+                    if pending:
+                        wire.append(("free", sorted(pending)))
+                    self._broadcast(ranks, wire)
+                    return
+                # each rank's instructions, in order; ranks with the same entries share a message
+                entries: dict[int, list[int]] = {}
+                for i, (ranks, _) in enumerate(buf):
+                    for r in ranks:
+                        entries.setdefault(r, []).append(i)
+                frees: dict[int, list[int]] = {}
+                for bid, rs in pending.items():
+                    for r in rs:
+                        frees.setdefault(r, []).append(bid)
+                        entries.setdefault(r, [])
+                groups: dict[tuple, list[int]] = {}
+                for r, idx in entries.items():
+                    groups.setdefault((tuple(idx), tuple(sorted(frees.get(r, ())))), []).append(r)
+                for (idx, fr), ranks in groups.items():
+                    wire = [w for i in idx for w in buf[i][1]]
+                    if fr:
+                        wire.append(("free", list(fr)))
+                    self._broadcast(sorted(ranks), wire)
+            except Exception:  # the mesh is going away: nothing to run there
+                pass
+
+    def _broadcast(self, ranks: list, wire: list) -> None:
         try:
-            self.view(ranks).run.broadcast(I.encode(program))
+            self.view(ranks).run.broadcast(wire)
         except ActorDiedError:
             pass
 
@@ -228,6 +312,7 @@ class DataContext:
         the call with :class:`~mesharray.ActorDiedError` naming the dead ranks.
         """
         self.check_live()
+        self.flush()
         ranks = sorted(set(int(r) for r in ranks))
         try:
             return ranks, self.view(ranks).run.call(I.encode(self.with_frees(ranks, program))).get()
@@ -263,6 +348,8 @@ class DataContext:
         ``run``: the ``run`` endpoint of ``view(members)`` (a caller in a loop keeps it);
         ``wire``: the program in its wire form (:func:`~.instructions.encode`'s tuples).
         """
+        if self._buf:
+            self.flush()
         if self._pending:
             frees = self._take_frees(members)
             if frees:
@@ -271,11 +358,14 @@ class DataContext:
 
     def call_one(self, rank: int, program: list) -> Any:
         """Run ``program`` on ``rank``; a future of its result (a :class:`~.instructions.Fetch`'s block)."""
+        if self._buf:
+            self.flush()
         return self.view([rank]).run.call_one(I.encode(program))
 
     def meta(self, rank: int, bid: int) -> tuple[tuple, Any]:
         """Local shape and dtype of block ``bid`` on ``rank`` (raises the failure of its making)."""
         self.check_live()
+        self.flush()
         local, dt = self.view([rank]).meta.call_one(bid).get()
         return local, meta_dtype(dt)
 
@@ -312,18 +402,26 @@ class DataContext:
             self._pending[bid] = set(ranks)
             self._pending_bytes += nbytes
             now = self._pending_bytes > self.FREE_BYTES or len(self._pending) > 512
-            if not now and not self._timer:
+            if now or not self._timer:
                 self._timer = True
-                _FREES.schedule(self, self.FREE_DELAY)
-        if now:
-            self.flush_frees()
+                # by the timer's thread, not here, even when it is urgent: a decref runs in
+                # finalizers, which a garbage collection may run inside any section of this
+                # thread, a half-made command buffer's too
+                _FREES.schedule(self, 0.0 if now else self.FREE_DELAY)
 
-    def with_frees(self, ranks: list, program: list) -> list:
-        """``program`` preceded by the pending frees of blocks on ``ranks`` (taken off the pending set)."""
+    def with_frees(self, ranks: list, program: list, wired: bool = False) -> list:
+        """``program`` followed by the pending frees of blocks on ``ranks`` (taken off the pending set).
+
+        After it, not before: a block freed now was used only by ops issued
+        before its last reference went, which are in ``program`` or already sent.
+        ``wired``: ``program`` is in its wire form already.
+        """
         if not self._pending:
             return program
         frees = self._take_frees(ranks)
-        return [I.Free(frees)] + program if frees else program
+        if not frees:
+            return program
+        return program + [("free", frees) if wired else I.Free(frees)]
 
     def _take_frees(self, ranks: list) -> list:
         """The pending frees of blocks on ``ranks``, taken off the pending set for those ranks."""
@@ -341,23 +439,9 @@ class DataContext:
         return frees
 
     def flush_frees(self) -> None:
-        """Send every pending free now."""
-        with self._lock:
-            pending, self._pending, self._pending_bytes = self._pending, {}, 0
-            if self._timer:  # (under the lock: a decref now schedules anew)
-                self._timer = False
-                _FREES.cancel(self)
-        if not pending or self.mesh.stopped:
-            return
-        by_rank: dict[int, list] = {}
-        for bid, rs in pending.items():
-            for r in rs:
-                by_rank.setdefault(r, []).append(bid)
-        try:
-            bids = sorted({b for v in by_rank.values() for b in v})
-            self.view(sorted(by_rank)).run.broadcast(I.encode([I.Free(bids)]))
-        except Exception:  # the mesh is going away (or a rank died): nothing to free there
-            pass
+        """Send every pending free now (with whatever the command buffer holds)."""
+        if not self.mesh.stopped:
+            self.flush()
 
 
 def data_context(procs: ProcMesh) -> DataContext:

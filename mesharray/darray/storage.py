@@ -52,6 +52,7 @@ from ..errors import EngineUnavailableError, MeshShapeError
 from ..storage import GatheredStorage
 from .blockfn import BlockCall
 from .context import DataContext, data_context
+from .dispatch import ApplyRecipe, UfuncRecipe, layout_key, plain_scalar, result_of
 from .worker import COLLECTIVE_OP, local_block, unpack_small
 
 __all__ = ["DistributedStorage", "distributed"]
@@ -112,7 +113,7 @@ class DistributedStorage:
 
     kind = "distributed"
     __slots__ = ("ctx", "bid", "ranks", "holders", "_local", "_dtype", "engine", "collective", "announced",
-                 "_all", "_nbytes", "_last_plan", "__weakref__")
+                 "_all", "_nbytes", "_last_plan", "_lkey", "__weakref__")
 
     def __init__(self, ctx: DataContext, bid: int, ranks: np.ndarray, local_shape: tuple, dtype: Any,
                  engine: str, holders: np.ndarray | None = None, collective: str | None = None,
@@ -129,6 +130,7 @@ class DistributedStorage:
         #: already (a tiny reduction: fetching it then costs no message)
         self.announced: dict | None = None
         self._last_plan: tuple | None = None  # (op, axes, keepdims, plan) of its last reduce
+        self._lkey: int | None = None
         ctx.incref(bid)
         all_ranks = _all_ranks if _all_ranks is not None else tuple(sorted(
             set(self.ranks.ravel().tolist()) | (set(holders.ravel().tolist()) if holders is not None else set())))
@@ -152,6 +154,7 @@ class DistributedStorage:
         self.collective = collective
         self.announced = None
         self._last_plan = None
+        self._lkey = None
         ctx._refs[bid] = 1  # (incref of a block id just minted: nobody else can hold it yet)
         self._nbytes = nbytes
         self._all = all_ranks
@@ -178,9 +181,18 @@ class DistributedStorage:
                                   self.holders if holders is False else holders, self.collective)
 
     def _unique(self) -> list[int]:
+        """The ranks of the positions (where a fetch reads); ``_all`` also has the holders of copies."""
         return sorted(set(self.ranks.ravel().tolist()))
 
     # -- description
+    @property
+    def lkey(self) -> int:
+        """This storage's layout as a small int (:func:`~.dispatch.layout_key`): part of a recipe's signature."""
+        k = self._lkey
+        if k is None:
+            k = self._lkey = layout_key(self)
+        return k
+
     @property
     def dtype(self) -> np.dtype:
         return self._dtype
@@ -261,7 +273,7 @@ class DistributedStorage:
 
     def reshape_local(self, mesh_ndim: int, local_shape: tuple[int, ...]) -> "DistributedStorage":
         bid = self.ctx.new_id()
-        self.ctx.send(self._unique(), [I.Reshape(bid, self.bid, tuple(local_shape))])
+        self.ctx.send(self._all, [I.Reshape(bid, self.bid, tuple(local_shape))])
         return self._derive(bid, local=tuple(local_shape))
 
     def astype(self, dtype: Any, copy: bool) -> "DistributedStorage":
@@ -269,12 +281,12 @@ class DistributedStorage:
         if dt == self._dtype and not copy:
             return self
         bid = self.ctx.new_id()
-        self.ctx.send(self._unique(), [I.AsType(bid, self.bid, dt.name)])
+        self.ctx.send(self._all, [I.AsType(bid, self.bid, dt.name)])
         return self._derive(bid, dtype=dt)
 
     def copy(self) -> "DistributedStorage":
         bid = self.ctx.new_id()
-        self.ctx.send(self._unique(), [I.Copy(bid, self.bid)])
+        self.ctx.send(self._all, [I.Copy(bid, self.bid)])
         return self._derive(bid)
 
     def positions(self, shape: Shape, axis: int) -> Any:
@@ -325,7 +337,7 @@ class DistributedStorage:
             program.append(first(nb, cur))
             cur = nb
         if coll is None:
-            ctx.send(self._unique(), program)
+            ctx.send(self._all, program)  # (every copy: the result keeps the holders)
             return self._derive(cur, local=new_local, dtype=rdt_work)
         members, ranks, holders, all_ranks, roots, planned, tiny, nbytes, run = coll
         out = ctx.new_id()
@@ -349,7 +361,7 @@ class DistributedStorage:
         res = DistributedStorage(ctx, out, ranks, new_local, rdt_work, self.engine, holders, self.collective,
                                  _all_ranks=all_ranks)
         # fire-and-forget (see _send_collective); members are sorted and unique
-        ctx.post(members, ctx.with_frees(members, program))
+        ctx.post(members, program)
         if rdt_work != rdt:  # any/all computed as uint8 max/min
             res = res.astype(rdt, copy=True)
         return res
@@ -528,7 +540,7 @@ class DistributedStorage:
         with the program, one value per rank.
         """
         dist = [x for x in leaves if distributed(x) is not None]
-        first, R, pos_of, ranks, moved = _placed(what, plan, dist, per_element)
+        first, R, pos_of, ranks, moved, holders = _placed(what, plan, dist, per_element)
         ctx = first.ctx
         m = len(plan.sizes)
         operands: list[I.Operand] = []
@@ -546,7 +558,7 @@ class DistributedStorage:
         if into is not None:
             return None
         local, dt = meta if meta is not None else ctx.meta(ranks[0], bid)
-        return DistributedStorage(ctx, bid, R, tuple(local), dt, first.engine, None, first.collective,
+        return DistributedStorage(ctx, bid, R, tuple(local), dt, first.engine, holders, first.collective,
                                   _all_ranks=tuple(ranks))
 
     def pick(self, i: int, meta: tuple) -> "DistributedStorage":
@@ -577,11 +589,26 @@ class DistributedStorage:
             DistributedStorage.blockwise(name, call, plan, leaves, None, wait=True)
             return None
         res: Any = _NO_META
+        # what func gives on torch's meta device depends only on the call's shapes, dtypes and
+        # other arguments: run once per such call (a step of a loop repeats its calls exactly)
         try:
-            metas = [torch.empty(x.local_shape, dtype=torch_dtype(x.dtype), device="meta") for x in leaves]
-            res = func(*fill(args, metas), **fill(kwargs, metas))
-        except Exception:
-            pass
+            key: Any = (func, _frozen(args), _frozen(kwargs), tuple((x.local_shape, x.dtype) for x in leaves),
+                        call.grad)
+        except TypeError:  # an argument that is not a plain value (a tensor): run it every time
+            key = None
+        cached = _META.get(key, _NO_META) if key is not None else _NO_META
+        if cached is not _NO_META:
+            res = cached
+        else:
+            try:
+                metas = [torch.empty(x.local_shape, dtype=torch_dtype(x.dtype), device="meta") for x in leaves]
+                res = func(*fill(args, metas), **fill(kwargs, metas))
+            except Exception:
+                pass
+            if key is not None:
+                if len(_META) >= 4096:
+                    _META.clear()
+                _META[key] = res
         first = args[0] if isinstance(args, tuple) and args else None
         if (name.endswith("_") and not name.startswith("_") and type(first) is Slot
                 and distributed(leaves[first.i]) is not None):
@@ -642,6 +669,75 @@ class DistributedStorage:
         assert st is not None
         return _host_or_array(plan.shape, st)
 
+    # -- recipes: repeating an op of the same signature (see .dispatch) -----------------------
+
+    @staticmethod
+    def _recipe_ranks(what: str, plan: Any, leaves: list, per_element: bool) -> list | None:
+        """Where an op over ``leaves`` runs, when every operand is distributed in one process mesh and
+        already where the result is computed (nothing moves): the ranks; else None."""
+        dist = [distributed(x) for x in leaves]
+        if not dist or dist[0] is None:
+            return None
+        ctx = dist[0].ctx
+        if any(st is None or st.ctx is not ctx for st in dist):
+            return None
+        _, _, _, ranks, moves, _ = _layout(what, plan, leaves, per_element)
+        return None if moves else ranks
+
+    @staticmethod
+    def torch_recipe(func: Any, plan: Any, leaves: list, args: Any, kwargs: dict, value: Any) -> Any:
+        """A recipe repeating :meth:`torch_function` for calls of this signature, or None."""
+        import torch
+
+        name = getattr(func, "__name__", "")
+        if name == "backward" or not leaves:
+            return None
+        ranks = DistributedStorage._recipe_ranks(name, plan, leaves, True)
+        if ranks is None:
+            return None
+        call = BlockCall(func, args, kwargs, tensors=True, grad=torch.is_grad_enabled())
+        first = args[0] if isinstance(args, tuple) and args else None
+        if name.endswith("_") and not name.startswith("_") and type(first) is Slot:
+            return ApplyRecipe(call, None, ranks, inplace=first.i) if value is leaves[first.i] else None
+        try:
+            key = (func, _frozen(args), _frozen(kwargs), tuple((x.local_shape, x.dtype) for x in leaves), call.grad)
+        except TypeError:
+            return None
+        meta = _META.get(key)
+        if not isinstance(meta, torch.Tensor) or meta.dtype == torch.bfloat16:
+            return None  # (the result's shape came from a rank, or it is not one tensor)
+        res = result_of(value, plan.shape, ranks)
+        return None if res is None else ApplyRecipe(call, res, ranks)
+
+    @staticmethod
+    def attr_recipe(array: Any, name: str, plan: Any, value: Any) -> Any:
+        """A recipe repeating :meth:`torch_attr` for this attribute of arrays of this signature, or None."""
+        if isinstance(value, functools.partial):  # a Tensor method: bound to each array anew
+            method = value.args[0]
+            return lambda leaves: functools.partial(_tensor_method, method, leaves[0])
+        if name != "grad" and not isinstance(value, MeshArray):
+            return None
+        ranks = DistributedStorage._recipe_ranks(name, plan, [array], True)
+        res = None if ranks is None else result_of(value, plan.shape, ranks)
+        if ranks is None or res is None:
+            return None
+        return ApplyRecipe(_grad_of if name == "grad" else operator.attrgetter(name), res, ranks)
+
+    @staticmethod
+    def ufunc_recipe(ufunc: np.ufunc, plan: Any, inputs: list, kwargs: dict, value: Any) -> Any:
+        """A recipe repeating :meth:`elementwise` for calls of this signature (no ``out=``/``where=``), or None."""
+        if ufunc.signature is not None or ufunc.nout != 1 or "out" in kwargs or "where" in kwargs:
+            return None
+        kinds = tuple(distributed(x) is not None for x in inputs)
+        dist = [x for x, k in zip(inputs, kinds) if k]
+        # a Python int cannot change the dtype of floating blocks, nor overflow them
+        ints = all(x.dtype.kind in "fc" for x in dist)
+        if not dist or not all(k or plain_scalar(x) or (ints and type(x) is int) for x, k in zip(inputs, kinds)):
+            return None
+        ranks = DistributedStorage._recipe_ranks(ufunc.__name__, plan, dist, False)
+        res = None if ranks is None else result_of(value, plan.shape, ranks)
+        return None if res is None else UfuncRecipe(ufunc.__name__, kinds, dict(kwargs), res)
+
     @staticmethod
     def array_function(func: Any, plan: Any, leaves: list, args: Any, kwargs: dict, per_element: bool) -> Any:
         """NumPy function ``func`` on each rank's blocks (``args``/``kwargs``: templates over ``leaves``)."""
@@ -668,7 +764,7 @@ class DistributedStorage:
         dist = [x for x in inputs if distributed(x) is not None]
         per_element = ufunc.signature is not None
         sizes = tuple(plan.sizes)
-        first, R, pos_of, ranks, moved = _placed(ufunc.__name__, plan, dist, per_element)
+        first, R, pos_of, ranks, moved, holders = _placed(ufunc.__name__, plan, dist, per_element)
         ctx = first.ctx
         operands: list[I.Operand] = []
         proxies = []
@@ -699,7 +795,7 @@ class DistributedStorage:
                 local = tuple(plan.local_shape)
         bid = ctx.new_id()
         ctx.send(ranks, [I.Elementwise(bid, ufunc.__name__, operands, extra)])
-        return (DistributedStorage(ctx, bid, R, local, dt, first.engine, None, first.collective,
+        return (DistributedStorage(ctx, bid, R, local, dt, first.engine, holders, first.collective,
                                    _all_ranks=tuple(ranks)),)
 
 
@@ -758,7 +854,17 @@ def move_blocks(src: DistributedStorage, src_ranks: np.ndarray, ctx: DataContext
 
 def _placed(what: str, plan: Any, dist: list, per_element: bool) -> tuple:
     """Where a blockwise result is computed, with the operands' blocks moved there:
-    ``(first, R, pos_of, ranks, moved)`` (``moved``: storages by ``id`` of the operand)."""
+    ``(first, R, pos_of, ranks, moved, holders)`` (``moved``: storages by ``id`` of the operand)."""
+    lead, R, pos_of, ranks, moves, holders = _layout(what, plan, dist, per_element)
+    first = dist[lead].storage
+    # operands whose blocks are elsewhere (other ranks, or another process mesh) travel to
+    # the ranks computing the result first, worker to worker
+    moved = {id(dist[i]): move_blocks(dist[i].storage, src_ranks, first.ctx, R) for i, src_ranks in moves}
+    return first, R, pos_of, ranks, moved, holders
+
+
+def _layout(what: str, plan: Any, dist: list, per_element: bool) -> tuple:
+    """:func:`_ew_layout`, worked out once per layout of the operands."""
     sizes = tuple(plan.sizes)
     # Where each result position is computed depends only on the operands' layouts:
     # worked out once per layout (a loop of `a * 2 + b` then costs only its messages)
@@ -775,16 +881,11 @@ def _placed(what: str, plan: Any, dist: list, per_element: bool) -> tuple:
         if len(layouts) > 256:
             layouts.clear()
         layout = layouts[key] = _ew_layout(what, plan, dist, per_element, sizes)
-    lead, R, pos_of, ranks, moves = layout
-    first = dist[lead].storage
-    # operands whose blocks are elsewhere (other ranks, or another process mesh) travel to
-    # the ranks computing the result first, worker to worker
-    moved = {id(dist[i]): move_blocks(dist[i].storage, src_ranks, first.ctx, R) for i, src_ranks in moves}
-    return first, R, pos_of, ranks, moved
+    return layout
 
 
 def _ew_layout(what: str, plan: Any, dist: list, per_element: bool, sizes: tuple) -> tuple:
-    """Which rank computes each position of an elementwise result: ``(lead, R, pos_of, ranks, moves)``.
+    """Which rank computes each position of an elementwise result: ``(lead, R, pos_of, ranks, moves, holders)``.
 
     The result lives where the first operand with every result position (else
     the first operand) lives: ``dist[lead]``'s process mesh, ranks ``R``
@@ -825,7 +926,31 @@ def _ew_layout(what: str, plan: Any, dist: list, per_element: bool, sizes: tuple
     R = np.asarray(R, dtype=np.int64).copy()
     R.setflags(write=False)
     pos_of = {int(R[p]): p for p in np.ndindex(*sizes)}
-    return lead, R, pos_of, sorted(pos_of), moves
+    holders = _replicas(laid, sizes, R, moves)
+    if holders is not None:
+        # every operand is held, the same way, by the members of a group (a keepdims reduction's
+        # result): each holder computes its copy, and the result stays held the same way
+        for p in np.ndindex(*sizes):
+            for h in holders[p].tolist():
+                pos_of[int(h)] = p
+    return lead, R, pos_of, sorted(pos_of), moves, holders
+
+
+def _replicas(laid: list, sizes: tuple, R: np.ndarray, moves: list) -> np.ndarray | None:
+    """The holders shared by every operand of an elementwise op (each position's block held by the same
+    ranks, no rank holding two positions), or None: then only ``R`` computes the result."""
+    if moves or not laid or any(h is None for _, _, h in laid):
+        return None
+    h0 = np.broadcast_to(laid[0][2], sizes + (laid[0][2].shape[-1],))
+    for _, _, h in laid[1:]:
+        if h.shape[-1] != h0.shape[-1] or not (np.broadcast_to(h, h0.shape) == h0).all():
+            return None
+    flat = h0.reshape(-1)
+    if len(np.unique(flat)) != flat.size:
+        return None
+    out = np.ascontiguousarray(h0, dtype=np.int64)
+    out.setflags(write=False)
+    return out
 
 
 _SAMPLES: dict = {}
@@ -880,6 +1005,26 @@ def _host_proxy(x: Any) -> Any:
 
 
 _NO_META = object()
+#: torch functions' results on the meta device, by call (see torch_function)
+_META: dict = {}
+_PLAIN = (int, float, bool, str, type(None), Slot, complex)
+
+
+def _frozen(obj: Any) -> Any:
+    """A hashable stand-in of a call's arguments that equals another only for the same call; TypeError
+    for anything but plain values (numbers, strings, slots, torch dtypes and sizes, and containers of
+    them): a tensor hashes by identity, which a new tensor may reuse."""
+    t = type(obj)
+    if t in _PLAIN:
+        return (t, obj)
+    if t is tuple or t is list:
+        return (t, tuple(_frozen(x) for x in obj))
+    if t is dict:
+        return (t, tuple((k, _frozen(v)) for k, v in obj.items()))
+    mod = t.__module__
+    if mod == "torch" and t.__name__ in ("dtype", "Size", "device", "layout", "memory_format"):
+        return (t, obj)
+    raise TypeError(f"not a plain value: {t.__name__}")
 #: engines whose blocks are torch tensors
 _TORCH_ENGINES = ("torch", "cuda", "rocm", "mps", "xla")
 

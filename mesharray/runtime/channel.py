@@ -32,6 +32,7 @@ import threading
 import time
 from operator import attrgetter
 from threading import get_ident
+from typing import Any
 
 from .._core import pack_calls, unpack_header
 from ..errors import ActorDiedError, BackpressureError, BrokenTransportError, ClosedTransportError
@@ -43,7 +44,7 @@ from .recorder import REC, SPAN
 
 _current = REC.current
 
-__all__ = ["Channel", "Fanout", "flush_all", "dirty", "next_id", "sent"]
+__all__ = ["Channel", "Fanout", "defer_flush", "flush_all", "dirty", "next_id", "sent"]
 
 next_id = itertools.count(1).__next__
 _pid = os.getpid
@@ -438,7 +439,7 @@ _flush_wake = threading.Event()
 _flusher: threading.Thread | None = None
 
 
-def _mark_dirty(conn: Connection) -> None:
+def _mark_dirty(conn: Any) -> None:
     global _flusher
     with _dirty_lock:
         _dirty.add(conn)
@@ -448,15 +449,26 @@ def _mark_dirty(conn: Connection) -> None:
     _flush_wake.set()
 
 
+def defer_flush(obj: Any) -> None:
+    """Have ``obj.flush()`` run before this process next waits on a reply (:func:`flush_all`), or by
+    the flusher thread within ~0.2 ms, whichever comes first: for layers above that batch what they
+    send (the distributed arrays' command buffers) as connections batch corked frames."""
+    _mark_dirty(obj)
+
+
 def flush_all() -> None:
-    """Write every corked frame of this process now (called before blocking on a reply)."""
-    if not _dirty:
-        return
-    with _dirty_lock:
-        conns = list(_dirty)
-        _dirty.clear()
-    for c in conns:
-        c.flush()
+    """Write every corked frame of this process now (called before blocking on a reply).
+
+    What a flush sends may cork frames again (a command buffer's programs): those go too.
+    """
+    for _ in range(4):
+        if not _dirty:
+            return
+        with _dirty_lock:
+            conns = list(_dirty)
+            _dirty.clear()
+        for c in conns:
+            c.flush()
 
 
 def _flush_loop() -> None:

@@ -32,15 +32,26 @@ def test_each_context_is_flushed_once_after_its_own_delay():
     t0 = time.monotonic()
     timer.schedule(a, 0.02)
     timer.schedule(b, 0.10)
-    timer.schedule(a, 0.0)  # already scheduled: its first deadline stands
+    timer.schedule(a, 0.5)  # already scheduled sooner: its first deadline stands
     assert a.flushed.wait(5) and b.flushed.wait(5)
-    assert a.flushes[0] - t0 >= 0.019 and b.flushes[0] - t0 >= 0.099
+    assert 0.019 <= a.flushes[0] - t0 < 0.4 and b.flushes[0] - t0 >= 0.099
     time.sleep(0.1)
     assert len(a.flushes) == 1 and len(b.flushes) == 1
     # a flushed context can be scheduled again
     timer.schedule(a, 0.01)
     assert _wait_for(lambda: len(a.flushes) == 2)
     assert timer._thread is not None and timer._thread.name == "mesharray-frees"
+
+
+def test_an_urgent_flush_moves_a_scheduled_one_earlier():
+    # frees holding many bytes go at once (by the timer's thread: a decref runs in finalizers)
+    timer = _FreeTimer()
+    a = _Ctx()
+    t0 = time.monotonic()
+    timer.schedule(a, 5.0)
+    timer.schedule(a, 0.0)
+    assert a.flushed.wait(2)
+    assert a.flushes[0] - t0 < 1.0 and len(a.flushes) == 1
 
 
 def test_cancelled_and_collected_contexts_are_not_flushed():

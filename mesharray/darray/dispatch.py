@@ -1,0 +1,149 @@
+"""Recipes: the controller's per-call-signature plans of distributed ops, so a loop of ops costs little.
+
+The first time an op runs with a given *signature* — the function (a torch
+function, a Tensor method or attribute, a ufunc), its plain arguments, and for
+each distributed operand its mesh Shape and its *layout key* (:func:`layout_key`:
+which ranks hold which position, holders of copies, local shape, dtype,
+engine, collective backend, process mesh) — :class:`~.storage.DistributedStorage`
+plans it the general way (broadcasting, where it runs, the result's shape
+and dtype on torch's meta device or from NumPy's rules). Where that plan
+needs nothing but the operands' block ids to be repeated (every operand
+already on the rank computing its position, one result), it is kept as a
+*recipe*: a callable that mints the result's block id, queues one
+instruction in the context's command buffer and wraps the result. The
+:class:`~mesharray.MeshArray` side keeps recipes by signature (see
+``MeshArray.__torch_function__``) and runs them on later calls.
+
+Everything a recipe holds depends only on its signature, never on a
+particular array or process mesh: the context comes from the operands.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+
+from ..array import MeshArray
+
+__all__ = ["ApplyRecipe", "UfuncRecipe", "layout_key"]
+
+_KEYS: dict[tuple, int] = {}
+_next_key = itertools.count(1).__next__
+
+
+def layout_key(st: Any) -> int:
+    """A small int naming ``st``'s layout (equal for storages laid out alike in one process mesh).
+
+    Ints are never reused: a table grown too large is cleared, and a layout
+    seen again gets a new number (a recipe cache miss, never a wrong hit).
+    """
+    h = st.holders
+    key = (id(st.ctx), st.ranks.shape, st.ranks.tobytes(), None if h is None else (h.shape, h.tobytes()),
+           st._local, st._dtype.str, st.engine, st.collective)
+    k = _KEYS.get(key)
+    if k is None:
+        if len(_KEYS) >= 8192:
+            _KEYS.clear()
+        k = _KEYS[key] = _next_key()
+    return k
+
+
+class _Result:
+    """What a recipe's result is, known from its signature: the block's layout and type."""
+
+    __slots__ = ("cls", "ranks", "R", "holders", "local", "dtype", "engine", "collective", "all_ranks", "nbytes",
+                 "shape", "lkey")
+
+    def __init__(self, st: Any, shape: Any, ranks: list) -> None:
+        self.cls = type(st)
+        self.ranks = ranks  # where the instruction runs (positions and holders of copies)
+        self.R = st.ranks
+        self.holders = st.holders
+        self.local = st._local
+        self.dtype = st._dtype
+        self.engine = st.engine
+        self.collective = st.collective
+        self.all_ranks = st._all
+        self.nbytes = st._nbytes
+        self.shape = shape
+        self.lkey = st.lkey
+
+    def make(self, ctx: Any, bid: int) -> MeshArray:
+        st = self.cls._made(ctx, bid, self.R, self.local, self.dtype, self.engine, self.holders, self.collective,
+                            self.all_ranks, self.nbytes)
+        st._lkey = self.lkey
+        return MeshArray.from_storage(self.shape, st)
+
+
+class ApplyRecipe:
+    """``call(*blocks)`` on each rank of the result (a torch function, method or attribute).
+
+    ``inplace``: the index of the operand whose blocks the call changes in place
+    (``x.requires_grad_()``): its own block id is the instruction's, and the
+    call returns that operand.
+    """
+
+    __slots__ = ("call", "result", "inplace", "ranks")
+
+    def __init__(self, call: Any, result: _Result | None, ranks: list, inplace: int | None = None) -> None:
+        self.call = call
+        self.result = result
+        self.ranks = ranks
+        self.inplace = inplace
+
+    def __call__(self, leaves: list) -> Any:
+        sts = [x._storage for x in leaves]
+        ctx = sts[0].ctx
+        ctx.check_live()
+        ops = [("b", s.bid) for s in sts]
+        if self.inplace is not None:
+            ctx.post_wire(self.ranks, ("apply", sts[self.inplace].bid, self.call, ops))
+            return leaves[self.inplace]
+        res = self.result
+        assert res is not None
+        bid = ctx.new_id()
+        ctx.post_wire(self.ranks, ("apply", bid, self.call, ops))
+        return res.make(ctx, bid)
+
+
+class UfuncRecipe:
+    """``numpy.<name>`` (or the engine's op) over distributed operands and plain scalars.
+
+    ``kinds[i]`` is True for a distributed operand (its block), False for a
+    scalar (sent as it is: its type is part of the signature, its value not).
+    """
+
+    __slots__ = ("name", "kinds", "extra", "result", "ranks", "lead")
+
+    def __init__(self, name: str, kinds: tuple, extra: dict, result: _Result) -> None:
+        self.name = name
+        self.kinds = kinds
+        self.extra = extra
+        self.result = result
+        self.ranks = result.ranks
+        self.lead = kinds.index(True)
+
+    def __call__(self, inputs: list) -> Any:
+        ctx = inputs[self.lead]._storage.ctx
+        ctx.check_live()
+        ops = [("b", x._storage.bid) if k else ("v", x) for x, k in zip(inputs, self.kinds)]
+        bid = ctx.new_id()
+        ctx.post_wire(self.ranks, ("ew", bid, self.name, ops, self.extra))
+        return self.result.make(ctx, bid)
+
+
+def result_of(value: Any, shape: Any, ranks: list) -> _Result | None:
+    """The :class:`_Result` of an op's value when it is one new distributed block, else None."""
+    if not isinstance(value, MeshArray) or value._shape is not shape:
+        return None
+    st = value._storage
+    if getattr(st, "announced", 1) is not None or not hasattr(st, "lkey"):
+        return None
+    return _Result(st, shape, ranks)
+
+
+def plain_scalar(x: Any) -> bool:
+    """A scalar whose value never changes a ufunc's result dtype (NumPy 2's weak Python scalars)."""
+    return type(x) is float or type(x) is bool or (isinstance(x, np.floating) and type(x) is not np.longdouble)
