@@ -51,6 +51,7 @@ from .errors import (
     BootstrapError,
     BrokenTransportError,
     BusyTransportError,
+    CaptureError,
     ClosedTransportError,
     DimensionError,
     EngineUnavailableError,
@@ -88,6 +89,7 @@ if TYPE_CHECKING:  # what __getattr__ below returns, for type checkers and edito
     from .darray import allgather as allgather
     from .darray import broadcast_from as broadcast_from
     from .darray import reduce_scatter as reduce_scatter
+    from .darray.function import function as function
     from .mesh import MeshTrait as MeshTrait
     from .proc import HostMesh as HostMesh
     from .proc import ProcMesh as ProcMesh
@@ -122,6 +124,7 @@ _LAZY = {
     "broadcast_from": "mesharray.darray",
     "reduce_scatter": "mesharray.darray",
     "all_to_all": "mesharray.darray",
+    "function": "mesharray.darray.function",
 }
 
 # submodules reached as attributes (``ma.k8s.attach(...)``), imported on first use
@@ -139,6 +142,7 @@ __all__ = [
     "AuthenticationError",
     "BackpressureError",
     "BootstrapError",
+    "CaptureError",
     "BrokenTransportError",
     "BusyTransportError",
     "ClosedTransportError",

@@ -43,6 +43,7 @@ from .elementwise import (
     blockwise_function,
     broadcast_plan,
     mesh_alignment,
+    signature,
     storage_class,
 )
 from .errors import DimensionError, MeshIndexError, MeshShapeError
@@ -644,7 +645,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait, StoredArray):
         kwargs = kwargs or {}
         leaves: list = []
         try:  # a call of a signature seen before: its recipe (see _RECIPES)
-            key: Any = (func, _signature(args, leaves), _signature(kwargs, leaves),
+            key: Any = (func, signature(args, leaves), signature(kwargs, leaves),
                         sys.modules["torch"].is_grad_enabled())
             recipe = _RECIPES.get(key)
         except TypeError:
@@ -1171,7 +1172,7 @@ def _mask_values(k: MeshArray, a: MeshArray) -> np.ndarray:
 def _elementwise(ufunc: np.ufunc, inputs: list, kwargs: dict) -> Any:
     if not kwargs:  # a call of a signature seen before: its recipe (see _RECIPES)
         try:
-            key: Any = (ufunc, tuple([_signature(x, None) for x in inputs]))
+            key: Any = (ufunc, tuple([signature(x, None) for x in inputs]))
             recipe = _RECIPES.get(key)
         except TypeError:
             key = recipe = None
@@ -1208,36 +1209,6 @@ def _elementwise_planned(ufunc: np.ufunc, inputs: list, kwargs: dict, key: Any =
 #: recipes by call signature: what a storage class (the distributed one, :mod:`mesharray.darray.dispatch`)
 #: gave for repeating an op whose operands are laid out the same way, without planning it again
 _RECIPES: dict = {}
-_PLAIN = (int, float, bool, str, complex, type(None))
-
-
-def _signature(obj: Any, leaves: list | None) -> Any:
-    """A hashable signature of an op's argument: a MeshArray by its mesh Shape and its storage's layout
-    key (appended to ``leaves``), plain values by type and value, containers element by element.
-
-    TypeError for what has no signature (a gathered MeshArray, a tensor, any other object).
-    """
-    t = type(obj)
-    if t is MeshArray:
-        lkey = getattr(obj._storage, "lkey", None)
-        if lkey is None:
-            raise TypeError("no recipe for gathered arrays")
-        if leaves is not None:
-            leaves.append(obj)
-        return (obj._shape, lkey)
-    if t in _PLAIN:
-        return (t, obj) if leaves is not None else (t,)  # (a ufunc's scalar: its type)
-    if t is tuple or t is list:
-        return (t, tuple([_signature(x, leaves) for x in obj]))
-    if t is dict:
-        return (t, tuple([(k, _signature(v, leaves)) for k, v in obj.items()]))
-    if t.__module__ == "torch" and t.__name__ in ("dtype", "Size", "device", "layout", "memory_format"):
-        return (t, obj)
-    if leaves is None and isinstance(obj, np.floating):
-        return (t,)
-    raise TypeError(f"no signature for {t.__name__}")
-
-
 def _keep_recipe(key: Any, maker: Any, *args: Any) -> None:
     """Keep what ``maker(*args)`` gives (None: the op cannot be repeated from its signature) under ``key``."""
     if maker is None:

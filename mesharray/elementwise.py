@@ -29,7 +29,7 @@ from .errors import MeshShapeError
 from .storage import GatheredStorage, StoredArray
 
 __all__ = ["BLOCKWISE", "REDUCTION_FUNCTIONS", "SAME_SHAPE_FUNCTIONS", "Plan", "array_template", "blockwise_function",
-           "broadcast_plan", "mesh_alignment", "storage_class"]
+           "broadcast_plan", "mesh_alignment", "signature", "storage_class"]
 
 _SCALAR_TYPES = (bool, int, float, complex, np.generic)
 
@@ -92,6 +92,37 @@ class Plan:
         if perm != tuple(range(v.ndim)):
             v = v.transpose(perm)
         return v.reshape(target) if target != v.shape else v
+
+
+_PLAIN = (int, float, bool, str, complex, type(None))
+
+
+def signature(obj: Any, leaves: list | None) -> Any:
+    """A hashable signature of an op's argument (``leaves``: None for a ufunc's operands, whose plain
+    values count by type only): a MeshArray by its mesh Shape and its storage's layout
+    key (appended to ``leaves``), plain values by type and value, containers element by element.
+
+    TypeError for what has no signature (a gathered MeshArray, a tensor, any other object).
+    """
+    t = type(obj)
+    if t in _PLAIN:
+        return (t, obj) if leaves is not None else (t,)  # (a ufunc's scalar: its type)
+    if isinstance(obj, StoredArray):
+        lkey = getattr(obj._storage, "lkey", None)
+        if lkey is None:
+            raise TypeError("no recipe for gathered arrays")
+        if leaves is not None:
+            leaves.append(obj)
+        return (obj._shape, lkey)
+    if t is tuple or t is list:
+        return (t, tuple([signature(x, leaves) for x in obj]))
+    if t is dict:
+        return (t, tuple([(k, signature(v, leaves)) for k, v in obj.items()]))
+    if t.__module__ == "torch" and t.__name__ in ("dtype", "Size", "device", "layout", "memory_format"):
+        return (t, obj)
+    if leaves is None and isinstance(obj, np.floating):
+        return (t,)
+    raise TypeError(f"no signature for {t.__name__}")
 
 
 def _fmt_mesh(a: StoredArray) -> str:

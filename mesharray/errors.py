@@ -14,6 +14,7 @@ from __future__ import annotations
 
 __all__ = [
     "BackpressureError",
+    "CaptureError",
     "MeshArrayError",
     "MeshIndexError",
     "InvalidIndexError",
@@ -139,6 +140,11 @@ class ActorError(MeshArrayError):
         if isinstance(rank, dict):
             return "{" + ", ".join(f"{k}={v}" for k, v in rank.items()) + "}"
         return str(rank)
+
+
+class CaptureError(MeshArrayError, RuntimeError):
+    """What a step captured by ``ma.function`` may not do: wait for a value inside it (a fetch,
+    printing an array, ``procs.sync()``), or run ops on more than one process mesh; names the op."""
 
 
 class SupervisionError(MeshArrayError, RuntimeError):

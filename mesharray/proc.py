@@ -67,6 +67,7 @@ class ArrayFactory(Protocol):
              extra: Any = None, collective: str | None = None) -> MeshArray: ...
     def scatter(self, procs: ProcMesh, arr: np.ndarray, engine: str, collective: str | None = None) -> MeshArray: ...
     def apply(self, procs: ProcMesh, fn: Callable[..., Any], arrays: Sequence[Any]) -> MeshArray: ...
+    def sync(self, procs: ProcMesh) -> None: ...
 
 
 _array_factory: ArrayFactory | None = None
@@ -503,6 +504,21 @@ class ProcMesh(MeshTrait):
             raise TypeError(f"apply needs a callable, got {type(fn).__name__}")
         self.check_live()
         return _factory().apply(self, fn, arrays)
+
+    def sync(self) -> None:
+        """Wait until every rank ran the distributed-array ops queued so far; raise the first failure.
+
+        Ops on distributed arrays are queued and sent without waiting (see
+        :mod:`mesharray.darray`): a value you fetch waits for what it needs,
+        and this waits for everything, on every rank of the mesh. A failure of
+        an op that makes no array (``loss.backward()``) raises here, as at any
+        later wait on its ranks, as :class:`~mesharray.ActorError`.
+
+        >>> procs.sync()   # doctest: +SKIP
+        """
+        self.check_live()
+        if _array_factory is not None:
+            _array_factory.sync(self)
 
     # -- lifetime ---------------------------------------------------------------------
 

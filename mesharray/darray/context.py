@@ -30,10 +30,34 @@ from ..proc import ProcMesh
 from ..runtime.channel import defer_flush
 from .worker import DataActor, InputFailed, meta_dtype, unpack_small
 
-__all__ = ["DataContext", "data_context"]
+__all__ = ["DataContext", "data_context", "existing_context", "no_wait", "set_trace", "tracing"]
 
 #: a command buffer holding this many instructions is sent at once
 BATCH_OPS = int(os.environ.get("MESHARRAY_BATCH_OPS", "256"))
+#: ops queued without a wait on every rank before the controller waits for the ranks to catch up
+MAX_PENDING = int(os.environ.get("MESHARRAY_MAX_PENDING", "65536"))
+
+#: the capture in progress (:mod:`.function`), if any: it records every op queued in its thread
+_TRACE: Any = None
+
+
+def set_trace(trace: Any) -> Any:
+    """Install ``trace`` (``record(ctx, ranks, wire)``, ``refuse(what)``; None: none) and return the previous one."""
+    global _TRACE
+    old, _TRACE = _TRACE, trace
+    return old
+
+
+def tracing() -> bool:
+    """Whether a capture is recording the ops of this thread."""
+    return _TRACE is not None and _TRACE.thread == threading.get_ident()
+
+
+def no_wait(what: str) -> None:
+    """In a capture (:func:`mesharray.function`), refuse ``what``, a wait for the ranks: a captured step
+    replays without the controller, so no value may come back inside it."""
+    if _TRACE is not None and _TRACE.thread == threading.get_ident():
+        _TRACE.refuse(what)
 
 _CONTEXTS: weakref.WeakKeyDictionary[ProcMesh, DataContext] = weakref.WeakKeyDictionary()
 _CTX_LOCK = threading.Lock()
@@ -133,6 +157,7 @@ class DataContext:
         # spawn is typed as returning the actor class (its endpoints, for the checker); it is an ActorMesh
         self.actors: ActorMesh = root.spawn("__mesharray_data__", DataActor, self.token)  # type: ignore[assignment]
         self._ids = itertools.count(1)
+        self._next_base = 1 << 40  # (new_base: ids of replays)
         self._refs: dict[int, int] = {}
         # re-entrant: a garbage collection inside a locked section may run a finalizer
         self._lock = threading.RLock()
@@ -149,6 +174,10 @@ class DataContext:
         # the command buffer: (ranks, wire instructions) in the order the ops were issued
         self._buf: list[tuple[list, list]] = []
         self._buffered = 0
+        #: ops that make no block (backward()): effect block id -> (ranks not yet checked, what it was);
+        #: their failures are raised by the next wait on those ranks (see checks)
+        self._effects: dict[int, tuple[set, str]] = {}
+        self._unsynced = 0  # instructions queued since the last wait on every rank (MAX_PENDING)
         self.layouts: dict = {}  # elementwise result layouts by operand layouts
 
     @property
@@ -157,6 +186,20 @@ class DataContext:
 
     def new_id(self) -> int:
         return next(self._ids)
+
+    def new_base(self, n: int) -> int:
+        """The first of ``n`` fresh block ids for a replay of a captured step (from a range of their own,
+        far above :meth:`new_id`'s)."""
+        with self._lock:
+            base = self._next_base
+            self._next_base += max(1, n)
+        return base
+
+    def keep_blocks(self, bids: list) -> Any:
+        """Hold blocks ``bids`` (a captured step's arrays from outside it) until the returned handle goes."""
+        for b in bids:
+            self.incref(b)
+        return _Kept(self, bids, tuple(self.shape))
 
     def pids(self, groups: list) -> dict:
         """Process ids of the ranks in ``groups`` (lets a collective notice a peer that never joins)."""
@@ -226,6 +269,8 @@ class DataContext:
         notice its death in their wait).
         """
         wire = I.encode(program)
+        if _TRACE is not None:
+            _TRACE.record(self, ranks, wire)
         with self._lock:
             buf = self._buf
             if buf and buf[-1][0] == ranks:
@@ -235,11 +280,16 @@ class DataContext:
                 if len(buf) == 1:
                     defer_flush(self)
             self._buffered += len(wire)
+            self._unsynced += len(wire)
             if self._buffered >= BATCH_OPS:
                 self.flush()
+        if self._unsynced > MAX_PENDING:
+            self._catch_up()
 
     def post_wire(self, ranks: list, ins: tuple) -> None:
         """:meth:`post` of one instruction already in its wire form (a recipe's: see :mod:`.dispatch`)."""
+        if _TRACE is not None:
+            _TRACE.record(self, ranks, [ins])
         with self._lock:
             buf = self._buf
             if buf and (buf[-1][0] is ranks or buf[-1][0] == ranks):
@@ -249,8 +299,42 @@ class DataContext:
                 if len(buf) == 1:
                     defer_flush(self)
             self._buffered += 1
+            self._unsynced += 1
             if self._buffered >= BATCH_OPS:
                 self.flush()
+        if self._unsynced > MAX_PENDING:
+            self._catch_up()
+
+    def _catch_up(self) -> None:
+        """More than ``MESHARRAY_MAX_PENDING`` ops queued since every rank last answered: wait for the
+        ranks to run them (as a caller past the bound of calls in flight waits for replies)."""
+        if _TRACE is not None:
+            return  # (a capture runs its ops once; the bound holds for the calls that replay it)
+        self._unsynced = 0
+        self.call(list(self.shape), [])
+
+    def effect(self, ranks: list, ins: tuple, what: str) -> None:
+        """Queue ``ins`` (wire form), an op that makes no block of use (``backward()``): its out id holds
+        its failure, if any, which the next wait on those ranks raises (:meth:`checks`)."""
+        self.post_wire(ranks, ins)
+        with self._lock:
+            self._effects[ins[1]] = (set(ranks), what)
+
+    def checks(self, ranks: Sequence[int]) -> list:
+        """The instruction that makes a wait on ``ranks`` raise the first failure of the effects queued on
+        them (taken off for those ranks): ``[("check", ids)]``, or ``[]``."""
+        if not self._effects:
+            return []
+        mine = set(ranks)
+        bids = []
+        with self._lock:
+            for bid, (rs, _) in list(self._effects.items()):
+                if rs & mine:
+                    bids.append(bid)
+                    rs -= mine
+                    if not rs:
+                        del self._effects[bid]
+        return [("check", bids)] if bids else []
 
     def flush(self) -> None:
         """Send the command buffer and the pending frees: each rank its instructions in order, one
@@ -312,10 +396,14 @@ class DataContext:
         the call with :class:`~mesharray.ActorDiedError` naming the dead ranks.
         """
         self.check_live()
+        no_wait("a wait on every rank (procs.sync())")
         self.flush()
         ranks = sorted(set(int(r) for r in ranks))
+        if len(ranks) == self.shape.size:
+            self._unsynced = 0
+        wire = I.encode(self.with_frees(ranks, program)) + self.checks(ranks)
         try:
-            return ranks, self.view(ranks).run.call(I.encode(self.with_frees(ranks, program))).get()
+            return ranks, self.view(ranks).run.call(wire).get()
         except ActorError as exc:
             if isinstance(exc.exception, ActorDiedError):
                 raise exc.exception from exc
@@ -348,23 +436,28 @@ class DataContext:
         ``run``: the ``run`` endpoint of ``view(members)`` (a caller in a loop keeps it);
         ``wire``: the program in its wire form (:func:`~.instructions.encode`'s tuples).
         """
+        no_wait("a reduction whose small result comes back with its program")
         if self._buf:
             self.flush()
         if self._pending:
             frees = self._take_frees(members)
             if frees:
                 wire = [("free", frees), *wire]
+        if self._effects:
+            wire = wire + self.checks(reply)  # (only the ranks that answer: a broadcast cannot raise)
         return (run or self.view(members).run)._call_some(reply, wire)
 
     def call_one(self, rank: int, program: list) -> Any:
         """Run ``program`` on ``rank``; a future of its result (a :class:`~.instructions.Fetch`'s block)."""
+        no_wait("a fetch of a block's values")
         if self._buf:
             self.flush()
-        return self.view([rank]).run.call_one(I.encode(program))
+        return self.view([rank]).run.call_one(I.encode(program) + self.checks([rank]))
 
     def meta(self, rank: int, bid: int) -> tuple[tuple, Any]:
         """Local shape and dtype of block ``bid`` on ``rank`` (raises the failure of its making)."""
         self.check_live()
+        no_wait("a question for a rank about a result's shape (an op whose result shape only running it tells)")
         self.flush()
         local, dt = self.view([rank]).meta.call_one(bid).get()
         return local, meta_dtype(dt)
@@ -444,6 +537,20 @@ class DataContext:
             self.flush()
 
 
+class _Kept:
+    """A hold on blocks of a context (:meth:`DataContext.keep_blocks`), given back when collected."""
+
+    def __init__(self, ctx: DataContext, bids: list, ranks: tuple) -> None:
+        self.ctx = ctx
+        self.bids = bids
+        self.ranks = ranks
+
+    def __del__(self, _finalizing: Any = sys.is_finalizing) -> None:
+        if not _finalizing():
+            for b in self.bids:
+                self.ctx.decref(b, self.ranks)
+
+
 def data_context(procs: ProcMesh) -> DataContext:
     """The data context of ``procs``' root mesh (spawning its system actors on first use)."""
     root = procs.root_mesh
@@ -458,6 +565,11 @@ def data_context(procs: ProcMesh) -> DataContext:
                 # neither would ever be collected
                 root.add_stop_callback(lambda: _forget(root))
     return ctx
+
+
+def existing_context(procs: ProcMesh) -> DataContext | None:
+    """The data context of ``procs``' root mesh if one was made (arrays were), else None."""
+    return _CONTEXTS.get(procs.root_mesh)
 
 
 def _forget(root: ProcMesh) -> None:

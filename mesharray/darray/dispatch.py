@@ -27,7 +27,7 @@ import numpy as np
 
 from ..array import MeshArray
 
-__all__ = ["ApplyRecipe", "UfuncRecipe", "layout_key"]
+__all__ = ["ApplyRecipe", "UfuncRecipe", "layout_key", "layout_of", "result_of", "plain_scalar"]
 
 _KEYS: dict[tuple, int] = {}
 _next_key = itertools.count(1).__next__
@@ -70,11 +70,12 @@ class _Result:
         self.shape = shape
         self.lkey = st.lkey
 
-    def make(self, ctx: Any, bid: int) -> MeshArray:
+    def make(self, ctx: Any, bid: int, shape: Any = None) -> MeshArray:
+        """A MeshArray over block ``bid`` of ``ctx`` laid out as this result (on mesh ``shape``, if given)."""
         st = self.cls._made(ctx, bid, self.R, self.local, self.dtype, self.engine, self.holders, self.collective,
                             self.all_ranks, self.nbytes)
         st._lkey = self.lkey
-        return MeshArray.from_storage(self.shape, st)
+        return MeshArray.from_storage(self.shape if shape is None else shape, st)
 
 
 class ApplyRecipe:
@@ -132,6 +133,11 @@ class UfuncRecipe:
         bid = ctx.new_id()
         ctx.post_wire(self.ranks, ("ew", bid, self.name, ops, self.extra))
         return self.result.make(ctx, bid)
+
+
+def layout_of(st: Any) -> _Result:
+    """What makes storages laid out as ``st`` (a captured step's results: see :mod:`.function`)."""
+    return _Result(st, None, sorted(st._all))
 
 
 def result_of(value: Any, shape: Any, ranks: list) -> _Result | None:

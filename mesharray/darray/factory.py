@@ -20,10 +20,10 @@ from ..array import MeshArray
 from ..engines import resolve_engine_name
 from ..errors import DimensionError, MeshShapeError
 from ..proc import ProcMesh
-from .context import data_context
+from .context import data_context, existing_context
 from .storage import DistributedStorage, distributed, move_blocks
 
-__all__ = ["allgather", "apply", "broadcast_from", "make", "reduce_scatter", "scatter"]
+__all__ = ["allgather", "apply", "broadcast_from", "make", "reduce_scatter", "scatter", "sync"]
 
 
 def _ranks(procs: ProcMesh) -> np.ndarray:
@@ -103,6 +103,14 @@ def apply(procs: ProcMesh, fn: Callable[..., Any], arrays: Sequence[Any]) -> Mes
     local, dtype = ctx.meta(ranks[0], bid)
     return MeshArray.from_storage(shape, DistributedStorage(
         ctx, bid, np.array(where, dtype=np.int64), tuple(local), dtype, st0.engine, None, st0.collective))
+
+
+def sync(procs: ProcMesh) -> None:
+    """Wait until every rank of ``procs``' mesh ran the ops queued so far (raising the first failure of
+    an op that made no block); nothing to wait for when no array was ever made on it."""
+    ctx = existing_context(procs)
+    if ctx is not None:
+        ctx.call(list(ctx.shape), [])
 
 
 # -- collectives over mesh dims ---------------------------------------------------------

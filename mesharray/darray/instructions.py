@@ -23,12 +23,14 @@ up again for every instruction, and a tiny reduction in a loop would pay that ev
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Union
+from typing import Any, Callable, NamedTuple, Union
 
 __all__ = [
     "CODES",
     "decode",
     "encode",
+    "map_ids",
+    "remap",
     "AsType",
     "BlockRef",
     "Collective",
@@ -296,3 +298,42 @@ def encode(program: list) -> list:
 def decode(raw: tuple) -> Any:
     """The instruction of a wire tuple (its operands stay wire tuples: ``("b", bid)``, ``("r", {...})``, ``("v", x)``)."""
     return _BY_CODE[raw[0]]._make(raw[1:])
+
+
+# -- block ids in wire instructions (captured steps: see mesharray.darray.function) --------
+
+#: per code of a wire instruction: positions of block ids, of operand lists, of id lists
+_IDS = {"new": (1,), "put": (1,), "ew": (1,), "apply": (1,), "reduce": (1, 2), "astype": (1, 2),
+        "reshape": (1, 2), "getitem": (1, 2), "copy": (1, 2), "coll": (1, 2), "plan": (1, 2), "move": (1, 2),
+        "setitem": (1,)}
+_OPERAND_AT = {"ew": 3, "apply": 3, "setitem": 3, "put": 2}
+_LISTS = {"free": 1, "check": 1}
+
+
+def map_ids(ins: tuple, f: Callable[[Any], Any]) -> tuple:
+    """``ins`` with every block id ``b`` replaced by ``f(b)`` (its fields by code: :data:`_IDS`)."""
+    code = ins[0]
+    out = list(ins)
+    for i in _IDS.get(code, ()):
+        out[i] = f(out[i])
+    k = _OPERAND_AT.get(code)
+    if k is not None:
+        v = out[k]
+        if type(v) is list:
+            out[k] = [(o[0], f(o[1])) if o[0] == "b" else o for o in v]
+        elif type(v) is tuple and v and v[0] == "b":
+            out[k] = ("b", f(v[1]))
+    k = _LISTS.get(code)
+    if k is not None:
+        out[k] = [f(b) for b in out[k]]
+    return tuple(out)
+
+
+def remap(program: list, base: int, args: list) -> list:
+    """A captured step's program with its symbolic ids filled in: ``("i", k)`` is block ``base + k``,
+    ``("a", j)`` the block of argument ``j`` (a worker's side of a replay: see :mod:`.function`)."""
+    def f(b: Any) -> Any:
+        if type(b) is tuple:
+            return base + b[1] if b[0] == "i" else args[b[1]]
+        return b
+    return [map_ids(ins, f) for ins in program]

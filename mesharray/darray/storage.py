@@ -51,8 +51,8 @@ from ..engines import get_engine
 from ..errors import EngineUnavailableError, MeshShapeError
 from ..storage import GatheredStorage
 from .blockfn import BlockCall
-from .context import DataContext, data_context
-from .dispatch import ApplyRecipe, UfuncRecipe, layout_key, plain_scalar, result_of
+from .context import DataContext, data_context, no_wait, tracing
+from .dispatch import ApplyRecipe, UfuncRecipe, layout_key, layout_of, plain_scalar, result_of
 from .worker import COLLECTIVE_OP, local_block, unpack_small
 
 __all__ = ["DistributedStorage", "distributed"]
@@ -185,6 +185,10 @@ class DistributedStorage:
         return sorted(set(self.ranks.ravel().tolist()))
 
     # -- description
+    def layout(self) -> Any:
+        """What makes storages laid out as this one (:func:`~.dispatch.layout_of`)."""
+        return layout_of(self)
+
     @property
     def lkey(self) -> int:
         """This storage's layout as a small int (:func:`~.dispatch.layout_key`): part of a recipe's signature."""
@@ -207,6 +211,8 @@ class DistributedStorage:
     # -- whole values
     def to_numpy(self) -> np.ndarray:
         """Gather every position's block to the controller."""
+        if tracing():
+            no_wait("a fetch of a distributed array's values (np.asarray, float, printing, fetch())")
         ann = self.announced
         if ann is not None and len(ann) == 1 and self.ranks.size == 1:
             # a tiny result held by one root (a loss): its value came with the program's reply
@@ -341,7 +347,7 @@ class DistributedStorage:
             return self._derive(cur, local=new_local, dtype=rdt_work)
         members, ranks, holders, all_ranks, roots, planned, tiny, nbytes, run = coll
         out = ctx.new_id()
-        if tiny:
+        if tiny and not tracing():  # (a capture replays programs whose results stay where they are)
             # a tiny result (a loss, a norm): the ranks holding it send it back with the
             # program's reply, so fetching it costs no further message (one program for
             # all members, pickled once: only the holders fetch). The program goes in its
@@ -527,13 +533,14 @@ class DistributedStorage:
 
     @staticmethod
     def blockwise(what: str, call: Any, plan: Any, leaves: list, meta: tuple | None, per_element: bool = True,
-                  wait: bool = False, into: int | None = None) -> "DistributedStorage | None":
+                  effect: bool = False, into: int | None = None) -> "DistributedStorage | None":
         """``call(*blocks of leaves)`` on each rank of the result layout ``plan``: a new storage.
 
         ``meta``: the result's ``(local shape, dtype)`` when the controller could
         tell it (the program is then sent fire-and-forget); None asks one rank
-        after running (which raises the call's error). ``wait``: run it
-        everywhere, wait, raise any rank's error, and return None (``backward()``).
+        after running (which raises the call's error). ``effect``: an op run for
+        its effect (``backward()``), queued like the others; returns None, and its
+        failure, if any, is raised by the next wait on those ranks.
         ``into``: make the result under this existing block id (an in-place
         method on that array's blocks); returns None.
         Operands on other ranks move there first; gathered MeshArrays travel
@@ -551,8 +558,8 @@ class DistributedStorage:
             else:
                 operands.append(I.PerRank(_per_rank(plan.align(x, pad_local=not per_element), pos_of, m)))
         bid = ctx.new_id() if into is None else into
-        if wait:
-            ctx.call(ranks, [I.Apply(bid, call, operands), I.Fetch(bid), I.Free([bid])])
+        if effect:
+            ctx.effect(ranks, I.encode([I.Apply(bid, call, operands)])[0], what)
             return None
         ctx.send(ranks, [I.Apply(bid, call, operands)])
         if into is not None:
@@ -577,7 +584,8 @@ class DistributedStorage:
         waited for); where that cannot tell, one rank is asked. A function
         returning several tensors gives a tuple of arrays; an in-place method
         (``x.add_(y)``, ``x.requires_grad_()``) changes the blocks where they
-        live and returns ``x``; ``backward()`` runs on every rank and waits.
+        live and returns ``x``; ``backward()`` runs on every rank, queued like the
+        rest (its failure is raised by the next wait: a fetch, ``procs.sync()``).
         """
         import torch
 
@@ -586,7 +594,7 @@ class DistributedStorage:
         name = getattr(func, "__name__", "")
         call = BlockCall(func, args, kwargs, tensors=True, grad=torch.is_grad_enabled())
         if name == "backward":
-            DistributedStorage.blockwise(name, call, plan, leaves, None, wait=True)
+            DistributedStorage.blockwise(name, call, plan, leaves, None, effect=True)
             return None
         res: Any = _NO_META
         # what func gives on torch's meta device depends only on the call's shapes, dtypes and

@@ -41,6 +41,9 @@ __all__ = ["BlockStore", "DataActor", "InputFailed", "STORE", "local_block", "me
 COLLECTIVE_OP = {"sum": "sum", "prod": "prod", "min": "min", "max": "max", "mean": "mean",
                  "any": "max", "all": "min"}
 
+#: the codes of a captured step's definition and replays (expanded before a program runs)
+_CAPTURED = frozenset(("def", "replay"))
+
 #: Planned instructions' plans, by their bytes: [the Collective's fields after out and src,
 #: (group, op, dtype, engine) once the plan is known to run in shared memory]
 _PLANS: dict[bytes, list] = {}
@@ -508,12 +511,22 @@ def _move_group(members: tuple[int, ...], me: int, ins: I.Move, token: str) -> t
     return (eng.from_numpy(res) if eng.name != "numpy" else res), eng
 
 
+def _name_op(exc: BaseException, ins: Any, me: int) -> None:
+    """Say in ``exc`` which op failed (once: ops that use the failed block raise the same exception)."""
+    notes = getattr(exc, "__notes__", ())
+    if any(n.startswith("mesharray: ") for n in notes):
+        return
+    what = ins.fn if isinstance(ins, I.Apply) else getattr(ins, "name", None) or type(ins).__name__
+    exc.add_note(f"mesharray: in the distributed op {what!r} (block {ins.out}) on rank {me}")
+
+
 class DataActor(Actor):
     """The system actor holding this worker's blocks of distributed arrays."""
 
     def __init__(self, token: str) -> None:
         self.token = token
         self.rank: int | None = None
+        self.funcs: dict[int, tuple[list, list]] = {}  # captured steps by id: (program, temporaries)
 
     def _me(self) -> int:
         if self.rank is None:
@@ -538,8 +551,13 @@ class DataActor(Actor):
         """Run instructions in order; returns the result of the last :class:`Fetch`, or of a
         :class:`Planned`'s fetch (taken after the rest of the program), if any."""
         me = self._me()
+        for raw in program:
+            if raw[0] in _CAPTURED:  # (a captured step's definition or replay: see darray.function)
+                program = self._expand(program)
+                break
         result = None
         fetch = None
+        failed: BaseException | None = None  # the first failure of the effects checked ("check")
         made: np.ndarray | None = None  # the fast path's block (a Planned's result, when it ran there)
         for raw in program:
             code = raw[0]
@@ -552,6 +570,13 @@ class DataActor(Actor):
             if code == "free":
                 STORE.free(raw[1])
                 continue
+            if code == "check":
+                # ops that made no block (backward()): their failures are raised once the whole
+                # program ran (raising here would skip what follows: a collective peers wait in)
+                if failed is None:
+                    failed = next((e for e in map(STORE.failed.get, raw[1]) if e is not None), None)
+                STORE.free(raw[1])
+                continue
             ins = I.decode(raw)
             t = type(ins)
             make = _MAKERS.get(t)
@@ -559,6 +584,7 @@ class DataActor(Actor):
                 try:
                     block, eng = make(ins, me)
                 except BaseException as exc:
+                    _name_op(exc, ins, me)
                     STORE.fail(ins.out, exc)
                 else:
                     STORE.put(ins.out, block, eng)
@@ -576,11 +602,32 @@ class DataActor(Actor):
                 _setitem(ins, me)
             else:
                 raise TypeError(f"not a distributed-array instruction: {ins!r}")
+        if failed is not None:
+            raise failed
         if fetch is not None:
             if made is not None and STORE.blocks.get(fetch) is made:
                 return pack_small(STORE.blocks[fetch])  # the host block the fast path just made and stored
             result = pack_small(_host(STORE.engine(fetch), STORE.get(fetch)))
         return result
+
+    def _expand(self, program: list) -> list:
+        """``program`` with each captured step's replay replaced by the step's instructions, its ids
+        filled in and its temporaries freed at its end; definitions kept (by id) for later replays."""
+        out: list = []
+        for raw in program:
+            code = raw[0]
+            if code == "def":
+                _, fid, prog, temps = raw
+                self.funcs[fid] = (prog, temps)
+            elif code == "replay":
+                _, fid, base, args = raw
+                prog, temps = self.funcs[fid]
+                out.extend(I.remap(prog, base, args))
+                if temps:
+                    out.append(("free", [base + t[1] for t in temps]))
+            else:
+                out.append(raw)
+        return out
 
     def _collective(self, me: int, ins: I.Collective) -> None:
         # Sent fire-and-forget: any failure is kept as the failure of block ``out``
