@@ -99,8 +99,9 @@ _PLAIN = (int, float, bool, str, complex, type(None))
 
 def signature(obj: Any, leaves: list | None) -> Any:
     """A hashable signature of an op's argument (``leaves``: None for a ufunc's operands, whose plain
-    values count by type only): a MeshArray by its mesh Shape and its storage's layout
-    key (appended to ``leaves``), plain values by type and value, containers element by element.
+    values count by type only): a MeshArray by its mesh Shape, its storage's layout key and whether
+    its blocks require grad (appended to ``leaves``), plain values by type and value, containers
+    element by element.
 
     TypeError for what has no signature (a gathered MeshArray, a tensor, any other object).
     """
@@ -108,12 +109,13 @@ def signature(obj: Any, leaves: list | None) -> Any:
     if t in _PLAIN:
         return (t, obj) if leaves is not None else (t,)  # (a ufunc's scalar: its type)
     if isinstance(obj, StoredArray):
-        lkey = getattr(obj._storage, "lkey", None)
+        st: Any = obj._storage
+        lkey = getattr(st, "lkey", None)
         if lkey is None:
             raise TypeError("no recipe for gathered arrays")
         if leaves is not None:
             leaves.append(obj)
-        return (obj._shape, lkey)
+        return (obj._shape, lkey, st.rg)
     if t is tuple or t is list:
         return (t, tuple([signature(x, leaves) for x in obj]))
     if t is dict:

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..array import MeshArray
+from .autograd import union
 
 __all__ = ["ApplyRecipe", "UfuncRecipe", "layout_key", "layout_of", "result_of", "plain_scalar"]
 
@@ -54,7 +55,7 @@ class _Result:
     """What a recipe's result is, known from its signature: the block's layout and type."""
 
     __slots__ = ("cls", "ranks", "R", "holders", "local", "dtype", "engine", "collective", "all_ranks", "nbytes",
-                 "shape", "lkey")
+                 "shape", "lkey", "rg")
 
     def __init__(self, st: Any, shape: Any, ranks: list) -> None:
         self.cls = type(st)
@@ -69,12 +70,17 @@ class _Result:
         self.nbytes = st._nbytes
         self.shape = shape
         self.lkey = st.lkey
+        self.rg = st.rg  # (the signature holds whether each operand requires grad: so does the result)
 
-    def make(self, ctx: Any, bid: int, shape: Any = None) -> MeshArray:
-        """A MeshArray over block ``bid`` of ``ctx`` laid out as this result (on mesh ``shape``, if given)."""
+    def make(self, ctx: Any, bid: int, shape: Any = None, operands: Any = ()) -> MeshArray:
+        """A MeshArray over block ``bid`` of ``ctx`` laid out as this result (on mesh ``shape``, if given);
+        it depends on the mesh nodes of ``operands`` (storages) when it requires grad."""
         st = self.cls._made(ctx, bid, self.R, self.local, self.dtype, self.engine, self.holders, self.collective,
                             self.all_ranks, self.nbytes)
         st._lkey = self.lkey
+        if self.rg:
+            st.rg = True
+            st.deps = union(*[o.deps for o in operands])
         return MeshArray.from_storage(self.shape if shape is None else shape, st)
 
 
@@ -86,13 +92,15 @@ class ApplyRecipe:
     call returns that operand.
     """
 
-    __slots__ = ("call", "result", "inplace", "ranks")
+    __slots__ = ("call", "result", "inplace", "ranks", "rg")
 
-    def __init__(self, call: Any, result: _Result | None, ranks: list, inplace: int | None = None) -> None:
+    def __init__(self, call: Any, result: _Result | None, ranks: list, inplace: int | None = None,
+                 rg: bool = False) -> None:
         self.call = call
         self.result = result
         self.ranks = ranks
         self.inplace = inplace
+        self.rg = rg  # (in place: whether the operand requires grad after the call)
 
     def __call__(self, leaves: list) -> Any:
         sts = [x._storage for x in leaves]
@@ -100,13 +108,18 @@ class ApplyRecipe:
         ctx.check_live()
         ops = [("b", s.bid) for s in sts]
         if self.inplace is not None:
-            ctx.post_wire(self.ranks, ("apply", sts[self.inplace].bid, self.call, ops))
+            x = sts[self.inplace]
+            ctx.post_wire(self.ranks, ("apply", x.bid, self.call, ops))
+            if self.rg:  # (x.requires_grad_(): x now requires grad)
+                x.rg, x.deps = True, union(*[s.deps for s in sts])
+            else:
+                x.rg, x.deps = False, ()
             return leaves[self.inplace]
         res = self.result
         assert res is not None
         bid = ctx.new_id()
         ctx.post_wire(self.ranks, ("apply", bid, self.call, ops))
-        return res.make(ctx, bid)
+        return res.make(ctx, bid, None, sts)
 
 
 class UfuncRecipe:
@@ -132,7 +145,10 @@ class UfuncRecipe:
         ops = [("b", x._storage.bid) if k else ("v", x) for x, k in zip(inputs, self.kinds)]
         bid = ctx.new_id()
         ctx.post_wire(self.ranks, ("ew", bid, self.name, ops, self.extra))
-        return self.result.make(ctx, bid)
+        res = self.result
+        if res.rg:
+            return res.make(ctx, bid, None, [x._storage for x, k in zip(inputs, self.kinds) if k])
+        return res.make(ctx, bid)
 
 
 def layout_of(st: Any) -> _Result:

@@ -21,7 +21,8 @@ from ..engines import resolve_engine_name
 from ..errors import DimensionError, MeshShapeError
 from ..proc import ProcMesh
 from .context import data_context, existing_context
-from .storage import DistributedStorage, distributed, move_blocks
+from .placement import move_blocks
+from .storage import DistributedStorage, distributed
 
 __all__ = ["allgather", "apply", "broadcast_from", "make", "reduce_scatter", "scatter", "sync"]
 

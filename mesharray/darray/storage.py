@@ -44,15 +44,18 @@ import numpy as np
 
 import mesharray.darray.instructions as I
 
-from .._core import Shape, reduction_plan
+from .._core import Shape
 from ..array import MeshArray
 from ..calls import Slot, fill
 from ..engines import get_engine
 from ..errors import EngineUnavailableError, MeshShapeError
 from ..storage import GatheredStorage
+from .autograd import MeshNode, is_float, mark_leaf, union
+from .backward import mesh_backward
 from .blockfn import BlockCall
 from .context import DataContext, data_context, no_wait, tracing
 from .dispatch import ApplyRecipe, UfuncRecipe, layout_key, layout_of, plain_scalar, result_of
+from .placement import groups_of, move_blocks, per_rank, placed, placement
 from .worker import COLLECTIVE_OP, local_block, unpack_small
 
 __all__ = ["DistributedStorage", "distributed"]
@@ -83,19 +86,6 @@ def distributed(a: Any) -> DistributedStorage | None:
     return None
 
 
-def groups_of(ranks: np.ndarray, mesh_axes: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """The groups of :func:`~mesharray.reduction_plan` over ``mesh_axes`` of a rank layout.
-
-    ``ranks`` holds the global rank of each mesh position (it may repeat a rank:
-    an advanced-index view); each group's members are in row-major order of the
-    reduced axes, its first member the group's root.
-    """
-    names = tuple(f"d{i}" for i in range(ranks.ndim))
-    shape = Shape.from_ranks(names, tuple(ranks.shape), np.ascontiguousarray(ranks, dtype=np.int64).reshape(-1))
-    groups, _ = reduction_plan(shape, tuple(names[a] for a in mesh_axes))
-    return [tuple(row) for row in groups.tolist()]
-
-
 class DistributedStorage:
     """The :class:`~mesharray.storage.WorkerStorage` of a ``MeshArray`` whose blocks live in the workers.
 
@@ -113,7 +103,7 @@ class DistributedStorage:
 
     kind = "distributed"
     __slots__ = ("ctx", "bid", "ranks", "holders", "_local", "_dtype", "engine", "collective", "announced",
-                 "_all", "_nbytes", "_last_plan", "_lkey", "__weakref__")
+                 "_all", "_nbytes", "_last_plan", "_lkey", "rg", "deps", "__weakref__")
 
     def __init__(self, ctx: DataContext, bid: int, ranks: np.ndarray, local_shape: tuple, dtype: Any,
                  engine: str, holders: np.ndarray | None = None, collective: str | None = None,
@@ -131,6 +121,10 @@ class DistributedStorage:
         self.announced: dict | None = None
         self._last_plan: tuple | None = None  # (op, axes, keepdims, plan) of its last reduce
         self._lkey: int | None = None
+        #: whether the blocks require grad (torch's rule, known at the controller) and the mesh nodes
+        #: they depend on (see .autograd)
+        self.rg = False
+        self.deps: tuple = ()
         ctx.incref(bid)
         all_ranks = _all_ranks if _all_ranks is not None else tuple(sorted(
             set(self.ranks.ravel().tolist()) | (set(holders.ravel().tolist()) if holders is not None else set())))
@@ -155,6 +149,8 @@ class DistributedStorage:
         self.announced = None
         self._last_plan = None
         self._lkey = None
+        self.rg = False
+        self.deps = ()
         ctx._refs[bid] = 1  # (incref of a block id just minted: nobody else can hold it yet)
         self._nbytes = nbytes
         self._all = all_ranks
@@ -175,10 +171,14 @@ class DistributedStorage:
 
     def _derive(self, bid: int, ranks: np.ndarray | None = None, local: tuple | None = None, dtype: Any = None,
                 holders: Any = False) -> "DistributedStorage":
-        return DistributedStorage(self.ctx, bid, self.ranks if ranks is None else ranks,
-                                  self._local if local is None else local,
-                                  self._dtype if dtype is None else dtype, self.engine,
-                                  self.holders if holders is False else holders, self.collective)
+        """A storage of a local op's result on the same ranks (it requires grad as this one does)."""
+        st = DistributedStorage(self.ctx, bid, self.ranks if ranks is None else ranks,
+                                self._local if local is None else local,
+                                self._dtype if dtype is None else dtype, self.engine,
+                                self.holders if holders is False else holders, self.collective)
+        if self.rg and is_float(st._dtype):
+            st.rg, st.deps = True, self.deps
+        return st
 
     def _unique(self) -> list[int]:
         """The ranks of the positions (where a fetch reads); ``_all`` also has the holders of copies."""
@@ -347,6 +347,8 @@ class DistributedStorage:
             return self._derive(cur, local=new_local, dtype=rdt_work)
         members, ranks, holders, all_ranks, roots, planned, tiny, nbytes, run = coll
         out = ctx.new_id()
+        if self.rg:
+            return self._reduce_with_grad(op, program, cur, out, plan)
         if tiny and not tracing():  # (a capture replays programs whose results stay where they are)
             # a tiny result (a loss, a norm): the ranks holding it send it back with the
             # program's reply, so fetching it costs no further message (one program for
@@ -370,6 +372,29 @@ class DistributedStorage:
         ctx.post(members, program)
         if rdt_work != rdt:  # any/all computed as uint8 max/min
             res = res.astype(rdt, copy=True)
+        return res
+
+    def _reduce_with_grad(self, op: str, program: list, cur: int, out: int, plan: tuple) -> "DistributedStorage":
+        """A reduction over mesh axes of blocks that require grad: a mesh node (see :mod:`.autograd`) whose
+        result is a leaf requiring grad on every member; the local step's result stays for its backward."""
+        first, rdt_work, rdt, new_local, coll = plan
+        members, ranks, holders, all_ranks, roots, planned, tiny, nbytes, run = coll
+        ctx = self.ctx
+        name = _REDUCE_NAMES.get(op)
+        src: DistributedStorage = self
+        if cur != self.bid:  # the local step's result: what the node's backward continues from
+            src = self._derive(cur, local=new_local, dtype=rdt_work)
+            src.rg, src.deps = True, self.deps
+        program.append(I.Planned(out, cur, planned, ()))
+        res = DistributedStorage(ctx, out, ranks, new_local, rdt_work, self.engine, holders, self.collective,
+                                 _all_ranks=all_ranks)
+        if name in ("sum", "mean") and is_float(rdt_work):
+            groups = pickle.loads(planned)[1]  # (the collective's fields: op, groups, backend, ...)
+            node = MeshNode("reduce", src, groups=groups, scale=1.0 / len(groups[0]) if name == "mean" else 1.0)
+            node.out = res
+            program.append(I.Apply(out, mark_leaf, [I.BlockRef(out)]))
+            res.rg, res.deps = True, self.deps + (node,)
+        ctx.post(members, program)
         return res
 
     def _reduce_plan(self, op: str, func: Any, axes: tuple[int, ...] | None, keepdims: bool) -> tuple | None:
@@ -547,7 +572,7 @@ class DistributedStorage:
         with the program, one value per rank.
         """
         dist = [x for x in leaves if distributed(x) is not None]
-        first, R, pos_of, ranks, moved, holders = _placed(what, plan, dist, per_element)
+        first, R, pos_of, ranks, moved, holders = placed(what, plan, dist, per_element)
         ctx = first.ctx
         m = len(plan.sizes)
         operands: list[I.Operand] = []
@@ -556,7 +581,7 @@ class DistributedStorage:
             if st is not None:
                 operands.append(I.BlockRef(moved.get(id(x), st).bid))
             else:
-                operands.append(I.PerRank(_per_rank(plan.align(x, pad_local=not per_element), pos_of, m)))
+                operands.append(I.PerRank(per_rank(plan.align(x, pad_local=not per_element), pos_of, m)))
         bid = ctx.new_id() if into is None else into
         if effect:
             ctx.effect(ranks, I.encode([I.Apply(bid, call, operands)])[0], what)
@@ -594,14 +619,19 @@ class DistributedStorage:
         name = getattr(func, "__name__", "")
         call = BlockCall(func, args, kwargs, tensors=True, grad=torch.is_grad_enabled())
         if name == "backward":
-            DistributedStorage.blockwise(name, call, plan, leaves, None, effect=True)
+            loss = distributed(leaves[0]) if leaves else None
+            if loss is not None and loss.deps:
+                mesh_backward(loss, call, leaves)
+            else:
+                DistributedStorage.blockwise(name, call, plan, leaves, None, effect=True)
             return None
+        grads = tuple(_rg(x) for x in leaves)
         res: Any = _NO_META
         # what func gives on torch's meta device depends only on the call's shapes, dtypes and
         # other arguments: run once per such call (a step of a loop repeats its calls exactly)
         try:
             key: Any = (func, _frozen(args), _frozen(kwargs), tuple((x.local_shape, x.dtype) for x in leaves),
-                        call.grad)
+                        call.grad, grads)
         except TypeError:  # an argument that is not a plain value (a tensor): run it every time
             key = None
         cached = _META.get(key, _NO_META) if key is not None else _NO_META
@@ -609,8 +639,10 @@ class DistributedStorage:
             res = cached
         else:
             try:
-                metas = [torch.empty(x.local_shape, dtype=torch_dtype(x.dtype), device="meta") for x in leaves]
-                res = func(*fill(args, metas), **fill(kwargs, metas))
+                metas = [torch.empty(x.local_shape, dtype=torch_dtype(x.dtype), device="meta", requires_grad=g)
+                         for x, g in zip(leaves, grads)]
+                with torch.set_grad_enabled(call.grad):
+                    res = func(*fill(args, metas), **fill(kwargs, metas))
             except Exception:
                 pass
             if key is not None:
@@ -625,17 +657,23 @@ class DistributedStorage:
             # (a leaf that requires grad, shapes that do not broadcast) becomes x's, raised
             # by its next use or fetch, as any fire-and-forget op's
             DistributedStorage.blockwise(name, call, plan, leaves, (x.local_shape, x.dtype), into=x.storage.bid)
+            if isinstance(res, torch.Tensor):  # (x.requires_grad_(): x now requires grad)
+                _requires(x.storage, res.requires_grad, leaves)
             return x
         if isinstance(res, torch.Tensor) and res.dtype != torch.bfloat16:
             one = DistributedStorage.blockwise(name, call, plan, leaves, (tuple(res.shape), numpy_dtype(res.dtype)))
             assert one is not None  # (meta given, no into=: a new storage)
+            _requires(one, res.requires_grad, leaves)
             return MeshArray.from_storage(plan.shape, one)
         if (isinstance(res, (tuple, list)) and res and all(isinstance(t, torch.Tensor) for t in res)
                 and not any(t.dtype == torch.bfloat16 for t in res)):
             both = DistributedStorage.blockwise(name, call, plan, leaves, ((), np.dtype(object)))
             assert both is not None
-            outs = [MeshArray.from_storage(plan.shape, both.pick(i, (tuple(t.shape), numpy_dtype(t.dtype))))
-                    for i, t in enumerate(res)]
+            outs = []
+            for i, t in enumerate(res):
+                part = both.pick(i, (tuple(t.shape), numpy_dtype(t.dtype)))
+                _requires(part, t.requires_grad, leaves)
+                outs.append(MeshArray.from_storage(plan.shape, part))
             try:
                 return type(res)(outs)  # torch.return_types.max(values, indices) and friends
             except TypeError:
@@ -689,7 +727,7 @@ class DistributedStorage:
         ctx = dist[0].ctx
         if any(st is None or st.ctx is not ctx for st in dist):
             return None
-        _, _, _, ranks, moves, _ = _layout(what, plan, leaves, per_element)
+        _, _, _, ranks, moves, _ = placement(what, plan, leaves, per_element)
         return None if moves else ranks
 
     @staticmethod
@@ -706,9 +744,12 @@ class DistributedStorage:
         call = BlockCall(func, args, kwargs, tensors=True, grad=torch.is_grad_enabled())
         first = args[0] if isinstance(args, tuple) and args else None
         if name.endswith("_") and not name.startswith("_") and type(first) is Slot:
-            return ApplyRecipe(call, None, ranks, inplace=first.i) if value is leaves[first.i] else None
+            if value is not leaves[first.i]:
+                return None
+            return ApplyRecipe(call, None, ranks, inplace=first.i, rg=leaves[first.i].storage.rg)
         try:
-            key = (func, _frozen(args), _frozen(kwargs), tuple((x.local_shape, x.dtype) for x in leaves), call.grad)
+            key = (func, _frozen(args), _frozen(kwargs), tuple((x.local_shape, x.dtype) for x in leaves), call.grad,
+                   tuple(_rg(x) for x in leaves))
         except TypeError:
             return None
         meta = _META.get(key)
@@ -772,7 +813,7 @@ class DistributedStorage:
         dist = [x for x in inputs if distributed(x) is not None]
         per_element = ufunc.signature is not None
         sizes = tuple(plan.sizes)
-        first, R, pos_of, ranks, moved, holders = _placed(ufunc.__name__, plan, dist, per_element)
+        first, R, pos_of, ranks, moved, holders = placed(ufunc.__name__, plan, dist, per_element)
         ctx = first.ctx
         operands: list[I.Operand] = []
         proxies = []
@@ -784,12 +825,12 @@ class DistributedStorage:
                 proxies.append(_proxy(st._dtype, x.local_shape) if per_element else _sample(st._dtype))
             elif isinstance(x, MeshArray):
                 aligned = plan.align(x, pad_local=not per_element)
-                operands.append(I.PerRank(_per_rank(aligned, pos_of, len(sizes))))
+                operands.append(I.PerRank(per_rank(aligned, pos_of, len(sizes))))
                 proxies.append(_proxy(x.dtype, aligned.shape[len(sizes):]))
             elif isinstance(x, np.ndarray) and x.ndim > len(plan.local_shape) and not per_element:
                 m = len(sizes)
                 full = x.reshape((1,) * (m + len(plan.local_shape) - x.ndim) + x.shape)
-                operands.append(I.PerRank(_per_rank(full, pos_of, m)))
+                operands.append(I.PerRank(per_rank(full, pos_of, m)))
                 proxies.append(_proxy(x.dtype, full.shape[m:]))
             else:
                 operands.append(I.Value(x))
@@ -803,162 +844,14 @@ class DistributedStorage:
                 local = tuple(plan.local_shape)
         bid = ctx.new_id()
         ctx.send(ranks, [I.Elementwise(bid, ufunc.__name__, operands, extra)])
-        return (DistributedStorage(ctx, bid, R, local, dt, first.engine, holders, first.collective,
-                                   _all_ranks=tuple(ranks)),)
-
-
-def move_blocks(src: DistributedStorage, src_ranks: np.ndarray, ctx: DataContext,
-                dst_ranks: np.ndarray) -> DistributedStorage:
-    """A new array over ``ctx``'s ranks ``dst_ranks``: position ``p`` gets the block of ``src`` on ``src_ranks[p]``.
-
-    The blocks travel worker to worker (:class:`~.instructions.Move`): each
-    sending rank's block goes to every rank that needs it in one broadcast of
-    its own group (a block wanted by many ranks fans out once); a rank that
-    already holds its block copies it. The controller sends only the plan.
-    """
-    flat_s = np.asarray(src_ranks, dtype=np.int64).reshape(-1).tolist()
-    flat_d = np.asarray(dst_ranks, dtype=np.int64).reshape(-1).tolist()
-    if len(set(flat_d)) != len(flat_d):
-        raise MeshShapeError(f"a move needs one position per destination rank; ranks {flat_d} repeat")
-    sctx = src.ctx
-    same = ctx is sctx
-    sctx.check_live()
-    ctx.check_live()
-    off = 0 if same else sctx.shape.size
-    ids: dict = {}
-    if not same:
-        ids = {(sctx.token, r): r for r in set(flat_s)}
-        ids.update({(ctx.token, r): r + off for r in set(flat_d)})
-    by_src: dict[int, list[int]] = {}
-    copies: list[int] = []
-    for s, d in zip(flat_s, flat_d):
-        if same and s == d:
-            copies.append(s)
-        else:
-            by_src.setdefault(s, []).append(d + off)
-    groups = [[s] + sorted(ds) for s, ds in sorted(by_src.items())]
-    pids = {s: sctx.pid(s) for s in set(flat_s)}
-    hosts = {s: sctx.host(s) for s in set(flat_s)}
-    for d in flat_d:
-        pids[d + off] = ctx.pid(d)
-        hosts[d + off] = ctx.host(d)
-    spans = len({h[0] for h in hosts.values()}) > 1
-    out = ctx.new_id()
-    token = sctx.token + "m" if same else f"{sctx.token}{ctx.token}"
-    ins = I.Move(out, src.bid, groups, copies, ids, src._local, src._dtype.str, src.engine, pids,
-                 hosts if spans else None, same, token)
-    senders = sorted({g[0] for g in groups} | set(copies))
-    receivers = sorted({d - off for g in groups for d in g[1:]})
-    if same:
-        sctx.send(sorted(set(senders) | set(receivers)), [ins])
-    else:
-        if senders:
-            sctx.send(senders, [ins])
-        if receivers:
-            ctx.send(receivers, [ins])
-    return DistributedStorage(ctx, out, np.asarray(dst_ranks, dtype=np.int64).reshape(np.shape(dst_ranks)),
-                              src._local, src._dtype, src.engine, None, src.collective)
-
-
-def _placed(what: str, plan: Any, dist: list, per_element: bool) -> tuple:
-    """Where a blockwise result is computed, with the operands' blocks moved there:
-    ``(first, R, pos_of, ranks, moved, holders)`` (``moved``: storages by ``id`` of the operand)."""
-    lead, R, pos_of, ranks, moves, holders = _layout(what, plan, dist, per_element)
-    first = dist[lead].storage
-    # operands whose blocks are elsewhere (other ranks, or another process mesh) travel to
-    # the ranks computing the result first, worker to worker
-    moved = {id(dist[i]): move_blocks(dist[i].storage, src_ranks, first.ctx, R) for i, src_ranks in moves}
-    return first, R, pos_of, ranks, moved, holders
-
-
-def _layout(what: str, plan: Any, dist: list, per_element: bool) -> tuple:
-    """:func:`_ew_layout`, worked out once per layout of the operands."""
-    sizes = tuple(plan.sizes)
-    # Where each result position is computed depends only on the operands' layouts:
-    # worked out once per layout (a loop of `a * 2 + b` then costs only its messages)
-    parts: list = [what, sizes, tuple(plan.names), per_element]
-    for x in dist:
-        st = x.storage
-        parts.append((tuple(x.names), st.ranks.shape, st.ranks.tobytes(), x.local_shape,
-                      None if st.holders is None else (st.holders.shape, st.holders.tobytes()),
-                      id(st.ctx)))
-    key = tuple(parts)
-    layouts = dist[0].storage.ctx.layouts
-    layout = layouts.get(key)
-    if layout is None:
-        if len(layouts) > 256:
-            layouts.clear()
-        layout = layouts[key] = _ew_layout(what, plan, dist, per_element, sizes)
-    return layout
-
-
-def _ew_layout(what: str, plan: Any, dist: list, per_element: bool, sizes: tuple) -> tuple:
-    """Which rank computes each position of an elementwise result: ``(lead, R, pos_of, ranks, moves, holders)``.
-
-    The result lives where the first operand with every result position (else
-    the first operand) lives: ``dist[lead]``'s process mesh, ranks ``R``
-    (shared by every result of this layout: read-only). ``moves`` lists the
-    operands whose block for some position is on another rank (or another
-    process mesh), with the rank holding each position's block: those blocks
-    move to ``R`` first. Raises :class:`MeshShapeError` when a rank would have
-    to compute two positions (an operand broadcast along a mesh dim).
-    """
-    laid = []
-    for x in dist:
-        perm, target = plan.layout(x, pad_local=not per_element)
-        st = x.storage
-        mperm = perm[: st.ranks.ndim]
-        r = st.ranks.transpose(mperm).reshape(target[: len(sizes)])
-        h = None
-        if st.holders is not None:
-            h = st.holders.transpose(mperm + (st.holders.ndim - 1,)).reshape(target[: len(sizes)] + (st.holders.shape[-1],))
-        laid.append((x, r, h))
-    lead = next((i for i, t in enumerate(laid) if t[1].shape == sizes), 0)
-    ctx = laid[lead][0].storage.ctx
-    R = np.broadcast_to(laid[lead][1], sizes)
-    if R.size and len(np.unique(R)) != R.size:
-        raise MeshShapeError(
-            f"the result of {what} would need several blocks on one rank "
-            f"(a distributed operand broadcast along mesh dims {dict(zip(plan.names, sizes))}); "
-            "fetch it or reduce with keepdims=True first"
-        )
-    moves = []
-    for i, (x, r, h) in enumerate(laid):
-        rb = np.broadcast_to(r, sizes)
-        ok = rb == R
-        if h is not None:
-            hb = np.broadcast_to(h, sizes + (h.shape[-1],))
-            ok = ok | (hb == R[..., None]).any(-1)
-        if x.storage.ctx is not ctx or not ok.all():
-            moves.append((i, np.ascontiguousarray(rb)))
-    R = np.asarray(R, dtype=np.int64).copy()
-    R.setflags(write=False)
-    pos_of = {int(R[p]): p for p in np.ndindex(*sizes)}
-    holders = _replicas(laid, sizes, R, moves)
-    if holders is not None:
-        # every operand is held, the same way, by the members of a group (a keepdims reduction's
-        # result): each holder computes its copy, and the result stays held the same way
-        for p in np.ndindex(*sizes):
-            for h in holders[p].tolist():
-                pos_of[int(h)] = p
-    return lead, R, pos_of, sorted(pos_of), moves, holders
-
-
-def _replicas(laid: list, sizes: tuple, R: np.ndarray, moves: list) -> np.ndarray | None:
-    """The holders shared by every operand of an elementwise op (each position's block held by the same
-    ranks, no rank holding two positions), or None: then only ``R`` computes the result."""
-    if moves or not laid or any(h is None for _, _, h in laid):
-        return None
-    h0 = np.broadcast_to(laid[0][2], sizes + (laid[0][2].shape[-1],))
-    for _, _, h in laid[1:]:
-        if h.shape[-1] != h0.shape[-1] or not (np.broadcast_to(h, h0.shape) == h0).all():
-            return None
-    flat = h0.reshape(-1)
-    if len(np.unique(flat)) != flat.size:
-        return None
-    out = np.ascontiguousarray(h0, dtype=np.int64)
-    out.setflags(write=False)
-    return out
+        res = DistributedStorage(ctx, bid, R, local, dt, first.engine, holders, first.collective,
+                                 _all_ranks=tuple(ranks))
+        if first.engine in _TORCH_ENGINES and is_float(dt) and _grad_enabled():
+            # torch's rule for the op the engine runs on tensors: it requires grad if an operand does
+            moved_or = [moved.get(id(x), distributed(x)) for x in dist]
+            if any(st.rg for st in moved_or):
+                res.rg, res.deps = True, union(*[st.deps for st in moved_or])
+        return (res,)
 
 
 _SAMPLES: dict = {}
@@ -990,12 +883,6 @@ def _matmul_meta(proxies: list) -> tuple[tuple, np.dtype]:
     out = batch + (a2[-2],) * (a.ndim > 1) + (b2[-1],) * (b.ndim > 1)
     dt = np.result_type(a.dtype, b.dtype)
     return tuple(out), dt
-
-
-def _per_rank(values: np.ndarray, pos_of: dict, m: int) -> dict:
-    """Each rank's slice of host ``values`` (mesh axes first, size-1 axes broadcast)."""
-    return {rank: np.array(values[tuple(pi if s > 1 else 0 for pi, s in zip(p, values.shape[:m]))])
-            for rank, p in pos_of.items()}
 
 
 def _roll_local(block: Any, shift: int, axis: int) -> Any:
@@ -1040,6 +927,26 @@ _TORCH_ENGINES = ("torch", "cuda", "rocm", "mps", "xla")
 def _tensor_method(method: Any, array: Any, *args: Any, **kwargs: Any) -> Any:
     # x.detach(), x.backward(), x.relu(): the method through torch's dispatch, with x first
     return type(array).__torch_function__(method, (type(array),), (array,) + args, kwargs)
+
+
+def _rg(x: Any) -> bool:
+    """Whether operand ``x``'s blocks require grad (a distributed array's, as the controller knows it)."""
+    st = distributed(x)
+    return st is not None and st.rg
+
+
+def _requires(st: DistributedStorage, rg: bool, operands: list) -> None:
+    """``st`` (an op's result) requires grad as torch says; then it depends on its operands' mesh nodes."""
+    if rg:
+        st.rg = True
+        st.deps = union(*[d.deps for d in map(distributed, operands) if d is not None])
+    else:
+        st.rg, st.deps = False, ()
+
+
+def _grad_enabled() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.is_grad_enabled()
 
 
 def _grad_of(t: Any) -> Any:

@@ -1,0 +1,215 @@
+"""A whole training step from the controller next to torch DDP (gloo), same model, same data, same run.
+
+The same data-parallel MLP on 2 ranks, trained three ways from the same
+initial weights, each rank its own shard of the batch:
+
+- ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` over gloo in two
+  spawned processes, ``SGD(lr)``, MSE loss: the SPMD peer;
+- ``op by op``: the controller issues every op, as the README teaches:
+  weights are torch-engine MeshArrays that require grad,
+  ``loss = torch.mean((model(xs, *ws) - ys) ** 2)``, ``loss.backward()``,
+  ``w - lr * w.grad.mean(axis="procs", keepdims=True)``;
+- ``captured``: the same step through ``ma.function`` (recorded at its first
+  call, replayed as one message per rank after).
+
+A step ends when a value of its result is known at the controller (one
+element of the new weights fetched; for DDP, read on rank 0); the figure is
+the median over steps 4 to ``--steps``. The final weights of the three are
+compared (max abs difference against DDP's). Also: the controller's CPU per
+op (``time.thread_time`` over a step, divided by the ops it issues).
+
+    python bench/bench_training.py                    # both models, 30 steps
+    python bench/bench_training.py --model small --steps 60 --rounds 3
+
+Models (per rank): small 32->64->8, batch 32; medium 256->512->512->64, batch 256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+MODELS = {"small": ((32, 64, 8), 32), "medium": ((256, 512, 512, 64), 256)}
+LR = 0.05
+
+
+def problem(model: str, seed: int = 0) -> tuple:
+    sizes, batch = MODELS[model]
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, batch, sizes[0])).astype("float32")
+    y = rng.standard_normal((2, batch, sizes[-1])).astype("float32")
+    params = []
+    for a, b in zip(sizes[:-1], sizes[1:]):  # nn.Linear's layout: weight (out, in), bias (out,)
+        params.append((rng.standard_normal((b, a)) / np.sqrt(a)).astype("float32"))
+        params.append(np.zeros(b, dtype="float32"))
+    return x, y, params
+
+
+def mlp(x, *ps):
+    """The model, as torch calls: the same code runs on tensors and on MeshArrays of them."""
+    import torch
+    import torch.nn.functional as F
+
+    n = len(ps) // 2
+    for i in range(n):
+        x = F.linear(x, ps[2 * i], ps[2 * i + 1])
+        if i < n - 1:
+            x = torch.relu(x)
+    return x
+
+
+# --- DDP (gloo), the peer ------------------------------------------------------------
+
+
+def _ddp_rank(rank: int, model: str, steps: int, port: int, q) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    x, y, params = problem(model)
+    layers = []
+    for i in range(0, len(params), 2):
+        lin = torch.nn.Linear(params[i].shape[1], params[i].shape[0])
+        with torch.no_grad():
+            lin.weight.copy_(torch.from_numpy(params[i]))
+            lin.bias.copy_(torch.from_numpy(params[i + 1]))
+        layers += [lin, torch.nn.ReLU()]
+    net = DDP(torch.nn.Sequential(*layers[:-1]))
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    xs, ys = torch.from_numpy(x[rank]), torch.from_numpy(y[rank])
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(net(xs), ys)
+        loss.backward()
+        opt.step()
+        float(net.module[0].weight[0, 0].detach())  # the step's result known here
+        times.append(time.perf_counter() - t0)
+    final = [p.detach().numpy().copy() for p in net.module.parameters()]
+    q.put((rank, times, final))
+    dist.destroy_process_group()
+
+
+def run_ddp(model: str, steps: int) -> tuple[float, list]:
+    import socket
+
+    import torch.multiprocessing as tmp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = tmp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_ddp_rank, args=(r, model, steps, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict((r, (t, f)) for r, t, f in (q.get(timeout=600) for _ in procs))
+    for p in procs:
+        p.join(60)
+    times = got[0][0]
+    return statistics.median(times[3:]) * 1e3, got[0][1]
+
+
+# --- mesharray ---------------------------------------------------------------------------
+
+
+def run_mesharray(model: str, steps: int, capture: bool) -> tuple[float, list, float]:
+    """(ms per step, final weights, controller CPU per op in us)."""
+    import torch
+
+    import mesharray as ma
+    from mesharray.darray import data_context
+
+    x, y, params = problem(model)
+    with ma.proc_mesh(procs=2) as procs:
+        xs = procs.from_numpy(x[None], engine="torch")
+        ys = procs.from_numpy(y[None], engine="torch")
+        ws = [procs.from_numpy(np.broadcast_to(p, (1, 2) + p.shape).copy(), engine="torch").requires_grad_()
+              for p in params]
+
+        def train_step(xs, ys, *ws):
+            loss = torch.mean((mlp(xs, *ws) - ys) ** 2)
+            loss.backward()
+            return [(w - LR * w.grad.mean(axis="procs", keepdims=True)).detach().requires_grad_() for w in ws]
+
+        step = ma.function(train_step) if capture else train_step
+        ctx = data_context(procs)
+        times, cpu, ops = [], [], 0
+        for i in range(steps):
+            t0 = time.perf_counter()
+            c0 = time.thread_time()
+            n0 = ctx.new_id()
+            ws = step(xs, ys, *ws)
+            ops = ctx.new_id() - n0 - 1  # (every op mints one block id)
+            cpu.append(time.thread_time() - c0)
+            float(np.asarray(ws[0][0, 0, 0, 0].fetch()).reshape(-1)[0])
+            times.append(time.perf_counter() - t0)
+        final = [np.asarray(w.fetch())[0, 0] for w in ws]
+    return statistics.median(times[3:]) * 1e3, final, statistics.median(cpu[3:]) * 1e6 / max(ops, 1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=["small", "medium", "both"], default="both")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=1)
+    args = ap.parse_args(argv)
+    models = ["small", "medium"] if args.model == "both" else [args.model]
+    print(f"{'model':8s} {'ddp ms':>8s} {'op by op':>9s} {'ratio':>6s} {'captured':>9s} {'ratio':>6s} "
+          f"{'ctl us/op':>9s} {'max |dw|':>9s}")
+    for model in models:
+        for _ in range(args.rounds):
+            d, wd = run_ddp(model, args.steps)
+            e, we, ce = run_mesharray(model, args.steps, capture=False)
+            c, wc, _ = run_mesharray(model, args.steps, capture=True)
+            diff = max(max(float(np.abs(a - b).max()) for a, b in zip(wd, w)) for w in (we, wc))
+            print(f"{model:8s} {d:8.2f} {e:9.2f} {e / d:6.2f} {c:9.2f} {c / d:6.2f} "
+                  f"{ce:9.1f} {diff:9.1e}", flush=True)
+
+
+# --- under pytest (make bench) -------------------------------------------------------------
+
+
+def test_training_step_small_captured(benchmark):
+    import torch
+
+    import mesharray as ma
+
+    x, y, params = problem("small")
+    with ma.proc_mesh(procs=2) as procs:
+        xs = procs.from_numpy(x[None], engine="torch")
+        ys = procs.from_numpy(y[None], engine="torch")
+        ws = [procs.from_numpy(np.broadcast_to(p, (1, 2) + p.shape).copy(), engine="torch").requires_grad_()
+              for p in params]
+
+        @ma.function
+        def step(xs, ys, *ws):
+            loss = torch.mean((mlp(xs, *ws) - ys) ** 2)
+            loss.backward()
+            return [(w - LR * w.grad.mean(axis="procs", keepdims=True)).detach().requires_grad_() for w in ws]
+
+        state = {"ws": ws}
+
+        def one():
+            state["ws"] = step(xs, ys, *state["ws"])
+            float(np.asarray(state["ws"][0][0, 0, 0, 0].fetch()).reshape(-1)[0])
+
+        benchmark(one)
+
+
+if __name__ == "__main__":
+    main()
