@@ -149,7 +149,7 @@ def run_mesharray(model: str, steps: int, capture: bool) -> tuple[float, list, f
         step = ma.function(train_step) if capture else train_step
         ctx = data_context(procs)
         times, cpu, ops = [], [], 0
-        for i in range(steps):
+        for _ in range(steps):
             t0 = time.perf_counter()
             c0 = time.thread_time()
             n0 = ctx.new_id()

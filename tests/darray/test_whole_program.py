@@ -1,0 +1,252 @@
+"""Whole programs from the controller: queued ops, no waits, captured steps, autograd through the mesh.
+
+Each behaviour a user relies on, against torch (or NumPy) in one process where
+there is a value to compare.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import mesharray as ma
+from mesharray.darray import context as dctx
+from mesharray.darray import data_context
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def procs():
+    mesh = ma.proc_mesh(procs=2)
+    yield mesh
+    mesh.stop()
+
+
+def _np(x):
+    return np.asarray(x.fetch())
+
+
+def _mlp(x, w1, b1, w2, b2):
+    return F.linear(torch.relu(F.linear(x, w1, b1)), w2, b2)
+
+
+def _problem(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, 8, 4)).astype("float32")
+    y = rng.standard_normal((2, 8, 3)).astype("float32")
+    ps = [rng.standard_normal((5, 4)).astype("float32"), np.zeros(5, "float32"),
+          rng.standard_normal((3, 5)).astype("float32"), np.zeros(3, "float32")]
+    return x, y, ps
+
+
+def _replicated(procs, p):
+    return procs.from_numpy(np.broadcast_to(p, (1, 2) + p.shape).copy(), engine="torch").requires_grad_()
+
+
+def _step(xs, ys, *ws):
+    loss = torch.mean((_mlp(xs, *ws) - ys) ** 2)
+    loss.backward()
+    return [(w - 0.1 * w.grad.mean(axis="procs", keepdims=True)).detach().requires_grad_() for w in ws]
+
+
+def _reference(steps):
+    """The same data-parallel steps in one process: the mean of the two shards' gradients."""
+    x, y, ps = _problem()
+    ws = [torch.tensor(p, requires_grad=True) for p in ps]
+    for _ in range(steps):
+        grads = []
+        for i in range(2):
+            loss = torch.mean((_mlp(torch.tensor(x[i]), *ws) - torch.tensor(y[i])) ** 2)
+            grads.append(torch.autograd.grad(loss, ws))
+        ws = [(w - 0.1 * (g0 + g1) / 2).detach().requires_grad_() for w, g0, g1 in zip(ws, *grads)]
+    return [w.detach().numpy() for w in ws]
+
+
+# --- ops are queued: one message per rank for many ops, nothing waited for -----------------
+
+
+def test_a_run_of_ops_goes_as_one_message_per_rank(procs):
+    x = procs.ones((4,), dtype="float32")
+    _np(x)
+    before = procs.stats()["broadcasts"]
+    y = x
+    for _ in range(50):
+        y = y * 1.5 + 1.0
+    got = _np(y)
+    sent = procs.stats()["broadcasts"] - before
+    want = np.ones(4, dtype="float32")
+    for _ in range(50):
+        want = want * 1.5 + 1.0
+    assert np.allclose(got, want)
+    assert sent <= 10, f"100 ops sent {sent} messages"
+
+
+def test_backward_returns_without_waiting_for_the_ranks(procs):
+    w = procs.from_numpy(np.ones((1, 2, 3), "float32"), engine="torch").requires_grad_()
+    slow = procs.apply(lambda b: (time.sleep(1.0), b * 1)[1], w)  # the ranks are busy for a second
+    loss = torch.mean(slow * w)
+    t0 = time.perf_counter()
+    loss.backward()
+    assert time.perf_counter() - t0 < 0.5
+    assert np.allclose(_np(w.grad), 1 / 3)
+
+
+def test_a_failed_backward_raises_at_the_next_wait_and_the_mesh_goes_on(procs):
+    w = procs.from_numpy(np.ones((1, 2, 3), "float32"), engine="torch")  # no requires_grad_()
+    loss = torch.mean(w * w)
+    loss.backward()  # queued: nothing raised here
+    with pytest.raises(ma.ActorError, match="does not require grad") as info:
+        procs.sync()
+    assert "mesharray: in the distributed op" in info.value.traceback_text  # the op is named
+    assert np.allclose(_np(loss), 1.0)  # the mesh keeps working
+    procs.sync()
+
+
+def test_a_failed_op_raises_its_error_where_it_is_used(procs):
+    x = procs.from_numpy(np.ones((1, 2, 3), "float32"), engine="torch")
+    bad = procs.apply(lambda b: b[10], x)  # an IndexError on every rank
+    with pytest.raises(ma.ActorError, match="IndexError|out of bounds|index"):
+        _np(bad + 1)
+
+
+def test_queued_ops_are_bounded(procs, monkeypatch):
+    monkeypatch.setattr(dctx, "MAX_PENDING", 20)
+    x = procs.ones((2,), dtype="float32")
+    ctx = data_context(procs)
+    calls = procs.stats()["calls"]
+    for _ in range(100):
+        x = x + 1
+    assert procs.stats()["calls"] - calls >= 2 * 4  # the controller waited for the ranks to catch up
+    assert ctx._unsynced <= 21
+    assert np.allclose(_np(x), 101)
+
+
+# --- captured steps ---------------------------------------------------------------------
+
+
+def test_a_captured_step_replays_with_the_same_weights_as_op_by_op(procs):
+    x, y, ps = _problem()
+    xs, ys = procs.from_numpy(x[None], engine="torch"), procs.from_numpy(y[None], engine="torch")
+    eager = [_replicated(procs, p) for p in ps]
+    captured = [_replicated(procs, p) for p in ps]
+    step = ma.function(_step)
+    sent = []
+    for _ in range(5):
+        eager = _step(xs, ys, *eager)
+        before = procs.stats()["broadcasts"]
+        captured = step(xs, ys, *captured)
+        procs.sync()
+        sent.append(procs.stats()["broadcasts"] - before)
+    assert step.records == 1
+    assert max(sent[1:]) <= 2  # a replay: one message per rank (the two ranks share it)
+    want = _reference(5)
+    for e, c, w in zip(eager, captured, want):
+        assert np.allclose(_np(e)[0, 0], w, atol=1e-5)
+        assert np.array_equal(_np(e), _np(c))
+
+
+def test_a_captured_step_records_again_for_another_shape(procs):
+    step = ma.function(lambda a, b: torch.relu(a * b + 1))
+    for n in (3, 3, 5, 5):
+        a = procs.from_numpy(np.full((1, 2, n), -2.0, "float32"), engine="torch")
+        b = procs.from_numpy(np.full((1, 2, n), 0.25, "float32"), engine="torch")
+        assert np.allclose(_np(step(a, b)), 0.5)
+    assert step.records == 2
+
+
+def test_a_value_fetched_inside_a_captured_step_is_an_error_naming_it(procs):
+    def step(a):
+        b = a * 2
+        print(float(_np(b).sum()))  # a wait inside the step
+        return b
+
+    f = ma.function(step)
+    a = procs.ones((2,), dtype="float32")
+    with pytest.raises(ma.CaptureError, match=r"fetch.*test_whole_program\.py:\d+"):
+        f(a)
+    assert np.allclose(_np(a * 3), 3)  # the mesh works on
+
+
+def test_a_captured_step_on_two_meshes_is_refused():
+    with ma.proc_mesh(procs=1) as p1, ma.proc_mesh(procs=1) as p2:
+        f = ma.function(lambda a, b: (a + 1, b + 1))
+        with pytest.raises(ma.CaptureError, match="2 process meshes"):
+            f(p1.ones((2,)), p2.ones((2,)))
+
+
+def test_arrays_the_step_uses_from_outside_stay_alive(procs):
+    import gc
+
+    held = {"c": procs.full((2,), 3.0, dtype="float32")}
+    step = ma.function(lambda a: a * held["c"])
+    a = procs.ones((2,), dtype="float32")
+    step(a)
+    held.clear()
+    gc.collect()
+    data_context(procs).flush()
+    assert np.allclose(_np(step(a)), 3.0)
+
+
+# --- autograd through the mesh -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def four():
+    mesh = ma.proc_mesh(procs=4)
+    yield mesh
+    mesh.stop()
+
+
+W = (np.arange(12, dtype="float32").reshape(1, 4, 3) / 7)
+RANK = np.arange(4, dtype="float32").reshape(1, 4, 1)
+
+
+def _leaf(four):
+    return four.from_numpy(W, engine="torch").requires_grad_()
+
+
+def _torch_grad(fn):
+    t = torch.tensor(W, requires_grad=True)
+    fn(t).backward()
+    return t.grad.numpy()
+
+
+@pytest.mark.parametrize("name,mesh_fn,torch_fn", [
+    ("sum over all axes", lambda w, r: (w * r * w).sum(),
+     lambda t: (t * torch.tensor(RANK) * t).sum()),
+    ("mean over procs", lambda w, r: ((w - w.mean(axis="procs", keepdims=True)) ** 2).sum(),
+     lambda t: ((t - t.mean(dim=1, keepdim=True)) ** 2).sum()),
+    ("sum over procs, then local", lambda w, r: torch.sum(torch.tanh(w.sum(axis="procs")) * 2.0),
+     lambda t: torch.sum(torch.tanh(t.sum(dim=1)) * 2.0) * 1.0),
+    ("roll", lambda w, r: (w.roll(1, axis="procs") * r).sum(),
+     lambda t: (torch.roll(t, 1, dims=1) * torch.tensor(RANK)).sum()),
+    ("operands on other ranks", lambda w, r: (w[:, 0:2] * w[:, 2:4]).sum(),
+     lambda t: (t[:, 0:2] * t[:, 2:4]).sum()),
+    ("to_mesh fanning out", lambda w, r: (w[:, 1:2].to_mesh(w.mesh_shape_procs) * r).sum(),
+     lambda t: (t[:, 1:2] * torch.tensor(RANK)).sum()),
+])
+def test_backward_through_mesh_ops_matches_torch(four, name, mesh_fn, torch_fn):
+    w = _leaf(four)
+    r = four.rank_array(dtype="float32", engine="torch")
+    if "to_mesh" in name:
+        loss = (w[:, 1:2].to_mesh(four) * r).sum()
+    else:
+        loss = mesh_fn(w, r)
+    loss.backward()
+    got = _np(w.grad)
+    want = _torch_grad(torch_fn)
+    assert np.allclose(got, want, atol=1e-5), f"{name}: {got} != {want}"
+
+
+def test_requires_grad_is_known_without_asking_the_ranks(four):
+    w = _leaf(four)
+    assert w.storage.rg and not (w.detach()).storage.rg
+    assert (w * 2).storage.rg and not (w.grad if False else four.ones((3,))).storage.rg
+    with torch.no_grad():
+        assert not (w * 2).storage.rg
