@@ -1172,7 +1172,8 @@ def _mask_values(k: MeshArray, a: MeshArray) -> np.ndarray:
 def _elementwise(ufunc: np.ufunc, inputs: list, kwargs: dict) -> Any:
     if not kwargs:  # a call of a signature seen before: its recipe (see _RECIPES)
         try:
-            key: Any = (ufunc, tuple([signature(x, None) for x in inputs]))
+            torch = sys.modules.get("torch")  # (torch-engine results require grad under grad mode only)
+            key: Any = (ufunc, tuple([signature(x, None) for x in inputs]), torch is None or torch.is_grad_enabled())
             recipe = _RECIPES.get(key)
         except TypeError:
             key = recipe = None

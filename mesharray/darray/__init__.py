@@ -7,14 +7,23 @@ built of:
 - :mod:`~mesharray.darray.worker`: the worker's block store and the executor
   (the system actor ``DataActor``);
 - :mod:`~mesharray.darray.context`: the controller's per-mesh context (system
-  actors, block ids, references and frees, sending programs, fetching);
+  actors, block ids, references and frees, the command buffer that queues ops
+  and sends them as one program per rank, the waits);
 - :mod:`~mesharray.darray.storage`: ``DistributedStorage``, which plans each
   ``MeshArray`` operation into a program (reductions through
   :func:`~mesharray.reduction_plan`);
 - :mod:`~mesharray.darray.factory`: making arrays (``ProcMesh.zeros`` and
   friends run these) and the collectives over mesh dims;
 - :mod:`~mesharray.darray.blockfn`: functions run on each rank's blocks (NumPy's
-  ``__array_function__``, torch's ``__torch_function__``, torch attributes).
+  ``__array_function__``, torch's ``__torch_function__``, torch attributes);
+- :mod:`~mesharray.darray.placement`: where an op runs (the ranks of each result
+  position, holders of copies) and blocks moved there first;
+- :mod:`~mesharray.darray.dispatch`: recipes, an op of a signature seen before
+  repeated without planning it again;
+- :mod:`~mesharray.darray.function`: ``ma.function``, a step captured once and
+  replayed as one message per rank;
+- :mod:`~mesharray.darray.autograd` and :mod:`~mesharray.darray.backward`:
+  autograd through the ops that cross ranks (mesh nodes, and their reverse pass).
 
 Importing this package installs the factory into :mod:`mesharray.proc`
 (``import mesharray`` does so on the first use of a process mesh).

@@ -88,13 +88,17 @@ def test_a_run_of_ops_goes_as_one_message_per_rank(procs):
 
 
 def test_backward_returns_without_waiting_for_the_ranks(procs):
+    from tests.support.actors import Probe
+
     w = procs.from_numpy(np.ones((1, 2, 3), "float32"), engine="torch").requires_grad_()
-    slow = procs.apply(lambda b: (time.sleep(1.0), b * 1)[1], w)  # the ranks are busy for a second
-    loss = torch.mean(slow * w)
+    loss = torch.mean(w * w)
+    busy = procs.spawn("busy", Probe)
+    busy.sleep.broadcast(1.0)  # each rank busy for a second: its programs run after
     t0 = time.perf_counter()
     loss.backward()
     assert time.perf_counter() - t0 < 0.5
-    assert np.allclose(_np(w.grad), 1 / 3)
+    assert np.allclose(_np(w.grad), 2 / 3)
+    assert time.perf_counter() - t0 >= 0.9  # (the gradient came once the ranks were free)
 
 
 def test_a_failed_backward_raises_at_the_next_wait_and_the_mesh_goes_on(procs):
@@ -108,11 +112,16 @@ def test_a_failed_backward_raises_at_the_next_wait_and_the_mesh_goes_on(procs):
     procs.sync()
 
 
-def test_a_failed_op_raises_its_error_where_it_is_used(procs):
-    x = procs.from_numpy(np.ones((1, 2, 3), "float32"), engine="torch")
-    bad = procs.apply(lambda b: b[10], x)  # an IndexError on every rank
-    with pytest.raises(ma.ActorError, match="IndexError|out of bounds|index"):
-        _np(bad + 1)
+def test_an_op_that_fails_on_the_ranks_raises_where_a_value_is_waited_for(procs):
+    x = procs.from_numpy(-np.ones((1, 2, 2, 2), "float32"), engine="torch")  # not positive definite
+    chol = torch.linalg.cholesky(x)  # shapes are fine: queued, fails on the ranks
+    y = chol * 2 + 1  # depends on it: raises the same error instead of running
+    with pytest.raises(ma.ActorError, match="cholesky|positive-definite|factorization") as first:
+        _np(y)
+    with pytest.raises(ma.ActorError) as again:
+        _np(chol)
+    assert type(first.value.exception) is type(again.value.exception)
+    assert np.allclose(_np(x + 1), 0)  # the mesh keeps working
 
 
 def test_queued_ops_are_bounded(procs, monkeypatch):
@@ -228,14 +237,13 @@ def _torch_grad(fn):
      lambda t: (torch.roll(t, 1, dims=1) * torch.tensor(RANK)).sum()),
     ("operands on other ranks", lambda w, r: (w[:, 0:2] * w[:, 2:4]).sum(),
      lambda t: (t[:, 0:2] * t[:, 2:4]).sum()),
-    ("to_mesh fanning out", lambda w, r: (w[:, 1:2].to_mesh(w.mesh_shape_procs) * r).sum(),
-     lambda t: (t[:, 1:2] * torch.tensor(RANK)).sum()),
+    ("to_mesh fanning out", None, lambda t: (t[:, 1:2] * torch.tensor(RANK)).sum() + (t * t).sum()),
 ])
 def test_backward_through_mesh_ops_matches_torch(four, name, mesh_fn, torch_fn):
     w = _leaf(four)
     r = four.rank_array(dtype="float32", engine="torch")
-    if "to_mesh" in name:
-        loss = (w[:, 1:2].to_mesh(four) * r).sum()
+    if mesh_fn is None:  # (one block to every rank of the mesh; every position used, as torch's grad has all)
+        loss = (w[:, 1:2].to_mesh(four) * r).sum() + (w * w).sum()
     else:
         loss = mesh_fn(w, r)
     loss.backward()
@@ -247,6 +255,7 @@ def test_backward_through_mesh_ops_matches_torch(four, name, mesh_fn, torch_fn):
 def test_requires_grad_is_known_without_asking_the_ranks(four):
     w = _leaf(four)
     assert w.storage.rg and not (w.detach()).storage.rg
-    assert (w * 2).storage.rg and not (w.grad if False else four.ones((3,))).storage.rg
+    ones = four.ones((3,), dtype="float32", engine="torch")
+    assert (w * 2).storage.rg and (ones * w).storage.rg and not ones.storage.rg and not (ones * w).detach().storage.rg
     with torch.no_grad():
         assert not (w * 2).storage.rg
