@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MeshNode", "union", "grad_or_zeros", "backward_with", "accumulate"]
+__all__ = ["MeshNode", "union", "grad_of", "grad_or_zeros", "backward_with", "accumulate"]
 
 _ids = itertools.count(1).__next__
 
@@ -88,6 +88,15 @@ def union(*deps: tuple) -> tuple:
 
 
 # -- run on the workers (by reference in the programs) ---------------------------------------
+
+
+def grad_of(t: Any) -> Any:
+    """``t.grad`` (``x.grad`` of a torch-engine array); raises where no backward reached a block."""
+    g = t.grad
+    if g is None:
+        raise RuntimeError("this block's .grad is None: no backward() reached it (does it require grad? "
+                           "x.requires_grad_() on a leaf before the forward pass)")
+    return g
 
 
 def grad_or_zeros(t: Any) -> Any:

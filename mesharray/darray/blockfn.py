@@ -31,7 +31,7 @@ class BlockCall:
     it was made: a ``with torch.no_grad():`` around it reaches the workers).
     """
 
-    __slots__ = ("func", "args", "kwargs", "tensors", "grad")
+    __slots__ = ("func", "args", "kwargs", "tensors", "grad", "backward")
 
     def __init__(self, func: Any, args: Any, kwargs: dict, tensors: bool = False, grad: bool = True) -> None:
         self.func = func
@@ -39,6 +39,8 @@ class BlockCall:
         self.kwargs = kwargs
         self.tensors = tensors
         self.grad = grad
+        #: a ``backward()``: the worker buckets the reductions of the gradients it makes (darray.overlap)
+        self.backward = getattr(func, "__name__", "") == "backward"
 
     def __call__(self, *values: Any) -> Any:
         if self.tensors:

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import weakref
+from time import perf_counter
 from typing import Any, NoReturn, Sequence
 
 import numpy as np
@@ -34,6 +35,9 @@ __all__ = ["DataContext", "data_context", "existing_context", "no_wait", "set_tr
 
 #: a command buffer holding this many instructions is sent at once
 BATCH_OPS = int(os.environ.get("MESHARRAY_BATCH_OPS", "256"))
+#: the command buffer goes when no op was queued for this long (s), or once its first op is this old
+FLUSH_IDLE = int(os.environ.get("MESHARRAY_FLUSH_IDLE_US", "100")) * 1e-6
+FLUSH_AGE = int(os.environ.get("MESHARRAY_FLUSH_MAX_US", "2000")) * 1e-6
 #: ops queued without a wait on every rank before the controller waits for the ranks to catch up
 MAX_PENDING = int(os.environ.get("MESHARRAY_MAX_PENDING", "65536"))
 
@@ -174,6 +178,7 @@ class DataContext:
         # the command buffer: (ranks, wire instructions) in the order the ops were issued
         self._buf: list[tuple[list, list]] = []
         self._buffered = 0
+        self._first_post = self._last_post = 0.0  # (perf_counter of the buffer's first and last op)
         #: ops that make no block (backward()): effect block id -> (ranks not yet checked, what it was);
         #: their failures are raised by the next wait on those ranks (see checks)
         self._effects: dict[int, tuple[set, str]] = {}
@@ -273,11 +278,13 @@ class DataContext:
             _TRACE.record(self, ranks, wire)
         with self._lock:
             buf = self._buf
+            self._last_post = now = perf_counter()
             if buf and buf[-1][0] == ranks:
                 buf[-1][1].extend(wire)  # (consecutive ops to the same ranks: one list)
             else:
                 buf.append((ranks, wire))
                 if len(buf) == 1:
+                    self._first_post = now
                     defer_flush(self)
             self._buffered += len(wire)
             self._unsynced += len(wire)
@@ -292,11 +299,13 @@ class DataContext:
             _TRACE.record(self, ranks, [ins])
         with self._lock:
             buf = self._buf
+            self._last_post = now = perf_counter()
             if buf and (buf[-1][0] is ranks or buf[-1][0] == ranks):
                 buf[-1][1].append(ins)
             else:
                 buf.append((ranks, [ins]))
                 if len(buf) == 1:
+                    self._first_post = now
                     defer_flush(self)
             self._buffered += 1
             self._unsynced += 1
@@ -335,6 +344,17 @@ class DataContext:
                     if not rs:
                         del self._effects[bid]
         return [("check", bids)] if bids else []
+
+    def flush_idle(self) -> None:
+        """The flusher thread's turn: flush once no op came for ``MESHARRAY_FLUSH_IDLE_US`` (the controller
+        went on to something else) or the buffer's first op is ``MESHARRAY_FLUSH_MAX_US`` old; else look again
+        soon. A step issued op by op then reaches the ranks as one program, which lets them run it as one
+        (a backward's reductions bucketed: :mod:`.overlap`)."""
+        now = perf_counter()
+        if self._buf and now - self._last_post < FLUSH_IDLE and now - self._first_post < FLUSH_AGE:
+            defer_flush(self)
+            return
+        self.flush()
 
     def flush(self) -> None:
         """Send the command buffer and the pending frees: each rank its instructions in order, one

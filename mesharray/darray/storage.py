@@ -50,7 +50,7 @@ from ..calls import Slot, fill
 from ..engines import get_engine
 from ..errors import EngineUnavailableError, MeshShapeError
 from ..storage import GatheredStorage
-from .autograd import MeshNode, is_float, mark_leaf, union
+from .autograd import MeshNode, grad_of, is_float, mark_leaf, union
 from .backward import mesh_backward
 from .blockfn import BlockCall
 from .context import DataContext, data_context, no_wait, tracing
@@ -453,7 +453,8 @@ class DistributedStorage:
                                 (ctx.torch_init_method(), ctx.shape.size) if backend == "torch" else (),
                                 ctx.pids(groups), ctx.hosts(groups_l)), protocol=5)
         roots = tuple(sorted(set(ranks.ravel().tolist())))
-        tiny = rdt_work == rdt and math.prod(new_local) * rdt.itemsize <= ANNOUNCE_BYTES
+        # (a keepdims result is kept for more ops, not fetched: it goes with them, in the command buffer)
+        tiny = rdt_work == rdt and math.prod(new_local) * rdt.itemsize <= ANNOUNCE_BYTES and not keepdims
         nbytes = math.prod(new_local) * rdt_work.itemsize * len(members)  # (the result's, as __init__ counts it)
         run = ctx.view(members).run if tiny else None  # (the endpoint a tiny one's program goes to)
         coll = (members, ranks, holders, tuple(members), roots, planned, tiny, nbytes, run)
@@ -700,7 +701,7 @@ class DistributedStorage:
         if name == "grad":
             # known without asking: the gradient is shaped like its tensor (None raises where used)
             meta = (array.local_shape, array.dtype)
-            get: Any = _grad_of
+            get: Any = grad_of
         else:
             get = operator.attrgetter(name)
             try:
@@ -770,7 +771,7 @@ class DistributedStorage:
         res = None if ranks is None else result_of(value, plan.shape, ranks)
         if ranks is None or res is None:
             return None
-        return ApplyRecipe(_grad_of if name == "grad" else operator.attrgetter(name), res, ranks)
+        return ApplyRecipe(grad_of if name == "grad" else operator.attrgetter(name), res, ranks)
 
     @staticmethod
     def ufunc_recipe(ufunc: np.ufunc, plan: Any, inputs: list, kwargs: dict, value: Any) -> Any:
@@ -947,14 +948,6 @@ def _requires(st: DistributedStorage, rg: bool, operands: list) -> None:
 def _grad_enabled() -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and torch.is_grad_enabled()
-
-
-def _grad_of(t: Any) -> Any:
-    g = t.grad
-    if g is None:
-        raise RuntimeError("this block's .grad is None: no backward() reached it (does it require grad? "
-                           "x.requires_grad_() on a leaf before the forward pass)")
-    return g
 
 
 def _host_or_array(shape: Shape, st: DistributedStorage) -> Any:

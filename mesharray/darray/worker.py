@@ -33,6 +33,7 @@ from ..engines.numpy_engine import HUGE_PAGE, host_empty
 from ..errors import ActorDiedError, MeshArrayError
 from ..transport import cma
 from ..transport.dataplane import process_plane, rendezvous
+from .overlap import prepare
 
 __all__ = ["BlockStore", "DataActor", "InputFailed", "STORE", "local_block", "meta_dtype", "pack_small",
            "unpack_small"]
@@ -559,8 +560,14 @@ class DataActor(Actor):
         fetch = None
         failed: BaseException | None = None  # the first failure of the effects checked ("check")
         made: np.ndarray | None = None  # the fast path's block (a Planned's result, when it ran there)
-        for raw in program:
+        done: set[int] | None = None  # instructions a backward's buckets already ran (see .overlap)
+        for idx, raw in enumerate(program):
+            if done is not None and idx in done:
+                continue
             code = raw[0]
+            if code == "apply" and getattr(raw[2], "backward", False):
+                done = self._backward(program, idx, me, done)
+                continue
             if code == "plan":  # (the instructions of a reduction in a loop: first, undecoded)
                 _, out, src, plan, ranks = raw
                 made = self._planned(me, out, src, plan)
@@ -609,6 +616,36 @@ class DataActor(Actor):
                 return pack_small(STORE.blocks[fetch])  # the host block the fast path just made and stored
             result = pack_small(_host(STORE.engine(fetch), STORE.get(fetch)))
         return result
+
+    def _backward(self, program: list, idx: int, me: int, done: set[int] | None) -> set[int] | None:
+        """Run the backward at ``program[idx]``, its gradients' reductions bucketed and started while it
+        runs where the program reduces them next (:mod:`.overlap`); the instructions that did."""
+        raw = program[idx]
+
+        def group_of(fields: tuple, src: int) -> Any:
+            ins = I.Collective(0, src, *fields)
+            members = next((tuple(g) for g in ins.groups if me in g), None)
+            if members is None or len(members) < 2:
+                return None
+            return self._group(members, me, ins, None)
+
+        try:
+            ov = prepare(program, idx, STORE.get, group_of)
+        except BaseException:  # (anything odd: the instructions run one by one, as written)
+            ov = None
+        ins = I.decode(raw)
+        try:
+            block, eng = _apply(ins, me)
+        except BaseException as exc:
+            _name_op(exc, ins, me)
+            STORE.fail(ins.out, exc)
+        else:
+            STORE.put(ins.out, block, eng)
+        if ov is None:
+            return done
+        first = ov.entries[0].w
+        more = ov.finish(STORE, STORE.engines.get(first) or get_engine("torch"))
+        return more if done is None else done | more
 
     def _expand(self, program: list) -> list:
         """``program`` with each captured step's replay replaced by the step's instructions, its ids

@@ -452,14 +452,17 @@ def _mark_dirty(conn: Any) -> None:
 def defer_flush(obj: Any) -> None:
     """Have ``obj.flush()`` run before this process next waits on a reply (:func:`flush_all`), or by
     the flusher thread within ~0.2 ms, whichever comes first: for layers above that batch what they
-    send (the distributed arrays' command buffers) as connections batch corked frames."""
+    send (the distributed arrays' command buffers) as connections batch corked frames. The flusher
+    calls ``obj.flush_idle()`` instead where it has one, which may flush or defer itself again."""
     _mark_dirty(obj)
 
 
-def flush_all() -> None:
+def flush_all(background: bool = False) -> None:
     """Write every corked frame of this process now (called before blocking on a reply).
 
     What a flush sends may cork frames again (a command buffer's programs): those go too.
+    ``background``: the flusher thread's pass, in which an object with a ``flush_idle()``
+    (a command buffer) decides itself whether to go now (see :func:`defer_flush`).
     """
     for _ in range(4):
         if not _dirty:
@@ -468,7 +471,12 @@ def flush_all() -> None:
             conns = list(_dirty)
             _dirty.clear()
         for c in conns:
-            c.flush()
+            if background:
+                getattr(c, "flush_idle", c.flush)()
+            else:
+                c.flush()
+        if background:
+            return
 
 
 def _flush_loop() -> None:
@@ -476,7 +484,7 @@ def _flush_loop() -> None:
         _flush_wake.wait()
         _flush_wake.clear()
         time.sleep(0.0002)  # let a burst of sends accumulate
-        flush_all()
+        flush_all(background=True)
 
 
 # a Ctrl-C in the caller's thread never loses a frame nor a call's bookkeeping (see transport.interrupt)

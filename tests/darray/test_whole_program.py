@@ -160,6 +160,34 @@ def test_a_captured_step_replays_with_the_same_weights_as_op_by_op(procs):
         assert np.array_equal(_np(e), _np(c))
 
 
+class _Buckets(ma.Actor):
+    @ma.endpoint
+    def counts(self) -> dict:
+        from mesharray.darray.overlap import COUNTS
+
+        return dict(COUNTS)
+
+
+@pytest.mark.parametrize("capture", [False, True], ids=["op by op", "captured"])
+def test_gradient_reductions_go_in_buckets_started_during_backward(capture):
+    # (a mesh of its own: the flush policy decides what one program holds, and nothing else runs here)
+    x, y, ps = _problem()
+    with ma.proc_mesh(procs=2) as p:
+        xs, ys = p.from_numpy(x[None], engine="torch"), p.from_numpy(y[None], engine="torch")
+        ws = [_replicated(p, q) for q in ps]
+        step = ma.function(_step) if capture else _step
+        counter = p.spawn("buckets", _Buckets)
+        for _ in range(3):
+            ws = step(xs, ys, *ws)
+            p.sync()
+        counts = counter.counts.call().get(timeout=30)[0, 0]
+        assert counts["backwards"] >= 2 and counts["grads"] >= 2 * len(ps)
+        assert counts["buckets"] < counts["grads"]  # the 4 gradients of a step went as fewer all-reduces
+        want = _reference(3)
+        for w, r in zip(ws, want):
+            assert np.allclose(_np(w)[0, 0], r, atol=1e-5)
+
+
 def test_a_captured_step_records_again_for_another_shape(procs):
     step = ma.function(lambda a, b: torch.relu(a * b + 1))
     for n in (3, 3, 5, 5):
