@@ -38,3 +38,16 @@ def test_shape_examples_are_right():
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
     runner.run(test)
     assert runner.failures == 0
+
+
+@pytest.mark.timeout(180)
+def test_torch_tour_and_captured_step_run():
+    pytest.importorskip("torch")
+    moves = next(b for b in _python_blocks() if "trainers, generators" in b)
+    step = next(b for b in _python_blocks() if "@ma.function" in b)
+    script = ("import torch\nimport mesharray as ma\n" + moves + step
+              + "w.fetch()\ntrainers.sync()\ntrainers.stop(); generators.stop()\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=170)
+    assert proc.returncode == 0, proc.stderr[-3000:]
