@@ -697,6 +697,8 @@ class DistributedStorage:
             raise AttributeError(f"'MeshArray' object has no attribute {name!r} (nor has torch.Tensor)")
         if callable(attr):
             return functools.partial(_tensor_method, attr, array)
+        if name == "requires_grad":  # known at the controller (torch's rule, followed op by op)
+            return MeshArray.from_storage(plan.shape, GatheredStorage(np.full(tuple(plan.sizes), self.rg)))
         meta = None
         if name == "grad":
             # known without asking: the gradient is shaped like its tensor (None raises where used)

@@ -424,19 +424,9 @@ def _ring_group(leaders: tuple[int, ...], me: int, token: str, hosts: dict) -> R
     return RingCollective(i, n, right, left, peers=(f"rank {right_rank}", f"rank {left_rank}"))
 
 
-def _move_group(members: tuple[int, ...], me: int, ins: I.Move, token: str) -> tuple[Any, Engine] | None:
-    """Send (``me`` first in ``members``) or receive one block of a move; the received block.
-
-    The sender broadcasts a header: whether its block exists, and where it
-    lies in its memory. On one host each receiver then copies the block
-    straight out of the sender's memory (cross-memory attach, one copy), and
-    everyone agrees it is done (the sender keeps the block untouched till
-    then); where the kernel refuses that, or across hosts (a ring of host
-    leaders) or under MPI, the block is broadcast through the group itself.
-    """
-    root = members[0]
-    order = tuple(sorted(members))
-    ri = order.index(root)
+def _move_group_of(order: tuple[int, ...], me: int, ins: I.Move) -> Any:
+    """The group a move's participants ``order`` (sorted) share: shared memory on one host, hierarchical
+    across hosts, MPI under mpirun (cached by participants and the move's token)."""
     pids = ins.pids or {}
     hosts = ins.hosts
     g = STORE.groups.get((order, "move", ins.token))
@@ -451,6 +441,104 @@ def _move_group(members: tuple[int, ...], me: int, ins: I.Move, token: str) -> t
                           timeout=float(os.environ.get("MESHARRAY_COLLECTIVE_TIMEOUT", "60")),
                           global_ranks=order, peer_pids=[int(pids.get(r) or 0) for r in order])
         STORE.groups[(order, "move", ins.token)] = g
+    return g
+
+
+def _move_group_many(members: tuple[int, ...], me: int, inss: list) -> list:
+    """:func:`_move_group` for several moves of one group at once (consecutive moves with the same
+    participants: the weights of a model sent to another mesh), on one host: one header broadcast and
+    one agreement for all of them, where each would take its own. Returns ``(block, engine)``, None
+    (a sender) or an exception, per move. Other groups (across hosts, MPI) take the moves one by one."""
+    order = tuple(sorted(members))
+    first = inss[0]
+    g = _move_group_of(order, me, first)
+    if not isinstance(g, ShmCollective):
+        out: list = []
+        for ins in inss:
+            try:
+                out.append(_move_group(members, me, ins, ins.token))
+            except BaseException as exc:
+                out.append(exc)
+        return out
+    root = members[0]
+    ri = order.index(root)
+    k = len(inss)
+    hdr = np.zeros((k, 4), dtype=np.int64)  # per move: 1 (block follows) / 0 (its own failure) / -1, pid, addr, nbytes
+    hosts: list = [None] * k
+    errs: list = [None] * k
+    if me == root:
+        cma.allow_attach()
+        for i, ins in enumerate(inss):
+            try:
+                block, eng = STORE.get(ins.src), STORE.engine(ins.src)
+            except BaseException as exc:
+                errs[i] = exc
+                continue
+            try:
+                host = np.asarray(eng.host_view(block), order="C")
+                if host.dtype != np.dtype(ins.dtype):
+                    host = host.astype(np.dtype(ins.dtype))
+                if host.shape != tuple(ins.shape):
+                    raise MeshArrayError(f"block {ins.src} has local shape {host.shape}; the move expected "
+                                         f"{tuple(ins.shape)}")
+                hosts[i] = host
+                hdr[i] = (1, os.getpid(), host.ctypes.data, host.nbytes)
+            except BaseException as exc:
+                errs[i] = exc
+                hdr[i, 0] = -1
+    g.broadcast(hdr, root=ri)
+    results: list = [None] * k
+    need = np.zeros((k, len(order)), dtype=np.int32)
+    for i, ins in enumerate(inss):
+        if hdr[i, 0] == 1:
+            if me != root:
+                results[i] = STORE.take(tuple(ins.shape), np.dtype(ins.dtype))
+                if results[i].nbytes:
+                    try:
+                        cma.transfer(False, int(hdr[i, 1]), results[i].ctypes.data, int(hdr[i, 2]), int(hdr[i, 3]))
+                    except cma.CmaDenied:
+                        need[i, order.index(me)] = 1
+        elif me == root:
+            results[i] = errs[i]
+        elif hdr[i, 0] == -1:
+            results[i] = MeshArrayError(f"rank {root} could not send its block of a move (see its own error)")
+        else:
+            ids = ins.ids or {}
+            src_rank = next((r for (_t, r), j in ids.items() if j == root), root)
+            src_tok = next((t for (t, _r), j in ids.items() if j == root), None)
+            results[i] = InputFailed([src_rank], ins.src, src_tok if src_tok != ins.token else None)
+    # also the barrier that keeps the sender's blocks in place until every reader is done
+    need = np.asarray(g.allreduce(need, op="max"))
+    for i in range(k):
+        if hdr[i, 0] == 1 and need[i].any():
+            g.broadcast(hosts[i] if me == root else results[i], root=ri)
+    out = []
+    for i, ins in enumerate(inss):
+        r = results[i]
+        if me == root:
+            out.append(r if isinstance(r, BaseException) else None)
+        elif isinstance(r, BaseException):
+            out.append(r)
+        else:
+            eng = get_engine(ins.engine)
+            out.append(((eng.from_numpy(r) if eng.name != "numpy" else r), eng))
+    return out
+
+
+def _move_group(members: tuple[int, ...], me: int, ins: I.Move, token: str) -> tuple[Any, Engine] | None:
+    """Send (``me`` first in ``members``) or receive one block of a move; the received block.
+
+    The sender broadcasts a header: whether its block exists, and where it
+    lies in its memory. On one host each receiver then copies the block
+    straight out of the sender's memory (cross-memory attach, one copy), and
+    everyone agrees it is done (the sender keeps the block untouched till
+    then); where the kernel refuses that, or across hosts (a ring of host
+    leaders) or under MPI, the block is broadcast through the group itself.
+    """
+    root = members[0]
+    order = tuple(sorted(members))
+    ri = order.index(root)
+    g = _move_group_of(order, me, ins)
     eng = get_engine(ins.engine)
     dtype = np.dtype(ins.dtype)
     # the header: 1 (the block follows), 0 (the sender's block failed: its own error
@@ -604,7 +692,10 @@ class DataActor(Actor):
             elif t is I.Collective:
                 self._collective(me, ins)
             elif t is I.Move:
-                self._move(me, ins)
+                if idx + 1 < len(program) and program[idx + 1][0] == "move":
+                    done = self._moves(me, program, idx, done)
+                else:
+                    self._move(me, ins)
             elif t is I.SetItem:
                 _setitem(ins, me)
             else:
@@ -723,6 +814,47 @@ class DataActor(Actor):
                     return None
                 st[1] = (grp, ins.op, dtype, get_engine("numpy"), grp.small_bytes, kdt)
         return None
+
+    def _moves(self, me: int, program: list, idx: int, done: set[int] | None) -> set[int] | None:
+        """The move at ``program[idx]`` with the moves right after it that share its participants, run
+        together (:func:`_move_group_many`); the indices of those it ran besides the first."""
+        first = I.decode(program[idx])
+        same = [first]
+        j = idx + 1
+        key = (first.groups, first.copies, first.ids, first.pids, first.hosts, first.mpi, first.token)
+        while j < len(program) and program[j][0] == "move":
+            ins = I.decode(program[j])
+            if (ins.groups, ins.copies, ins.ids, ins.pids, ins.hosts, ins.mpi, ins.token) != key:
+                break
+            same.append(ins)
+            j += 1
+        if len(same) == 1:
+            self._move(me, first)
+            return done
+        me = first.ids.get((self.token, me), me) if first.ids else me
+        for ins in same:
+            if me in ins.copies or any(me in g[1:] for g in ins.groups):
+                STORE.blocks.pop(ins.out, None)
+            if me in ins.copies:
+                try:
+                    STORE.put(ins.out, _clone(STORE.get(ins.src)), STORE.engine(ins.src))
+                except BaseException as exc:
+                    STORE.fail(ins.out, exc)
+        for g in first.groups:
+            if me not in g:
+                continue
+            try:
+                got = _move_group_many(tuple(g), me, same)
+            except BaseException as exc:
+                got = [exc] * len(same)
+            for ins, r in zip(same, got):
+                if isinstance(r, BaseException):
+                    if me != g[0]:  # a sender makes no block: its own failure stays with its src
+                        STORE.fail(ins.out, r)
+                elif r is not None:
+                    STORE.put(ins.out, *r)
+        more = set(range(idx + 1, j))
+        return more if done is None else done | more
 
     def _move(self, me: int, ins: I.Move) -> None:
         """This process's part of a move: its sends and its receive, in the move's order."""
