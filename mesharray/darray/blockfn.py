@@ -13,11 +13,12 @@ become tensors through the block's engine.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
 
-from ..calls import fill
+from ..calls import Slot, fill
 
 __all__ = ["BlockCall"]
 
@@ -31,7 +32,7 @@ class BlockCall:
     it was made: a ``with torch.no_grad():`` around it reaches the workers).
     """
 
-    __slots__ = ("func", "args", "kwargs", "tensors", "grad", "backward")
+    __slots__ = ("func", "args", "kwargs", "tensors", "grad", "backward", "_plain")
 
     def __init__(self, func: Any, args: Any, kwargs: dict, tensors: bool = False, grad: bool = True) -> None:
         self.func = func
@@ -41,15 +42,23 @@ class BlockCall:
         self.grad = grad
         #: a ``backward()``: the worker buckets the reductions of the gradients it makes (darray.overlap)
         self.backward = getattr(func, "__name__", "") == "backward"
+        # the values are the arguments, in order (``torch.relu(x)``, ``F.linear(x, w, b)``): no template to fill
+        self._plain = (not kwargs and type(args) is tuple
+                       and all(type(a) is Slot and a.i == i for i, a in enumerate(args)))
 
     def __call__(self, *values: Any) -> Any:
         if self.tensors:
-            import torch  # the worker holds torch blocks: torch is imported already
-
-            values = tuple(torch.from_numpy(np.array(v)) if isinstance(v, (np.ndarray, np.generic)) else v
-                           for v in values)
-            with torch.set_grad_enabled(self.grad):
-                return self.func(*fill(self.args, values), **fill(self.kwargs, values))
+            torch = sys.modules["torch"]  # (the worker holds torch blocks: torch is imported already)
+            for v in values:
+                if isinstance(v, (np.ndarray, np.generic)):
+                    values = tuple(torch.from_numpy(np.array(v)) if isinstance(v, (np.ndarray, np.generic)) else v
+                                   for v in values)
+                    break
+            if torch.is_grad_enabled() != self.grad:
+                with torch.set_grad_enabled(self.grad):
+                    return self.func(*fill(self.args, values), **fill(self.kwargs, values))
+        if self._plain:
+            return self.func(*values)
         return self.func(*fill(self.args, values), **fill(self.kwargs, values))
 
     def __reduce__(self) -> tuple:

@@ -288,7 +288,11 @@ def _elementwise(ins: I.Elementwise, me: int) -> tuple[Any, Engine]:
 def _apply(ins: I.Apply, me: int) -> tuple[Any, Engine]:
     first = _first_block(ins.operands)
     eng = STORE.engine(first) if first is not None else get_engine("numpy")
-    r = ins.fn(*[_operand(a, me) for a in ins.operands])
+    return _applied(ins.fn(*[_operand(a, me) for a in ins.operands]), eng)
+
+
+def _applied(r: Any, eng: Engine) -> tuple[Any, Engine]:
+    """What an apply's result ``r`` is kept as: a block of ``eng``, several, or a host value."""
     if eng.is_block(r):
         return r, eng
     if type(r) in (tuple, list) or type(r).__module__ == "torch.return_types":
@@ -299,6 +303,79 @@ def _apply(ins: I.Apply, me: int) -> tuple[Any, Engine]:
     if a.dtype.kind in "biufc":
         return eng.from_numpy(a), eng
     return a, get_engine("numpy")  # None, or objects: host values
+
+
+def _fast_operands(ops: list) -> list | None:
+    """The values of wire operands that are all blocks of this rank (made, not failed) or plain values;
+    None otherwise (a per-rank value, a missing or failed block: the general path says what is wrong)."""
+    blocks = STORE.blocks
+    vals = []
+    for o in ops:
+        tag = o[0]
+        if tag == "b":
+            v = blocks.get(o[1], _MISSING)
+            if v is _MISSING:
+                return None
+            vals.append(v)
+        elif tag == "v":
+            vals.append(o[1])
+        else:
+            return None
+    return vals
+
+
+_MISSING = object()
+
+
+def _fast_apply(raw: tuple, me: int) -> bool:
+    """``("apply", out, fn, operands)`` whose operands are at hand (blocks, plain values), run as
+    :func:`_apply` runs it, without decoding the instruction; False (nothing done) when they are not."""
+    _, out, fn, ops = raw
+    vals = _fast_operands(ops)
+    if vals is None or not ops or ops[0][0] != "b":
+        return False
+    eng = STORE.engines.get(ops[0][1])
+    if eng is None:
+        return False
+    try:
+        r = fn(*vals)
+        if not eng.is_block(r):
+            r, eng = _applied(r, eng)
+    except BaseException as exc:  # kept as the block's failure, as the general path keeps it
+        _name_op(exc, I.decode(raw), me)
+        STORE.fail(out, exc)
+        return True
+    STORE.blocks[out] = r
+    STORE.engines[out] = eng
+    if STORE.failed:
+        STORE.failed.pop(out, None)
+    return True
+
+
+def _fast_elementwise(raw: tuple, me: int) -> bool:
+    """``("ew", out, name, operands, kwargs)`` on torch blocks with a fast op (see ``TorchEngine.elementwise``),
+    as :func:`_fast_apply` does for applies."""
+    _, out, name, ops, kwargs = raw
+    if kwargs or not ops or ops[0][0] != "b" and (len(ops) < 2 or ops[1][0] != "b"):
+        return False
+    vals = _fast_operands(ops)
+    if vals is None:
+        return False
+    first = ops[0][1] if ops[0][0] == "b" else ops[1][1]
+    eng = STORE.engines.get(first)
+    if eng is None or eng.name == "numpy" or name == "matmul":
+        return False
+    try:
+        r = eng.elementwise(name, *vals)
+    except BaseException as exc:  # kept as the block's failure, as the general path keeps it
+        _name_op(exc, I.decode(raw), me)
+        STORE.fail(out, exc)
+        return True
+    STORE.blocks[out] = r
+    STORE.engines[out] = eng
+    if STORE.failed:
+        STORE.failed.pop(out, None)
+    return True
 
 
 def _reduce(ins: I.Reduce, me: int) -> tuple[Any, Engine]:
@@ -653,8 +730,13 @@ class DataActor(Actor):
             if done is not None and idx in done:
                 continue
             code = raw[0]
-            if code == "apply" and getattr(raw[2], "backward", False):
-                done = self._backward(program, idx, me, done)
+            if code == "apply":
+                if getattr(raw[2], "backward", False):
+                    done = self._backward(program, idx, me, done)
+                    continue
+                if _fast_apply(raw, me):
+                    continue
+            elif code == "ew" and _fast_elementwise(raw, me):
                 continue
             if code == "plan":  # (the instructions of a reduction in a loop: first, undecoded)
                 _, out, src, plan, ranks = raw

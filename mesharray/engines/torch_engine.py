@@ -21,6 +21,13 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 __all__ = ["TorchEngine", "numpy_dtype", "torch_dtype"]
 
+_NUMBERS = (int, float)
+#: binary ops as torch computes them with a tensor first (the same results as NumPy's ufuncs on blocks)
+_BINARY: dict[str, Any] = {"add": torch.add, "subtract": torch.sub, "multiply": torch.mul, "true_divide": torch.true_divide,
+           "divide": torch.true_divide, "power": torch.pow, "maximum": torch.maximum, "minimum": torch.minimum}
+#: ``number op tensor`` as ``fn(tensor, number)``
+_REFLECTED: dict[str, Any] = {"add": torch.add, "multiply": torch.mul, "subtract": torch.rsub}
+
 # NumPy ufunc name -> torch function name where they differ
 _TORCH_NAMES = {
     "true_divide": "true_divide", "divide": "true_divide", "floor_divide": "floor_divide",
@@ -181,6 +188,18 @@ class TorchEngine:
 
     # compute
     def elementwise(self, op: str, *args: Any):
+        if len(args) == 2:  # the common case: tensor op tensor, or with a Python number on either side
+            a, b = args
+            ta, tb = type(a) is torch.Tensor, type(b) is torch.Tensor
+            # (a number only with floating blocks: it cannot change their dtype there)
+            if ta and (tb or (type(b) in _NUMBERS and a.is_floating_point())):
+                fn = _BINARY.get(op)
+                if fn is not None:
+                    return fn(a, b)
+            elif tb and type(a) in _NUMBERS and b.is_floating_point():
+                fn = _REFLECTED.get(op)
+                if fn is not None:
+                    return fn(b, a)
         if op not in ELEMENTWISE_OPS:
             raise ValueError(f"unknown elementwise op {op!r}; expected a NumPy ufunc name such as 'add'")
         args = tuple(self._arg(a) for a in args)
