@@ -23,7 +23,9 @@ built of:
 - :mod:`~mesharray.darray.function`: ``ma.function``, a step captured once and
   replayed as one message per rank;
 - :mod:`~mesharray.darray.autograd` and :mod:`~mesharray.darray.backward`:
-  autograd through the ops that cross ranks (mesh nodes, and their reverse pass).
+  autograd through the ops that cross ranks (mesh nodes, and their reverse pass);
+- :mod:`~mesharray.darray.overlap`: the worker's buckets, gradient reductions
+  started while ``backward()`` runs.
 
 Importing this package installs the factory into :mod:`mesharray.proc`
 (``import mesharray`` does so on the first use of a process mesh).

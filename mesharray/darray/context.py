@@ -28,7 +28,7 @@ from .._core import Shape
 from ..actor import ActorMesh
 from ..errors import ActorDiedError, ActorError, MeshStoppedError
 from ..proc import ProcMesh
-from ..runtime.channel import defer_flush
+from ..runtime.channel import defer_flush, programs
 from .worker import DataActor, InputFailed, meta_dtype, unpack_small
 
 __all__ = ["DataContext", "data_context", "existing_context", "no_wait", "set_trace", "tracing"]
@@ -365,6 +365,7 @@ class DataContext:
         (every op that used a freed block was queued before its free). Never
         raises: a rank that cannot be reached has its blocks missing.
         """
+        programs.discard(self)
         with self._lock:
             buf = self._buf
             if not buf and not self._pending:

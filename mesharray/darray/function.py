@@ -257,8 +257,12 @@ def function(fn: Callable[..., Any]) -> Function:
 
     Examples
     --------
-    >>> step = ma.function(lambda w, x: (w - 0.1 * (w * x)).detach())   # doctest: +SKIP
-    >>> w = step(w, x)                                                # doctest: +SKIP
+    >>> step = ma.function(lambda w, x: w - 0.1 * (w * x))
+    >>> w, x = procs.ones((3,)), procs.full((3,), 2.0)   # doctest: +SKIP
+    >>> for _ in range(3):                              # doctest: +SKIP
+    ...     w = step(w, x)                              # recorded at the first call, replayed after
+    >>> w.fetch()[0, 0].tolist(), step.records          # doctest: +SKIP
+    ([0.512, 0.512, 0.512], 1)
     """
     if not callable(fn):
         raise TypeError(f"ma.function needs a callable, got {type(fn).__name__}")

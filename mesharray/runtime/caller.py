@@ -44,7 +44,7 @@ from ..array import MeshArray
 from ..errors import ActorDiedError, ActorError, SerializationError
 from ..transport import framing
 from . import protocol as P
-from .channel import Channel, Fanout, flush_all
+from .channel import Channel, Fanout, flush_all, flush_programs, programs
 from .context import current
 from .future import Future, is_done, new_future, reply_on, set_exception, set_result
 from .router import get_router
@@ -184,6 +184,8 @@ class Caller:
         ``p``: ``(args, kwargs)`` already pickled. Returns the channels used
         (``None`` for a rank that could not be reached).
         """
+        if programs:  # (array ops queued before this message go first: see runtime.channel.defer_flush)
+            flush_programs()
         if p is not None:
             plain = None
         elif args or kwargs:
@@ -196,6 +198,8 @@ class Caller:
 
     def call(self, shape: Shape, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Future[MeshArray]:
         """Call every actor of ``shape``; a future of the gathered :class:`~mesharray.MeshArray`."""
+        if programs:
+            flush_programs()
         fut: Future[MeshArray] = new_future()
         if shape.size == 1:  # one actor: call_one's latency path, gathered into a MeshArray
             reply_on(fut, self.send_one(shape.rank(0), shape, args, kwargs, _gather_one(fut, shape)))
@@ -258,6 +262,8 @@ class Caller:
         Returns the channel the reply comes on when the caller may read it
         itself (a polled connection), else None.
         """
+        if programs:
+            flush_programs()
         if args or kwargs:
             p = framing.dumps((args, kwargs))
             if p.big:

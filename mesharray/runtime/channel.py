@@ -44,7 +44,7 @@ from .recorder import REC, SPAN
 
 _current = REC.current
 
-__all__ = ["Channel", "Fanout", "defer_flush", "flush_all", "dirty", "next_id", "sent"]
+__all__ = ["Channel", "Fanout", "defer_flush", "flush_all", "flush_programs", "programs", "dirty", "next_id", "sent"]
 
 next_id = itertools.count(1).__next__
 _pid = os.getpid
@@ -449,11 +449,30 @@ def _mark_dirty(conn: Any) -> None:
     _flush_wake.set()
 
 
+#: command buffers holding ops not sent yet (see defer_flush): sent before any other message of this
+#: process, which must not overtake them (read-only outside: ``if programs: flush_programs()``)
+programs: set = set()
+
+
+def flush_programs() -> None:
+    """Send every command buffer now: what a caller does before a message of its own (an actor call
+    after array ops must find their blocks made)."""
+    if not programs:
+        return
+    with _dirty_lock:
+        objs = list(programs)
+        programs.clear()
+    for obj in objs:
+        obj.flush()
+
+
 def defer_flush(obj: Any) -> None:
     """Have ``obj.flush()`` run before this process next waits on a reply (:func:`flush_all`), or by
     the flusher thread within ~0.2 ms, whichever comes first: for layers above that batch what they
     send (the distributed arrays' command buffers) as connections batch corked frames. The flusher
-    calls ``obj.flush_idle()`` instead where it has one, which may flush or defer itself again."""
+    calls ``obj.flush_idle()`` instead where it has one, which may flush or defer itself again.
+    Also before any message a caller of this process sends (:func:`flush_programs`)."""
+    programs.add(obj)
     _mark_dirty(obj)
 
 
