@@ -508,4 +508,4 @@ def _flush_loop() -> None:
 
 # a Ctrl-C in the caller's thread never loses a frame nor a call's bookkeeping (see transport.interrupt)
 guard(Channel.call, Channel.post, Channel.wait, Channel.wait_all, Channel.fail, Channel.view_id, Channel.unpark,
-      _after_read, Fanout.call, Fanout.wait, Fanout._died, _mark_dirty, flush_all)
+      _after_read, Fanout.call, Fanout.wait, Fanout._died, _mark_dirty, flush_all, flush_programs)
