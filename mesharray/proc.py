@@ -158,7 +158,7 @@ class _Root:
         self.owner = owner
         # a list: a restarted rank gets a new address, which every actor mesh (sharing
         # this list) then uses
-        self.addresses = [controller.workers[r].address for r in range(shape.size)]
+        self.addresses = controller.addresses(shape.size)
         self.actor_meshes: list[ActorMesh] = []
         self.spawned: list[_Spawned] = []  # what to re-run on a restarted rank
         self.restarts = 0

@@ -17,14 +17,21 @@ unpickled from an unauthenticated peer): length-prefixed pickles.
   remove, so it never crosses the network in the clear. The agent answers
   ``{"ok": True, "host_id", "hostname", "advertise", "pid", "cpus"}``, or
   ``{"ok": False, "error"}`` when it already serves another controller.
-- ``{"op": "spawn", "mesh", "ranks", "controller", ...}``: start one zygote
-  (:mod:`.local`) for that mesh, which forks one worker per rank; workers
-  connect to the controller themselves. Reports go back as
+- ``{"op": "spawn", "mesh", "ranks", "controller", ...}``: a zygote
+  (:mod:`.local`) forks one worker per rank; workers connect to the
+  controller themselves. Reports go back as
   ``("report", mesh, "forked", rank, pid)`` and ``("report", mesh, "exit", rank, pid, status)``.
   The spawn request may carry ``env`` (variables for the workers), ``python``
   (the interpreter of the zygote, hence of the workers) and ``workspace``
   (True: the agent's copy of the controller's tree goes first on
-  ``sys.path`` and is the workers' working directory).
+  ``sys.path`` and is the workers' working directory), and ``relay``
+  (``{"host": index}``: the mesh spans hosts; the zygote forks this host's
+  relay first, :mod:`mesharray.runtime.relay`, reported as rank -1).
+  The agent keeps its zygotes while the controller is attached, one per
+  interpreter, environment, workspace (and its copy's generation) and path
+  (at most :data:`MAX_ZYGOTES` idle ones): a mesh like an earlier one costs
+  forks only. An attach that names the controller's ``sys_path`` starts the
+  zygote a plain ``spawn_procs`` will want at once, while the script goes on.
 - ``{"op": "kill", "mesh", "rank"}``, ``{"op": "release", "mesh"}`` (the mesh stopped).
 - ``{"op": "sync", "id", "files"}``, ``{"op": "sync_put", "id", "rel", "offset", "data", "last",
   "executable", "sha"}`` ..., ``{"op": "sync_done", "id"}``: copy the controller's tree
@@ -59,15 +66,17 @@ from ..errors import BootstrapError
 from ..transport import auth
 from ..transport.listener import Listener
 from ..transport.sockio import recv_exactly
-from .local import LocalBootstrap, user_paths
+from .local import LocalBootstrap, Zygote, user_paths, zygote_env
 from .workspace import Workspace
 
 __all__ = ["HostAgent", "parse_url", "send_msg", "recv_msg", "wrap_secret", "DEFAULT_PORT", "secret_from_env",
-           "write_ready_file"]
+           "write_ready_file", "MAX_ZYGOTES"]
 
 log = logging.getLogger("mesharray.agent")
 
 DEFAULT_PORT = 26600
+#: zygotes an agent keeps with no mesh on them (the least recently used beyond it are closed)
+MAX_ZYGOTES = 4
 _LEN = struct.Struct("!I")
 _MAX_MSG = 64 << 20
 
@@ -202,7 +211,7 @@ def advertised_host(bind: str, advertise: str | None) -> str:
 
 
 class _Session:
-    """One attached controller: its zygotes (one per process mesh) and the socket to it."""
+    """One attached controller: the socket to it, its meshes' processes and the zygotes that fork them."""
 
     def __init__(self, agent: HostAgent, sock: socket.socket, job: bytes, peer: str) -> None:
         self.agent = agent
@@ -214,6 +223,62 @@ class _Session:
         self.since = time.time()
         self.closing = False
         self.sync_error: str | None = None
+        self.zygotes: dict[tuple, Zygote] = {}  # by what makes them (see zygote()), least recently used first
+        self._zlock = threading.Lock()
+
+    def zygote(self, sys_path: list[str], python: str | None, env: dict, workspace: bool, nprocs: int) -> Zygote:
+        """The zygote for a mesh of ``nprocs`` processes per host started with these settings (kept, or started).
+
+        ``sys_path``: the controller's (entries that do not exist here are
+        dropped); ``python``: the interpreter (None: the agent's); ``env``: the
+        workers' variables; ``workspace``: put the synced copy first.
+        """
+        a = self.agent
+        sys_path = [p for p in sys_path if p and os.path.exists(p)]
+        first: list[str] = []
+        cwd = None
+        if workspace:
+            if a.workspace is None:
+                raise BootstrapError(f"host {a.host_id} has no workspace: call sync_workspace before spawn_procs")
+            cwd = a.workspace.path
+            first = [cwd]
+        if python is None:
+            sys_path += [p for p in sys.path if p not in sys_path]
+            sys_path = first + [p for p in sys_path if p not in first]
+            first = []
+        else:  # its own sys.path; the controller's own directories in front
+            first += [p for p in user_paths(sys_path) if p not in first]
+            sys_path = []
+        wenv = {"MESHARRAY_HOST_ID": a.host_id, "MESHARRAY_BUFFER_HOST": a.advertise}
+        wenv.update({str(k): str(v) for k, v in env.items()})
+        zenv = zygote_env(nprocs, wenv)
+        key = (python, tuple(sorted(zenv.items())), cwd, a.workspace_gen if workspace else None,
+               tuple(sys_path), tuple(first))
+        idle: list[Zygote] = []
+        with self._zlock:
+            if self.closing:
+                raise BootstrapError("the controller detached")
+            z = self.zygotes.pop(key, None)
+            if z is not None and not z.alive:
+                idle.append(z)
+                z = None
+            if z is None:
+                z = Zygote(python, zenv, cwd, sys_path if python is None else [], first)
+            self.zygotes[key] = z  # (most recently used last)
+            spare = [k for k, v in self.zygotes.items() if not v.meshes and v is not z]
+            for k in spare[:max(0, len(spare) - MAX_ZYGOTES)]:
+                idle.append(self.zygotes.pop(k))
+        for old in idle:
+            threading.Thread(target=old.close, name="mesharray-zygote-close", daemon=True).start()
+        return z
+
+    def prewarm(self, sys_path: list[str]) -> None:
+        """Start the zygote a plain ``spawn_procs`` of this controller will want (its path, no env, one
+        process per core), so that its interpreter's start and imports are done by then."""
+        try:
+            self.zygote(sys_path, None, {}, False, os.cpu_count() or 1)
+        except Exception as exc:  # (the spawn will say what is wrong)
+            log.info("host agent: could not start a zygote ahead: %s", exc)
 
     def report(self, mesh: str, msg: tuple) -> None:
         try:
@@ -225,31 +290,18 @@ class _Session:
         mesh = str(msg["mesh"])
         if mesh in self.boots:
             raise BootstrapError(f"mesh {mesh!r} already has processes on this host")
-        own = [p for p in sys.path]
-        sys_path = [p for p in msg.get("sys_path", []) if p and os.path.exists(p)]
-        python = msg.get("python") or None
         a = self.agent
-        first: list[str] = []
-        cwd = None
-        if msg.get("workspace"):
-            if a.workspace is None:
-                raise BootstrapError(f"host {a.host_id} has no workspace: call sync_workspace before spawn_procs")
-            cwd = a.workspace.path
-            first = [cwd]
-        if python is None:
-            sys_path += [p for p in own if p not in sys_path]
-            sys_path = first + [p for p in sys_path if p not in first]
-            first = []
-        else:  # its own sys.path; the controller's own directories in front
-            first += [p for p in user_paths(sys_path) if p not in first]
-            sys_path = []
-        env = {"MESHARRAY_HOST_ID": a.host_id, "MESHARRAY_BUFFER_HOST": a.advertise}
-        env.update({str(k): str(v) for k, v in (msg.get("env") or {}).items()})
+        ranks = list(msg["ranks"])
+        zyg = self.zygote(msg.get("sys_path", []), msg.get("python") or None, msg.get("env") or {},
+                       bool(msg.get("workspace")), len(ranks))
+        relay = msg.get("relay")
+        if relay:
+            relay = {"controller": msg["controller"], "ranks": ranks, "host": int(relay["host"]),
+                     "host_id": a.host_id}
         self.boots[mesh] = LocalBootstrap(
             None, 0, forward_logs=bool(msg.get("forward_logs", True)), listen="tcp", address=msg["controller"],
-            secret=self.job, ranks=list(msg["ranks"]), listen_host=a.advertise, data_plane=msg.get("data_plane"),
-            env=env, sys_path=sys_path, on_report=lambda m, mesh=mesh: self.report(mesh, m), python=python,
-            cwd=cwd, sys_path_first=first)
+            secret=self.job, ranks=ranks, listen_host=a.advertise, data_plane=msg.get("data_plane"),
+            on_report=lambda m, mesh=mesh: self.report(mesh, m), zygote=zyg, mesh=mesh, relay=relay or None)
 
     def reply(self, rid: Any, value: Any) -> None:
         try:
@@ -277,6 +329,7 @@ class _Session:
     def sync_done(self, msg: dict) -> None:
         ws = self.agent.open_workspace()
         ws.finish()
+        self.agent.workspace_gen += 1  # (zygotes started on the older copy are not used again)
         err, self.sync_error = self.sync_error, None
         if err is not None:
             self.reply(msg.get("id"), {"ok": False, "error": f"host {self.agent.host_id}: {err}"})
@@ -323,6 +376,14 @@ class _Session:
     def close(self) -> None:
         boots, self.boots = list(self.boots.values()), {}
         threads = [threading.Thread(target=b.close, daemon=True) for b in boots]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        with self._zlock:
+            self.closing = True  # (a zygote started ahead after this is closed at once: see zygote())
+            zygotes, self.zygotes = list(self.zygotes.values()), {}
+        threads = [threading.Thread(target=z.close, daemon=True) for z in zygotes]
         for t in threads:
             t.start()
         for t in threads:
@@ -376,6 +437,7 @@ class HostAgent:
         self.workdir = workdir
         self._own_workdir = False
         self.workspace: Workspace | None = None
+        self.workspace_gen = 0
 
     def _on_socket(self, sock: socket.socket) -> None:
         threading.Thread(target=self._serve, args=(sock,), name="mesharray-agent-session", daemon=True).start()
@@ -425,6 +487,9 @@ class HostAgent:
         _keepalive(sock)
         log.info("host agent: controller %s attached (pid %s on %s)", peer, hello.get("controller_pid"),
                  hello.get("controller_host"))
+        if hello.get("sys_path"):
+            threading.Thread(target=sess.prewarm, args=(list(hello["sys_path"]),), name="mesharray-prewarm",
+                             daemon=True).start()
         try:
             send_msg(sock, {"ok": True, "host_id": self.host_id, "hostname": socket.gethostname(),
                             "advertise": self.advertise, "pid": os.getpid(), "cpus": os.cpu_count()}, sess.lock)
@@ -476,6 +541,7 @@ class HostAgent:
             except OSError:
                 pass
             sess.close()
+
         if self._own_workdir and self.workdir is not None:
             import shutil
 

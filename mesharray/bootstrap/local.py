@@ -10,18 +10,29 @@ controller itself is never forked (it has threads).
 The zygote runs in a session of its own, and so do the workers it forks: a
 Ctrl-C at the controller's terminal interrupts the controller only.
 The zygote is single-threaded. It reads commands from its stdin (the job
-secret travels there, never on argv), reports ``(rank, pid)`` after each fork
-and ``(rank, pid, status)`` when it reaps a worker (``SIGCHLD`` through a
-wake-up fd) on a separate pipe. When its stdin closes (the controller stopped
-or died) it kills its workers and exits; each worker also has
-``PR_SET_PDEATHSIG`` on the zygote and exits on EOF of its controller
+secret travels there, never on argv), reports ``(mesh, rank, pid)`` after each
+fork and ``(mesh, rank, pid, status)`` when it reaps a worker (``SIGCHLD``
+through a wake-up fd) on a separate pipe. When its stdin closes (the
+controller stopped or died) it kills its workers and exits; each worker also
+has ``PR_SET_PDEATHSIG`` on the zygote and exits on EOF of its controller
 connection, so no process outlives its controller.
+
+One zygote may serve several meshes, one after the other or at once
+(:class:`Zygote`): each mesh is declared with its own settings (controller,
+job secret, listening kind) and its processes are forked for it and killed
+when it is closed, while the zygote itself lives on. A local mesh owns its
+zygote; a host agent keeps one per interpreter, environment, working
+directory and path (:mod:`.agent`), so that a mesh started there costs forks,
+not an interpreter's start and imports. A mesh that spans hosts also gets a
+*relay* (:mod:`mesharray.runtime.relay`), forked before its workers, whose
+address the workers are given.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import select
 import signal
 import struct
 import subprocess
@@ -35,7 +46,7 @@ from ..runtime.controller import Controller
 from ..transport.sockio import read_exactly
 from .launch import Launch, wait_exit_status
 
-__all__ = ["LocalBootstrap", "start_local", "user_paths"]
+__all__ = ["LocalBootstrap", "Zygote", "start_local", "user_paths", "zygote_env"]
 
 _LEN = struct.Struct("<I")
 
@@ -76,34 +87,38 @@ def user_paths(paths: list[str]) -> list[str]:
     return out
 
 
-class LocalBootstrap:
-    """A zygote and the workers it forked, as seen from the controller."""
+def zygote_env(nprocs: int, env: dict | None = None) -> dict:
+    """The environment variables a zygote for ``nprocs`` workers sets over this process's (``env`` last)."""
+    out = {}
+    if "OMP_NUM_THREADS" not in os.environ:
+        # as torchrun does: the workers of a host share its cores. Left to their
+        # defaults, N workers each start a pool of all-the-cores threads that spin
+        # against each other, and a tiny torch step waits for all of them
+        out["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, nprocs)))
+    out.update(env or {})
+    return out
 
-    def __init__(self, controller, nprocs: int, forward_logs: bool = True, listen: str = "unix", *,
-                 address: str | None = None, secret: bytes | None = None, ranks: list[int] | None = None,
-                 listen_host: str = "127.0.0.1", data_plane: str | None = None, env: dict | None = None,
-                 sys_path: list[str] | None = None, on_report=None, python: str | None = None,
-                 cwd: str | None = None, sys_path_first: list[str] | None = None) -> None:
-        # ``controller`` None: a host agent runs this for a remote controller (``address``,
-        # ``secret``), and ``on_report(msg)`` relays each fork/exit report to it.
-        # ``python``: another interpreter for the zygote (and so the workers); it keeps its
-        # own sys.path, with ``sys_path_first`` in front (``sys_path`` is for this interpreter)
-        self.controller = controller
-        self.nprocs = nprocs
-        self.on_report = on_report
-        self.pids: dict[int, int] = {}
-        self.status: dict[int, tuple] = {}
-        self._cond = threading.Condition()
+
+class Zygote:
+    """A zygote process (see the module docstring): it forks the processes of the meshes declared to it.
+
+    ``python``: its interpreter (default this one's); ``env``: variables set over
+    this process's environment (:func:`zygote_env`); ``cwd``: its (and its
+    workers') directory; ``sys_path``: its ``sys.path`` (default this
+    process's; ``[]`` with another interpreter: that one's own), with
+    ``sys_path_first`` in front.
+    """
+
+    def __init__(self, python: str | None = None, env: dict | None = None, cwd: str | None = None,
+                 sys_path: list[str] | None = None, sys_path_first: list[str] | None = None) -> None:
+        self.meshes: dict[str, LocalBootstrap] = {}
+        self.gone = False
+        self._lock = threading.Lock()
         r, w = os.pipe()
         cmd = [python or sys.executable, "-c",
                "from mesharray.bootstrap.local import _zygote_main; _zygote_main()", str(w)]
         zenv = dict(os.environ)
         zenv.pop("PYTHONSTARTUP", None)
-        if "OMP_NUM_THREADS" not in zenv:
-            # as torchrun does: the workers of a host share its cores. Left to their
-            # defaults, N workers each start a pool of all-the-cores threads that spin
-            # against each other, and a tiny torch step waits for all of them
-            zenv["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, nprocs)))
         zenv.update(env or {})
         try:
             # a session of its own: a Ctrl-C typed at the controller's terminal (or a kernel
@@ -118,53 +133,131 @@ class LocalBootstrap:
         self._report_fd = r
         if python is not None and sys_path is None:
             sys_path = []  # the other interpreter's own path (and sys_path_first)
-        cfg = {
-            "sys_path": list(sys.path) if sys_path is None else sys_path,
-            "sys_path_first": list(sys_path_first or ()),
-            "secret": controller.secret if secret is None else secret,
-            "address": controller.address if address is None else address,
-            "forward_logs": forward_logs,
-            "listen": listen,
-            "listen_host": listen_host,
-            "data_plane": data_plane,
-        }
-        self._send(cfg)
-        self._send(("fork", list(range(nprocs)) if ranks is None else list(ranks)))
+        self.send({"sys_path": list(sys.path) if sys_path is None else sys_path,
+                   "sys_path_first": list(sys_path_first or ())})
         self._reader = threading.Thread(target=self._read_reports, name="mesharray-zygote", daemon=True)
         self._reader.start()
-        if controller is not None:
-            controller.exit_status = self.exit_status
-            controller.kill = self.kill
 
-    def _send(self, obj) -> None:
+    def send(self, obj) -> None:
         data = pickle.dumps(obj)
         assert self.proc.stdin is not None  # Popen(stdin=PIPE)
-        self.proc.stdin.write(_LEN.pack(len(data)) + data)
-        self.proc.stdin.flush()
+        with self._lock:
+            try:
+                self.proc.stdin.write(_LEN.pack(len(data)) + data)
+                self.proc.stdin.flush()
+            except (OSError, ValueError) as exc:  # (a closed pipe: ValueError)
+                raise BootstrapError(f"the zygote (pid {self.proc.pid}) is gone: {exc}") from exc
 
     def _read_reports(self) -> None:
         fd = self._report_fd
         try:
             while True:
                 msg = _read_msg(fd)
-                with self._cond:
-                    if msg[0] == "forked":
-                        self.pids[msg[1]] = msg[2]
-                    elif msg[0] == "exit" and self.pids.get(msg[1]) == msg[2]:
-                        # (the exit of an earlier process of a restarted rank says nothing of the new one)
-                        self.status[msg[1]] = (msg[2], msg[3])
-                    self._cond.notify_all()
-                if self.on_report is not None:
-                    self.on_report(msg)
+                mesh = self.meshes.get(msg[1])
+                if mesh is not None:
+                    mesh._report((msg[0], *msg[2:]))
         except (EOFError, OSError):
             pass
         finally:
             os.close(fd)
-            with self._cond:
-                self._zygote_gone = True
-                self._cond.notify_all()
+            self.gone = True
+            for mesh in list(self.meshes.values()):
+                mesh._zygote_ended()
 
-    _zygote_gone = False
+    @property
+    def alive(self) -> bool:
+        return not self.gone and self.proc.poll() is None
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Close the zygote's stdin (it kills what is left of its processes) and reap it."""
+        try:
+            if self.proc.stdin is not None:
+                with self._lock:
+                    self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._reader.join(2.0)
+
+
+class LocalBootstrap:
+    """The processes of one mesh forked by a zygote, as seen from the controller (or a host agent).
+
+    Without ``zygote`` it starts one of its own (``python``, ``env``, ``cwd``,
+    ``sys_path``, ``sys_path_first``: see :class:`Zygote`) and closes it with
+    the mesh; a host agent passes the zygote it keeps. ``controller`` None: a
+    host agent runs this for a remote controller (``address``, ``secret``), and
+    ``on_report(msg)`` relays each ``("forked", rank, pid)`` and ``("exit",
+    rank, pid, status)`` to it. ``relay``: the settings of the mesh's relay on
+    this host (``controller``, ``ranks``, ``host``, ``host_id``), forked before
+    the workers (its reports have rank -1).
+    """
+
+    def __init__(self, controller, nprocs: int, forward_logs: bool = True, listen: str = "unix", *,
+                 address: str | None = None, secret: bytes | None = None, ranks: list[int] | None = None,
+                 listen_host: str = "127.0.0.1", data_plane: str | None = None, env: dict | None = None,
+                 sys_path: list[str] | None = None, on_report=None, python: str | None = None,
+                 cwd: str | None = None, sys_path_first: list[str] | None = None, zygote: Zygote | None = None,
+                 mesh: str | None = None, relay: dict | None = None) -> None:
+        self.controller = controller
+        self.nprocs = nprocs
+        self.on_report = on_report
+        self.pids: dict[int, int] = {}
+        self.status: dict[int, tuple] = {}
+        self._cond = threading.Condition()
+        self._zygote_gone = False
+        self.owns_zygote = zygote is None
+        if zygote is None:
+            zygote = Zygote(python, zygote_env(nprocs, env), cwd, sys_path, sys_path_first)
+        self.zygote = zygote
+        self.mesh = mesh or f"mesh-{os.urandom(6).hex()}"
+        zygote.meshes[self.mesh] = self
+        self.ranks = list(range(nprocs)) if ranks is None else list(ranks)
+        cfg = {
+            "secret": controller.secret if secret is None else secret,
+            "address": controller.address if address is None else address,
+            "forward_logs": forward_logs,
+            "listen": listen,
+            "listen_host": listen_host,
+            "data_plane": data_plane,
+            "relay": relay,
+        }
+        try:
+            zygote.send(("mesh", self.mesh, cfg))
+            zygote.send(("fork", self.mesh, self.ranks))
+        except BaseException:
+            zygote.meshes.pop(self.mesh, None)
+            if self.owns_zygote:
+                zygote.close()
+            raise
+        if controller is not None:
+            controller.exit_status = self.exit_status
+            controller.kill = self.kill
+
+    @property
+    def proc(self) -> subprocess.Popen:
+        """The zygote's process."""
+        return self.zygote.proc
+
+    def _report(self, msg: tuple) -> None:
+        with self._cond:
+            if msg[0] == "forked":
+                self.pids[msg[1]] = msg[2]
+            elif msg[0] == "exit" and self.pids.get(msg[1]) == msg[2]:
+                # (the exit of an earlier process of a restarted rank says nothing of the new one)
+                self.status[msg[1]] = (msg[2], msg[3])
+            self._cond.notify_all()
+        if self.on_report is not None:
+            self.on_report(msg)
+
+    def _zygote_ended(self) -> None:
+        with self._cond:
+            self._zygote_gone = True
+            self._cond.notify_all()
 
     def exit_status(self, rank: int, timeout: float):
         """``(exitcode, signal)`` of a dead worker, waiting at most ``timeout`` s."""
@@ -177,7 +270,7 @@ class LocalBootstrap:
                 raise BootstrapError(f"cannot restart rank {rank}: the zygote is gone")
             self.status.pop(rank, None)
             self.pids.pop(rank, None)
-        self._send(("fork", [rank]))
+        self.zygote.send(("fork", self.mesh, [rank]))
 
     def kill(self, rank: int) -> None:
         pid = self.pids.get(rank)
@@ -201,18 +294,20 @@ class LocalBootstrap:
                                          f"before joining")
 
     def close(self, timeout: float = 5.0) -> None:
-        """Close the zygote's stdin (it kills what is left of its workers) and reap it."""
-        try:
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._reader.join(2.0)
+        """End the mesh's processes: the zygote kills what is left of them (and is closed, if it is the mesh's own)."""
+        if self.owns_zygote:
+            self.zygote.close(timeout)
+        else:
+            try:
+                self.zygote.send(("close", self.mesh))
+            except BootstrapError:
+                pass
+            deadline = time.monotonic() + timeout
+            with self._cond:
+                while (not self._zygote_gone and any(r not in self.status for r in self.pids)
+                       and time.monotonic() < deadline):
+                    self._cond.wait(0.05)
+        self.zygote.meshes.pop(self.mesh, None)
 
 
 def start_local(controller, nprocs: int, forward_logs: bool = True, timeout: float = 60.0,
@@ -277,9 +372,12 @@ def _zygote_main() -> None:
     import numpy  # noqa: F401
 
     from .. import actor  # noqa: F401
+    from ..runtime import relay as relay_mod
     from ..runtime import worker as worker_mod
 
-    children: dict[int, int] = {}  # pid -> rank
+    meshes: dict[str, dict] = {}  # mesh -> its settings
+    children: dict[int, tuple[str, int]] = {}  # pid -> (mesh, rank); a relay's rank is -1
+    closing: dict[str, float] = {}  # mesh -> when its processes that are left get SIGKILL
     rfd, wfd = os.pipe()
     os.set_blocking(rfd, False)
     os.set_blocking(wfd, False)
@@ -289,6 +387,12 @@ def _zygote_main() -> None:
     sel.register(stdin_fd, selectors.EVENT_READ, "cmd")
     sel.register(rfd, selectors.EVENT_READ, "chld")
 
+    def report(msg: tuple) -> None:
+        try:
+            _write_msg(report_fd, msg)
+        except OSError:
+            pass
+
     def reap() -> None:
         while children:
             try:
@@ -297,14 +401,11 @@ def _zygote_main() -> None:
                 return
             if pid == 0:
                 return
-            rank = children.pop(pid, None)
-            if rank is not None:
-                try:
-                    _write_msg(report_fd, ("exit", rank, pid, status))
-                except OSError:
-                    pass
+            got = children.pop(pid, None)
+            if got is not None:
+                report(("exit", got[0], got[1], pid, status))
 
-    def fork(rank: int) -> None:
+    def child(run, *args) -> int:
         pid = os.fork()
         if pid == 0:
             try:
@@ -316,22 +417,67 @@ def _zygote_main() -> None:
                 devnull = os.open(os.devnull, os.O_RDONLY)
                 os.dup2(devnull, stdin_fd)
                 os.close(devnull)
-                worker_mod.run_worker(cfg["address"], cfg["secret"], rank, listen=cfg["listen"],
-                                      listen_host=cfg.get("listen_host", "127.0.0.1"),
-                                      data_plane=cfg.get("data_plane"),
-                                      forward_logs=cfg["forward_logs"], exit_process=True)
+                run(*args)
             except BaseException:
                 import traceback
 
                 traceback.print_exc()
             finally:
                 os._exit(70)
-        children[pid] = rank
-        _write_msg(report_fd, ("forked", rank, pid))
+        return pid
+
+    def run_one(mesh: dict, rank: int) -> None:
+        worker_mod.run_worker(mesh["address"], mesh["secret"], rank, listen=mesh["listen"],
+                              listen_host=mesh.get("listen_host", "127.0.0.1"), data_plane=mesh.get("data_plane"),
+                              forward_logs=mesh["forward_logs"], exit_process=True, relay=mesh.get("relay_address"))
+
+    def run_relay(rcfg: dict, fd: int) -> None:
+        worker_mod._set_pdeathsig()
+        relay_mod.run_relay(rcfg, fd)
+        os._exit(0)
+
+    def start_relay(name: str, mesh: dict) -> None:
+        r, w = os.pipe()
+        rcfg = dict(mesh["relay"], secret=mesh["secret"])
+        pid = child(run_relay, rcfg, w)
+        os.close(w)
+        children[pid] = (name, -1)
+        report(("forked", name, -1, pid))
+        line = b""
+        deadline = time.monotonic() + 30.0
+        try:
+            while not line.endswith(b"\n") and time.monotonic() < deadline:
+                ready, _, _ = select.select([r], [], [], max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    break
+                chunk = os.read(r, 4096)
+                if not chunk:
+                    break
+                line += chunk
+        finally:
+            os.close(r)
+        text = line.decode(errors="replace").strip()
+        if text and not text.startswith("!"):
+            mesh["relay_address"] = text
+        else:
+            report(("error", name, f"the relay of this host did not start: {text[1:] or 'no address given'}"))
+
+    def kill_mesh(name: str) -> None:
+        for pid, (m, _) in list(children.items()):
+            if m == name:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        closing.pop(name, None)
+        meshes.pop(name, None)
 
     try:
         while True:
-            for key, _ in sel.select():
+            timeout = None
+            if closing:
+                timeout = max(0.0, min(closing.values()) - time.monotonic())
+            for key, _ in sel.select(timeout):
                 if key.data == "chld":
                     try:
                         while os.read(rfd, 512):
@@ -344,9 +490,23 @@ def _zygote_main() -> None:
                         msg = _read_msg(stdin_fd)
                     except EOFError:
                         raise SystemExit from None
-                    if msg[0] == "fork":
-                        for rank in msg[1]:
-                            fork(rank)
+                    if msg[0] == "mesh":
+                        meshes[msg[1]] = dict(msg[2])
+                        if msg[2].get("relay"):
+                            start_relay(msg[1], meshes[msg[1]])
+                    elif msg[0] == "fork":
+                        mesh = meshes.get(msg[1])
+                        for rank in msg[2] if mesh is not None else ():
+                            pid = child(run_one, mesh, rank)
+                            children[pid] = (msg[1], rank)
+                            report(("forked", msg[1], rank, pid))
+                    elif msg[0] == "close":
+                        # the controller already asked them to stop: what is left after a grace is killed
+                        closing[msg[1]] = time.monotonic() + 0.5
+            now = time.monotonic()
+            for name, t in list(closing.items()):
+                if now >= t or not any(m == name for m, _ in children.values()):
+                    kill_mesh(name)
     except SystemExit:
         pass
     # the controller is gone or done: no worker may outlive it

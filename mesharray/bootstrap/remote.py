@@ -7,6 +7,12 @@ agent for ``procs`` workers of a new mesh; the workers connect back to a TCP
 listener of the controller on the address the agents see it at, and the mesh
 is laid out ``{hosts, procs}`` in the order the agents were given.
 
+A mesh over several hosts also gets one relay process per host (forked by
+the host's zygote before the workers, :mod:`mesharray.runtime.relay`):
+messages to the ranks of several hosts leave the controller once per host
+(:mod:`mesharray.runtime.hosts`). ``MESHARRAY_RELAY=0`` starts none (every
+message then goes to each rank directly, as for a one-host mesh).
+
 An agent that goes away while attached (killed, its machine gone) takes its
 processes with it: their calls fail with :class:`~mesharray.ActorDiedError`
 naming the host; the other hosts keep working.
@@ -18,6 +24,7 @@ processes of meshes started afterwards put the copy first on ``sys.path``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -139,7 +146,8 @@ def _attach_one(url: str, secret: bytes, job: bytes, deadline: float) -> AgentCl
             auth.client_handshake(sock, secret, timeout=min(left, auth.HANDSHAKE_TIMEOUT))
             nonce = os.urandom(16)
             send_msg(sock, {"op": "attach", "nonce": nonce, "wrapped": wrap_secret(job, secret, nonce),
-                            "controller_pid": os.getpid(), "controller_host": socket.gethostname()})
+                            "controller_pid": os.getpid(), "controller_host": socket.gethostname(),
+                            "sys_path": [p for p in sys.path if p]})
             sock.settimeout(min(max(left, 1.0), 30.0))
             reply = recv_msg(sock)
             sock.settimeout(None)
@@ -220,21 +228,28 @@ class _RemoteProcs:
         self.host_of = {r: h for h, rs in enumerate(ranks) for r in rs}
         self.pids: dict[int, int] = {}
         self.status: dict[int, tuple] = {}
+        self.relay_pids: dict[int, int] = {}  # host -> its relay's pid (reported as rank -1)
+        self.relay_status: dict[int, tuple] = {}
         self.errors: list[str] = []
         self._cond = threading.Condition()
         self.controller: Controller | None = None  # set once the mesh's workers all joined
-        for a in agents:
-            a.handlers[mesh] = self._on_report
+        for h, a in enumerate(agents):
+            a.handlers[mesh] = functools.partial(self._on_report, h)
             a.on_lost.append(self._on_lost)
 
-    def _on_report(self, msg: tuple) -> None:
+    def _on_report(self, host: int, msg: tuple) -> None:
         with self._cond:
             if msg[0] == "forked":
-                self.pids[msg[1]] = msg[2]
+                if msg[1] == -1:
+                    self.relay_pids[host] = msg[2]
+                else:
+                    self.pids[msg[1]] = msg[2]
+            elif msg[0] == "exit" and msg[1] == -1:
+                self.relay_status[host] = (msg[2], msg[3])
             elif msg[0] == "exit" and self.pids.get(msg[1]) == msg[2]:
                 self.status[msg[1]] = (msg[2], msg[3])
             elif msg[0] == "error":
-                self.errors.append(str(msg[1]))
+                self.errors.append(f"host {self.agents[host].host_id}: {msg[1]}")
             self._cond.notify_all()
 
     def _on_lost(self, err: BaseException) -> None:
@@ -277,6 +292,12 @@ class _RemoteProcs:
                     raise BootstrapError(
                         f"worker rank {rank} (pid {self.pids.get(rank)}) on host "
                         f"{self.agents[self.host_of[rank]].host_id} exited with "
+                        f"{'signal ' + str(-code) if code < 0 else 'code ' + str(code)} before joining")
+            for host, st in self.relay_status.items():
+                if controller.plane is None:
+                    code = os.waitstatus_to_exitcode(st[1])
+                    raise BootstrapError(
+                        f"the relay (pid {st[0]}) of host {self.agents[host].host_id} exited with "
                         f"{'signal ' + str(-code) if code < 0 else 'code ' + str(code)} before joining")
 
     def release(self) -> None:
@@ -325,13 +346,17 @@ def launch(agents: list[AgentClient], procs: int, *, forward_logs: bool = True, 
     remote = _RemoteProcs(agents, mesh_id, ranks)
     ctl.exit_status = remote.exit_status
     ctl.kill = remote.kill
+    relays = len(agents) > 1 and os.environ.get("MESHARRAY_RELAY", "1") != "0"
     try:
-        for a, rs in zip(agents, ranks):
+        for h, (a, rs) in enumerate(zip(agents, ranks)):
             a.send({"op": "spawn", "mesh": mesh_id, "ranks": rs, "controller": f"tcp:{a.local_ip}:{port}",
                     "forward_logs": forward_logs, "sys_path": [p for p in sys.path if p],
                     "data_plane": data_plane, "env": _workspace_env(a, env), "python": python,
-                    "workspace": a.workspace is not None})
+                    "workspace": a.workspace is not None, "relay": {"host": h} if relays else None})
         ctl.adopt(shape.size, timeout=timeout, progress=progress, check=lambda: remote.check(ctl))
+        if relays:
+            ctl.adopt_relays([h for h, rs in enumerate(ranks) for _ in rs], timeout=timeout,
+                             check=lambda: remote.check(ctl))
         remote.controller = ctl
     except BaseException:
         ctl.stop(timeout=0.5)

@@ -18,6 +18,11 @@ reach the runtime through ``mesharray`` (``ma.proc_mesh``, ``ma.Actor``,
 - :mod:`.controller` — :class:`Controller`: listener, adoption of workers,
                        supervision (EOF + exit status, heartbeats), spawning and
                        stopping actors, stop.
+- :mod:`.hosts`      — :class:`~.hosts.HostPlane`: the controller's fan-out through the
+                       relays of a mesh's hosts (one frame per host, gathered replies,
+                       the fences that keep each rank's order across both paths).
+- :mod:`.relay`      — the relay process of one host of such a mesh: forwards, gathers,
+                       watches its workers' heartbeats, answers telemetry for its host.
 - :mod:`.context`    — ``ma.context()``: the rank, mesh and call an actor's code runs in.
 - :mod:`.recorder`   — what every process records about itself for ``procs.telemetry``
                        (call rows, actor events, errors, process samples).
@@ -32,5 +37,5 @@ reach the runtime through ``mesharray`` (``ma.proc_mesh``, ``ma.Actor``,
                        its cell, the Ctrl-C guard put back before each cell.
 """
 
-__all__ = ["protocol", "future", "channel", "caller", "router", "worker", "controller", "context", "recorder", "logs",
-           "counters", "debugger", "notebook"]
+__all__ = ["protocol", "future", "channel", "caller", "router", "worker", "controller", "hosts", "relay", "context",
+           "recorder", "logs", "counters", "debugger", "notebook"]

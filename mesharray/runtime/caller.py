@@ -14,6 +14,11 @@ lives here, one :class:`Caller` per endpoint of an actor mesh:
   contact, a dead peer, a large payload, code inside an actor, ``stream``,
   ``broadcast``) takes :meth:`Router.send_many
   <mesharray.runtime.router.Router.send_many>`, the one general send loop.
+  A mesh whose hosts have relays sends ``call()``, ``broadcast()`` and
+  :meth:`Caller.call_some` to ranks of several hosts once per host instead
+  (:class:`~mesharray.runtime.hosts.HostPlane`: one frame per host, one
+  gathered reply per host); ``call_one``, ``stream`` and messages to the ranks
+  of one host keep the direct paths above.
 - **Replies.** A reply is ``(status, payload)``: ``OK`` with a pickled value,
   ``ERR`` with a pickled error record that becomes an
   :class:`~mesharray.ActorError` (original exception, its ``__cause__`` /
@@ -47,6 +52,7 @@ from . import protocol as P
 from .channel import Channel, Fanout, flush_all, flush_programs, programs
 from .context import current
 from .future import Future, is_done, new_future, reply_on, set_exception, set_result
+from .hosts import HostPlane
 from .router import get_router
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -167,10 +173,12 @@ class Caller:
     :class:`Fanout` of ``call()``, the channels of :meth:`call_some`).
     """
 
-    __slots__ = ("addresses", "actor_id", "method", "noargs", "some", "fan")
+    __slots__ = ("addresses", "actor_id", "method", "noargs", "some", "fan", "plane")
 
     def __init__(self, addresses: Sequence[Any], actor_id: int, name: str) -> None:
         self.addresses = addresses
+        #: the mesh's fan-out through its hosts' relays (None: none; see runtime.hosts)
+        self.plane: HostPlane | None = getattr(addresses, "plane", None)
         self.actor_id = actor_id
         self.method = P.encode_method(name)
         self.noargs = [self.method + _NO_ARGS_BYTES]  # the whole payload of a call without arguments
@@ -193,6 +201,13 @@ class Caller:
             plain = None
         else:
             p, plain = _NO_ARGS, self.noargs
+        if cbs is None and self.plane is not None and current.get() is None:  # a broadcast: through the relays
+            plan = self.plane.plan(shape, ranks, self.addresses, get_router())
+            if plan is not None:
+                self.plane.send(plan, P.CALL, self.actor_id, shape, plain or [self.method, *framing.encode(p)], None)
+                if plan.dead:
+                    raise plan.dead[0][1]
+                return [None] * len(ranks)
         return get_router().send_many(self.addresses, ranks, P.CALL, self.actor_id, shape, p,
                                       self.method, plain, cbs, park)
 
@@ -210,6 +225,17 @@ class Caller:
             parts = None if p.big else [self.method, *framing.encode(p)]
         else:
             parts = self.noargs
+        if self.plane is not None and current.get() is None:  # ranks of several hosts: through their relays
+            plan = self.plane.plan(shape, shape, self.addresses, get_router())
+            if plan is not None:
+                g = Gather(fut, shape.size, shape)
+                if parts is None:
+                    assert p is not None
+                    parts = [self.method, *framing.encode(p)]
+                self.plane.send(plan, P.CALL, self.actor_id, shape, parts, g.reply, True)
+                if plan.relays:
+                    reply_on(fut, plan.relays)  # get() reads the gathered replies in its own thread
+                return fut
         fan = self.fan
         if parts is not None:
             router = get_router()
@@ -329,6 +355,22 @@ class Caller:
         _, _, ranks, wants, kept = some
         p = framing.dumps((args, {}))
         router = get_router()
+        if self.plane is not None and current.get() is None:  # ranks of several hosts: through their relays
+            plan = self.plane.plan((shape, reply), ranks, self.addresses, router, wants)
+            if plan is not None:
+                rfuts: dict[int, Future[Any]] = {}
+                answers: list = [None] * len(ranks)
+                for i, (r, w) in enumerate(zip(ranks, wants)):
+                    if w:
+                        f = rfuts[r] = new_future()
+                        answers[i] = future_callback(f)
+                        if plan.relays:
+                            reply_on(f, plan.relays)
+
+                def answer(i: int, status: int, payload: Any) -> None:
+                    answers[i](status, payload)
+                self.plane.send(plan, P.CALL, self.actor_id, shape, [self.method, *framing.encode(p)], answer)
+                return rfuts
         if p.big:
             chans = None
         elif kept is not None and kept[0] is router and kept[1] == router.gen and current.get() is None:

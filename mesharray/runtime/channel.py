@@ -53,6 +53,7 @@ _pid = os.getpid
 _BURST = 100e-6
 
 _CALL, _REPLY, _VIEW, _F_REPLY, _DIED, _OK = P.CALL, P.REPLY, P.VIEW, P.F_REPLY, P.DIED, P.OK
+_COUNTED = (P.CALL, P.SPAWN, P.STOP_ACTOR, P.STOP)  # (runtime.hosts.COUNTED: what Channel.send fences)
 _SendErrors = (BrokenTransportError, ClosedTransportError)
 _died_of = attrgetter("died")
 
@@ -86,7 +87,7 @@ class Channel:
     """
 
     __slots__ = ("conn", "handler", "on_call", "on_close", "pending", "views_out", "views_in", "peer", "died",
-                 "t_oneway", "polled", "counters", "__weakref__")
+                 "t_oneway", "polled", "counters", "fence", "__weakref__")
 
     def __init__(self, sock, handler=None, on_close=None, name: str = "", counters=None,
                  on_call=None) -> None:
@@ -101,6 +102,9 @@ class Channel:
         self.t_oneway = 0.0
         self.polled = False  # True once read by the poller (callers may park and read it)
         self.counters = counters  # counters.Counters (replies, errors) or None
+        #: a controller's direct channel to a rank whose host has a relay: the hook that keeps the rank's
+        #: frames in order across both paths (``before(chan)``/``after()`` a counted frame; runtime.hosts)
+        self.fence: Any = None
         self.conn = Connection(sock, handler=self._on_frame, on_close=self._on_conn_close, name=name)
         # a reply goes from the reader straight to its call's callback (and is counted), as _on_frame would
         self.conn.route(_REPLY, self.pending, None if counters is None else counters.tally)
@@ -157,6 +161,13 @@ class Channel:
     def send(self, kind: int, flags: int = 0, msg_id: int = 0, target: int = 0, view: int = 0,
              parts=(), cork: bool = False) -> None:
         """One frame as is (control frames: HELLO, STOP, LOG, ...); ``cork``: see :meth:`Connection.send`."""
+        f = self.fence
+        if f is not None and kind in _COUNTED:
+            f.before(self)
+            if self.conn.send(kind, flags, msg_id, target, view, parts, cork):
+                _mark_dirty(self.conn)
+            f.after()
+            return
         if self.conn.send(kind, flags, msg_id, target, view, parts, cork):
             _mark_dirty(self.conn)
 
@@ -196,7 +207,8 @@ class Channel:
                     self.views_out[shape] = vid
         return vid
 
-    def call(self, kind: int, target: int, view: int, parts, cb, park: bool = False, now: float = 0.0) -> None:
+    def call(self, kind: int, target: int, view: int, parts, cb, park: bool = False, now: float = 0.0,
+             flags: int = _F_REPLY, msg_id: int = 0) -> None:
         """Send one frame whose reply goes to ``cb(status, payload_or_error)``.
 
         Corked (written later, many per write) while earlier calls on this
@@ -226,8 +238,11 @@ class Channel:
             assert poller is not None  # parking is for polled connections
             poller.park(conn, now)
         pending[mid] = cb
+        f = self.fence
+        if f is not None:
+            f.before(self)
         try:
-            if conn.send(kind, _F_REPLY, mid, target, view, parts, cork):  # ^C
+            if conn.send(kind, flags, mid, target, view, parts, cork):  # ^C
                 _mark_dirty(conn)
         except _SendErrors:
             pass  # the close handler fails the pending call with the death error
@@ -236,6 +251,8 @@ class Channel:
             if conn.corked_bytes:
                 _mark_dirty(conn)
             raise
+        if f is not None:
+            f.after()
         err = self.died
         if err is not None:
             c = pending.pop(mid, None)
@@ -256,21 +273,24 @@ class Channel:
             if not self.wait(lambda: len(self.pending) < low, time.monotonic() + 0.05):
                 time.sleep(0.001)  # another thread reads this connection: let it
 
-    def post(self, kind: int, target: int, view: int, parts, burst: bool = True) -> None:
+    def post(self, kind: int, target: int, view: int, parts, burst: bool = True, flags: int = 0) -> None:
         """Send one frame without a reply (a broadcast); raises the death error of a dead peer.
 
         Corked only inside a burst (within :data:`_BURST` of the previous one):
         a lone broadcast goes out at once, which spares the flusher thread's
         wake-up when nothing follows it soon. ``burst=False``: corked only behind
         frames already corked, for a sender about to wait on a reply (its wait
-        would flush the frame anyway; corking it would only wake the flusher).
+        would flush the frame anyway; corking it would only wake the flusher). ``flags``: the frame's.
         """
         conn = self.conn
         now = time.perf_counter()
         cork = conn.corked_bytes > 0 or (burst and now - self.t_oneway < _BURST)
         self.t_oneway = now
+        f = self.fence
+        if f is not None:
+            f.before(self)
         try:
-            if conn.send(kind, 0, 0, target, view, parts, cork):  # ^C
+            if conn.send(kind, flags, 0, target, view, parts, cork):  # ^C
                 _mark_dirty(conn)
         except _SendErrors as exc:
             # the peer went away and its close handler has not run yet: the same
@@ -280,6 +300,8 @@ class Channel:
             if conn.corked_bytes:
                 _mark_dirty(conn)
             raise
+        if f is not None:
+            f.after()
         sent.oneway += 1
 
     # -- reading replies in the caller's thread -----------------------------------
@@ -354,10 +376,12 @@ class Fanout:
     records a telemetry link (:meth:`Channel.call`), which this path does not.
     """
 
-    __slots__ = ("chans", "vids", "_conns", "_pendings", "_limit", "_reads")
+    __slots__ = ("chans", "vids", "_conns", "_pendings", "_limit", "_reads", "_fences")
 
     def __init__(self, chans, vids) -> None:
         self.chans = tuple(chans)
+        # channels to ranks of hosts with relays: their frames are counted (runtime.hosts)
+        self._fences = tuple(ch.fence for ch in self.chans) if any(ch.fence for ch in self.chans) else None
         self.vids = tuple(vids)  # the view id of each channel's frames
         self._conns = tuple(ch.conn for ch in self.chans)
         self._pendings = tuple(ch.pending for ch in self.chans)
@@ -372,6 +396,10 @@ class Fanout:
         if not any(map(len, self._pendings)) and not any(map(_died_of, chans)):
             conns = self._conns
             conns[0].poller.park_all(conns, now)  # (before any frame goes: the poller must not read the replies)
+            fences = self._fences
+            if fences is not None:
+                for f, chan in zip(fences, chans):
+                    f.before(chan)
             _, frames = pack_calls(kind, _F_REPLY, target, self.vids, parts, self._pendings, cbs, next_id,
                                    SMALL_FRAME, self._limit)
             if frames is not None:
@@ -389,6 +417,9 @@ class Fanout:
                         pending.pop(unpack_header(frame, len(frame))[3], None)
                     raise
                 sent.calls += len(frames)
+                if fences is not None:
+                    for f in fences:
+                        f.after()
                 if any(map(_died_of, chans)):  # (died before its call was pending: nobody failed it)
                     for chan in chans:
                         if chan.died is not None:

@@ -23,6 +23,19 @@ Supervision
   bootstrap. A stall of the controller itself is not counted against workers.
 - Failure hooks (``on_failure``) get a :class:`MeshFailure` for each death;
   ``ProcMesh`` uses them to call an owner's ``__supervise__``.
+
+Relays
+------
+A mesh whose hosts have relays (:mod:`.relay`; host agents start them) has
+one more connection per host: the relay says HELLO with ``role="relay"`` and
+its host's ranks, and :meth:`Controller.adopt_relays` makes the mesh's
+:class:`~.hosts.HostPlane` of them. Its workers' heartbeats go to their relay,
+which sends one ``BEAT`` per interval naming the ranks whose heartbeats are
+late and for how long: the controller takes that as their last heartbeat (and
+the others' as now), so ``heartbeat_timeout``, the warnings and
+``kill_unresponsive`` mean what they mean without a relay; a relay that falls
+silent makes its ranks unresponsive. A relay whose connection ends takes its
+ranks with it: they are declared dead at once, naming the relay.
 """
 
 from __future__ import annotations
@@ -47,6 +60,7 @@ from .channel import Channel
 from .counters import Counters
 from .debugger import debugger
 from .future import Future, new_future
+from .hosts import Addresses, HostPlane, relayed
 from .logs import LogSink
 from .router import get_router
 
@@ -141,6 +155,9 @@ class Controller:
         self.stopped = False
         self._cond = threading.Condition()
         self._conns: set[Channel] = set()
+        #: the mesh's fan-out through its hosts' relays (adopt_relays), None without relays
+        self.plane: HostPlane | None = None
+        self._relays: dict[int, Channel] = {}
         self.listener = Listener(self.secret, self._on_socket, kind=listen, host=host)
         self.address = self.listener.address
         self._monitor = threading.Thread(target=self._monitor_loop, name="mesharray-supervisor", daemon=True)
@@ -161,15 +178,31 @@ class Controller:
             self._conns.add(chan)
         chan.start(polled=True)
 
+    def _seen(self, info: WorkerInfo, t: float) -> None:
+        """Rank ``info``'s last heartbeat was at ``t``."""
+        info.last_seen = t
+        if info.unresponsive_since is not None and t > info.unresponsive_since:
+            log.warning("rank %d (pid %s) is responsive again after %.1f s", info.rank, info.pid,
+                        t - info.unresponsive_since)
+            info.unresponsive_since = None
+
     def _on_frame(self, conn: Channel, kind, flags, msg_id, target, view, payload) -> None:
         if kind == P.HEARTBEAT:
             info = conn.peer.get("info")
             if info is not None:
-                info.last_seen = time.monotonic()
-                if info.unresponsive_since is not None:
-                    log.warning("rank %d (pid %s) is responsive again after %.1f s", info.rank, info.pid,
-                                info.last_seen - info.unresponsive_since)
-                    info.unresponsive_since = None
+                self._seen(info, time.monotonic())
+        elif kind == P.BEAT:  # a relay's heartbeat of its host
+            now = time.monotonic()
+            late = pickle.loads(payload)
+            workers = self.workers
+            for r in conn.peer.get("ranks", ()):
+                info = workers.get(r)
+                if info is not None and info.error is None:
+                    silent = late.get(r)
+                    if silent is None:
+                        self._seen(info, now)
+                    else:  # late at the relay: its last heartbeat is the relay's word, not this beat
+                        info.last_seen = now - silent
         elif kind == P.LOG:
             self.counters.log_bytes += len(payload)
             rank: Any = conn.peer.get("rank")
@@ -178,6 +211,16 @@ class Controller:
             debugger().controller_event(self.secret, conn.peer.get("info"), payload)
         elif kind == P.HELLO:
             hello = pickle.loads(payload)
+            if hello.get("role") == "relay":
+                host = int(hello["host"])
+                conn.name = f"relay of host {hello.get('host_id', host)}"
+                conn.peer.update(role="relay", host=host, host_id=hello.get("host_id"), pid=hello.get("pid"),
+                                 ranks=tuple(hello.get("ranks", ())), address=hello.get("address"))
+                conn.conn.route(P.REPLY, conn.pending, None)  # (gathered replies are counted per rank: runtime.hosts)
+                with self._cond:
+                    self._relays[host] = conn
+                    self._cond.notify_all()
+                return
             if hello.get("role") != "worker":
                 log.warning("controller: unexpected hello %r", hello)
                 return
@@ -198,6 +241,9 @@ class Controller:
         with self._cond:
             self._conns.discard(conn)
             self._cond.notify_all()
+        if conn.peer.get("role") == "relay":
+            self._relay_closed(conn, exc)
+            return
         info = conn.peer.get("info")
         if info is None or info.error is not None:
             if info is not None:
@@ -231,6 +277,8 @@ class Controller:
             self._cond.notify_all()
         self.counters.deaths += 1
         self.router.mark_dead(info.address, conn or info.conn, err)
+        if self.plane is not None:
+            self.plane.died(info.rank, err)
         if not self.stopping and self.on_failure:
             # hooks run in a thread of their own: one may stop the mesh, which waits
             # for connections that the thread reporting this failure would close
@@ -327,6 +375,65 @@ class Controller:
                   file=sys.stderr, flush=True)
         return infos
 
+    def adopt_relays(self, host_of: list[int], timeout: float = 60.0, check=None) -> HostPlane:
+        """Wait for the HELLO of every host's relay (``host_of[r]``: rank r's host) and make the mesh's
+        :class:`~.hosts.HostPlane` of them (after :meth:`adopt`)."""
+        hosts = max(host_of) + 1
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while len(self._relays) < hosts:
+                if time.monotonic() > deadline:
+                    missing = [h for h in range(hosts) if h not in self._relays]
+                    raise BootstrapError(f"the relays of hosts {missing} did not join within {timeout} s")
+                self._cond.wait(0.1)
+                if check is not None:
+                    self._cond.release()
+                    try:
+                        check()
+                    finally:
+                        self._cond.acquire()
+            relays = [self._relays[h] for h in range(hosts)]
+        plane = HostPlane(host_of, relays, [c.peer.get("host_id") or str(h) for h, c in enumerate(relays)],
+                          self._death_of, self.counters)
+        cfg = pickle.dumps({"heartbeat_interval": self.heartbeat_interval, "pid": os.getpid(), "mesh": self.name})
+        for chan in relays:
+            chan.send(P.CONFIG, parts=[cfg])
+        for r, info in self.workers.items():
+            plane.attach(r, info.conn)
+        self.plane = plane
+        return plane
+
+    def _death_of(self, rank: int) -> BaseException | None:
+        info = self.workers.get(rank)
+        return None if info is None else info.error
+
+    def _relay_closed(self, conn: Channel, exc) -> None:
+        host = conn.peer["host"]
+        pid = conn.peer.get("pid")
+        name = conn.peer.get("host_id") or host
+        why = "stopped" if self.stopping else ("its connection was lost" if exc is None else f"connection lost: {exc}")
+        err: BaseException = ActorDiedError(conn.peer.get("ranks", ()), pid, reason=(
+            f"the relay of host {name} (pid {pid}) is gone ({why}); the ranks of that host went with it"))
+        if self.stopping:
+            err = MeshStoppedError(f"process mesh {self.name!r} was stopped")
+        plane = self.plane
+        ranks = plane.relay_lost(host, err) if plane is not None else list(conn.peer.get("ranks", ()))
+        if not self.stopping:
+            for r in ranks:
+                info = self.workers.get(r)
+                if info is not None and info.error is None:
+                    self._fail(info, ActorDiedError((r,), info.pid, None, None, (
+                        f"the relay of host {name} (pid {pid}) is gone ({why}); its ranks exit with it")))
+                    try:
+                        info.conn.close(join=False)
+                    except Exception:  # pragma: no cover - already closed
+                        pass
+        conn.fail(err)  # relayed calls in flight: each rank's own death error (runtime.hosts)
+
+    def addresses(self, n: int) -> Addresses:
+        """The worker addresses of ranks ``0..n-1`` (what the process mesh and its actor meshes share)."""
+        return Addresses([self.workers[r].address for r in range(n)], self.plane)
+
     def _configure(self, info: WorkerInfo) -> None:
         info.last_seen = time.monotonic()
         self.router.register(info.address, info.conn)
@@ -379,6 +486,11 @@ class Controller:
                     info.conn.send(P.STOP)
                 except ConnectionError:
                     pass
+        for chan in list(self._relays.values()):  # (they exit once their workers did: nothing waits on them)
+            try:
+                chan.send(P.STOP)
+            except ConnectionError:
+                pass
         deadline = time.monotonic() + timeout
         with self._cond:
             while self._conns and time.monotonic() < deadline:
@@ -410,8 +522,13 @@ class Controller:
         """
         message = framing.dumps((name, actor_class, args, kwargs, shape))
         futs = [new_future() for _ in ranks]
-        self.router.send_many(addresses, ranks, P.SPAWN, actor_id, None, message,
-                              cbs=[future_callback(f) for f in futs])
+        cbs = [future_callback(f) for f in futs]
+        plane = relayed(addresses)
+        plan = None if plane is None else plane.plan(("spawn", tuple(ranks)), ranks, addresses, self.router)
+        if plan is not None and plane is not None:  # ranks of several hosts: once per host, through their relays
+            plane.send(plan, P.SPAWN, actor_id, None, framing.encode(message), lambda i, st, pl: cbs[i](st, pl))
+            return message, futs
+        self.router.send_many(addresses, ranks, P.SPAWN, actor_id, None, message, cbs=cbs)
         return message, futs
 
     def respawn(self, addresses: Any, rank: int, actor_id: int, message: Any, timeout: float = 60.0) -> None:
@@ -464,6 +581,11 @@ def stop_actors(addresses: Any, ranks: list[int], actor_id: int) -> None:
     can be stopped from there too.
     """
     router = get_router()
+    plane = relayed(addresses)
+    plan = None if plane is None else plane.plan(("stop", tuple(ranks)), ranks, addresses, router)
+    if plan is not None and plane is not None:  # ranks of several hosts: once per host, through their relays
+        plane.send(plan, P.STOP_ACTOR, actor_id, None, [], None)
+        return
     for r in ranks:
         try:
             router.channel(addresses[r]).send(P.STOP_ACTOR, 0, 0, actor_id, 0)

@@ -31,6 +31,14 @@ Execution model
   thread then ends the process: a script blocked in a collective cannot be
   asked to return); on Linux, ``PR_SET_PDEATHSIG`` also kills it when its
   parent process dies.
+- A worker of a host with a relay (``run_worker(relay=...)``, see
+  :mod:`.relay`) also connects to the relay: messages the controller sent to
+  many ranks come on that connection (a reader thread of its own; replies go
+  back on it), and its heartbeats go there instead. The frames of both
+  connections are handled in the order the controller sent them: a ``FENCE(n)``
+  on one makes its reader wait until n counted frames (calls, spawns, actor
+  stops, the stop) of the other were handled (:class:`_Order`). The worker
+  exits when the relay's connection ends, as when the controller's does.
 """
 
 from __future__ import annotations
@@ -244,6 +252,26 @@ class _Slot:
         self.broadcast_error: dict = {}
 
 
+class _Order:
+    """Counted frames handled from the controller's connection (``direct``) and the relay's (``relayed``),
+    and the wait of a reader that met a ``FENCE`` (see the module docstring)."""
+
+    __slots__ = ("direct", "relayed", "cond", "waiting")
+
+    def __init__(self) -> None:
+        self.direct = 0
+        self.relayed = 0
+        self.cond = threading.Condition()
+        self.waiting = 0
+
+    def wake(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+
+_COUNTED = frozenset((P.CALL, P.SPAWN, P.STOP_ACTOR, P.STOP))  # (runtime.hosts.COUNTED)
+
+
 class Worker:
     """State of one worker: its actors, its connections, its event loop."""
 
@@ -256,6 +284,8 @@ class Worker:
         self.actors: dict[int, _Slot] = {}
         self.done = threading.Event()
         self.controller: Channel | None = None
+        self.relay: Channel | None = None  # the connection to the host's relay, if any
+        self.order = _Order()
         self.listener: Listener | None = None
         self.local_listener: Listener | None = None
         self.inbound: set[Channel] = set()
@@ -336,6 +366,46 @@ class Worker:
 
     def on_controller_closed(self, conn, exc) -> None:
         self.stop_serving()
+        self.order.wake()
+
+    def _sender(self, conn):
+        """Who sent on ``conn``: the controller for the relay's connection too (its broadcasts' errors)."""
+        return self.controller if conn is self.relay and conn is not None else conn
+
+    # -- the two connections of a rank with a relay: one order (see _Order) -------------
+    def _await(self, relayed: bool, n: int) -> None:
+        o = self.order
+        with o.cond:
+            o.waiting += 1
+            try:
+                while (o.relayed if relayed else o.direct) < n and not self.done.is_set():
+                    o.cond.wait(0.2)
+            finally:
+                o.waiting -= 1
+
+    def _frame_direct(self, conn, _c, kind, flags, msg_id, actor_id, view, payload) -> None:
+        """A frame of the controller's connection of a rank with a relay: :meth:`_frame`, counted."""
+        if kind == P.FENCE:
+            self._await(True, msg_id)
+            return
+        self._frame(conn, _c, kind, flags, msg_id, actor_id, view, payload)
+        if kind in _COUNTED:
+            o = self.order
+            o.direct += 1
+            if o.waiting:
+                o.wake()
+
+    def _frame_relayed(self, conn, _c, kind, flags, msg_id, actor_id, view, payload) -> None:
+        """A frame of the relay's connection: :meth:`_frame`, counted."""
+        if kind == P.FENCE:
+            self._await(False, msg_id)
+            return
+        self._frame(conn, _c, kind, flags, msg_id, actor_id, view, payload)
+        if kind in _COUNTED:
+            o = self.order
+            o.relayed += 1
+            if o.waiting:
+                o.wake()
 
     # -- the event loop for async actors ------------------------------------
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -390,6 +460,10 @@ class Worker:
             logging.getLogger().setLevel(cfg["log_level"])
         if cfg.get("sync_output"):  # the controller is a notebook: a call's output goes before its reply
             sync_replies(conn.conn, P.REPLY)
+            if self.relay is not None:
+                sync_replies(self.relay.conn, P.REPLY)
+        if self.relay is not None and "pid" in cfg:
+            self.relay.peer["pid"] = cfg["pid"]  # (relayed calls are the controller's: telemetry spans)
         if "debug" in cfg:
             debugger.configure(cfg["debug"])
         self._retitle()
@@ -622,11 +696,11 @@ class Worker:
         else:
             print(f"broadcast to actor {slot.name!r} raised:\n{rec['tb']}", file=sys.stderr, flush=True)
             # nobody waits for a broadcast: its sender hears of it at its next call here
-            slot.broadcast_error.setdefault(conn, rec)
+            slot.broadcast_error.setdefault(self._sender(conn), rec)
 
     def _tell_broadcast_error(self, conn, msg_id, slot) -> bool:
         """Answer this call with the error of an earlier broadcast from the same sender (once)."""
-        rec = slot.broadcast_error.pop(conn, None)
+        rec = slot.broadcast_error.pop(self._sender(conn), None)
         if rec is None:
             return False
         rec = dict(rec, tb="this call did not run: an earlier broadcast from this caller to this actor raised "
@@ -703,7 +777,7 @@ class Worker:
 
     # -- life ---------------------------------------------------------------
     def heartbeat_loop(self) -> None:
-        conn = self.controller
+        conn = self.relay or self.controller  # (a relay watches its host's heartbeats)
         if conn is None:
             return
         beats = 0
@@ -723,6 +797,9 @@ class Worker:
                 lst.close()
         for c in list(self.inbound):
             c.close(join=False)
+        if self.relay is not None:
+            self.relay.conn.drain(2.0)
+            self.relay.close(join=False)
         if self.controller is not None:
             # replies and log lines the controller has not read yet go out first
             self.controller.conn.drain(2.0)
@@ -744,7 +821,8 @@ def _coords(shape, rank):
 
 def run_worker(controller_address: str, secret: bytes, rank: int, *, listen: str = "unix",
                listen_host: str = "127.0.0.1", exit_process: bool = True, forward_logs: bool = True,
-               ready: threading.Event | None = None, data_plane: str | None = None) -> int:
+               ready: threading.Event | None = None, data_plane: str | None = None,
+               relay: str | None = None) -> int:
     """Run a worker until its controller goes away (or stops it).
 
     Parameters
@@ -773,6 +851,9 @@ def run_worker(controller_address: str, secret: bytes, rank: int, *, listen: str
     data_plane : {"tcp", "ucx"}, optional
         With ``listen="tcp"``: the kind of this process's data plane (bulk data
         to other hosts; default TCP).
+    relay : str, optional
+        The address of this host's relay (:mod:`mesharray.runtime.relay`):
+        messages to many ranks come through it, heartbeats go to it.
 
     Returns
     -------
@@ -821,7 +902,18 @@ def run_worker(controller_address: str, secret: bytes, rank: int, *, listen: str
     hello = {"role": "worker", "rank": rank, "pid": w.pid, "host": w.host,
              "address": address, "forward_logs": forward_logs, **extra}
     chan.send(P.HELLO, parts=[pickle.dumps(hello)])
+    if relay is not None:
+        chan.conn.handler = functools.partial(w._frame_direct, chan)
+        rsock = connect(relay, secret)
+        rchan = Channel(rsock, handler=w.on_frame, on_close=w.on_controller_closed, name="relay", on_call=w._call)
+        rchan.conn.handler = functools.partial(w._frame_relayed, rchan)
+        rchan.conn.same_host = False  # (replies go on to the controller's host: in the frame, never shared memory)
+        w.relay = rchan
+        rchan.send(P.HELLO, parts=[pickle.dumps({"role": "worker", "rank": rank, "pid": w.pid,
+                                                 "address": address})])
     chan.start()
+    if w.relay is not None:
+        w.relay.start()
     if ready is not None:
         ready.set()
     hb = threading.Thread(target=w.heartbeat_loop, name="mesharray-heartbeat", daemon=True)

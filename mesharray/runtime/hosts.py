@@ -1,0 +1,350 @@
+"""The controller's fan-out through the hosts: :class:`HostPlane`, one per process mesh whose hosts have relays.
+
+A process mesh started by host agents on several hosts has one relay process
+per host (:mod:`.relay`). A message from the controller to ranks of two hosts
+or more — ``call()``, ``broadcast()``, the runtime's one-program-for-all
+messages (``call_some``), ``ProcMesh.spawn``, an actor mesh's stop — leaves
+the controller once per host: one ``RELAY`` frame to each host's relay, naming
+the host's ranks it is for, pickled once for all. The relay sends it on to those
+ranks and answers a call once, with every rank's reply (``GATHERED``).
+``call_one`` and messages to the ranks of one host keep the direct path (the
+worker's own connection to the controller), and so do ``stream()`` and code
+running inside actors.
+
+Plans. What a message to a set of ranks needs — each host's relay, the
+targets' bytes, the positions of the replies, the ranks known dead — is
+computed once per set of ranks (a mesh view) and kept until a channel table
+changes (:attr:`Router.gen <mesharray.runtime.router.Router.gen>`, a death) or
+a relay is lost: a call in a loop costs one frame per host and one decode per
+gathered reply.
+
+Order. A rank receives the controller's frames on two connections; per-sender
+order holds across them through fences. The plane counts, per rank, the
+relayed frames sent to it (``rsent``) and the direct ones (``dsent``) of the
+kinds a rank must keep in order (calls, spawns, actor stops, the stop). A
+direct frame sent after relayed frames the rank may not have handled yet is
+preceded by ``FENCE(rsent)`` on the direct connection; relayed frames sent
+after direct frames are preceded, through the relay, by ``FENCE(dsent)``. The
+rank handles a frame only once it has handled that many frames of the other
+connection (:mod:`mesharray.runtime.worker`). Counting and fences happen under
+one lock, so the fences follow one total order and never wait on each other.
+A fence is only sent when the path changes, so a loop on one path sends none.
+
+Failures. A rank's death is the controller's to report (its direct
+connection's end and exit status, as without relays): a relay that finds a
+rank gone answers ``DIED`` for it, and the caller gets the controller's
+:class:`~mesharray.ActorDiedError` for that rank (at once, or when the
+controller learns of the death). A relay that dies takes its host's ranks
+with it (they exit when their relay connection ends): the controller declares
+them dead at once, naming the relay (:meth:`HostPlane.relay_lost`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import ActorDiedError
+from . import protocol as P
+from .channel import Channel, next_id
+from .context import current
+
+__all__ = ["Addresses", "HostPlane", "COUNTED"]
+
+#: the kinds of frames a rank keeps in the controller's order across its two connections
+COUNTED = frozenset((P.CALL, P.SPAWN, P.STOP_ACTOR, P.STOP))
+
+
+class Addresses(list):
+    """The worker address of each global rank of a root process mesh, and the mesh's :class:`HostPlane`.
+
+    A ``list`` (a restarted rank's new address is written in place, and every
+    actor mesh sharing the list sees it); ``plane`` is ``None`` for a mesh
+    without relays.
+    """
+
+    __slots__ = ("plane",)
+
+    def __init__(self, addresses: Sequence[str], plane: HostPlane | None = None) -> None:
+        super().__init__(addresses)
+        self.plane = plane
+
+    def __reduce__(self) -> tuple:
+        return (list, (list(self),))  # an actor mesh sent to an actor: a plain list there (no relaying inside actors)
+
+
+class _Direct:
+    """A worker's direct channel's hook into the plane's counts (``Channel.fence``)."""
+
+    __slots__ = ("plane", "rank")
+
+    def __init__(self, plane: HostPlane, rank: int) -> None:
+        self.plane = plane
+        self.rank = rank
+
+    def before(self, chan: Channel) -> None:
+        """Before a counted frame on ``chan``: the fence it needs, if relayed frames went out since the last."""
+        plane, r = self.plane, self.rank
+        k = int(plane.rsent[r])
+        if k != plane.rfenced[r]:
+            with plane.lock:
+                k = int(plane.rsent[r])
+                if k != plane.rfenced[r]:
+                    plane.rfenced[r] = k
+                    try:
+                        chan.conn.send(P.FENCE, 0, k, 0, 0)
+                    except ConnectionError:
+                        pass  # dead: the frame's own send says so
+
+    def after(self) -> None:
+        """After a counted frame went out on the direct channel."""
+        plane, r = self.plane, self.rank
+        with plane.lock:
+            plane.dsent[r] += 1
+            plane.ddirty[plane.host_of[r]].add(r)
+
+
+class _HostPart:
+    """One host's part of a plan: its relay, the targets' bytes, where each reply goes."""
+
+    __slots__ = ("host", "relay", "ranks", "rankset", "index", "head", "idx", "answers", "mask")
+
+    def __init__(self, host: int, relay: Channel, ranks: list[int], index: list[int], reply: list[bool] | None):
+        self.mask = reply  # which targets reply to a call (None: all)
+        self.answers = len(ranks) if reply is None else sum(reply)
+        self.host = host
+        self.relay = relay
+        self.ranks = ranks  # the targets, in the frame's order
+        self.rankset = frozenset(ranks)
+        self.index = index  # index[pos]: the target's position in the message's own list of ranks
+        self.head = P.pack_targets(ranks, reply)
+        self.idx = np.asarray(ranks, dtype=np.int64)
+
+
+class _Plan:
+    """A message's fan-out to a set of ranks: per host, what goes to its relay (see the module docstring)."""
+
+    __slots__ = ("parts", "dead", "idx", "relays", "gen")
+
+    def __init__(self, parts: list[_HostPart], dead: list[tuple[int, BaseException, bool]], gen: tuple) -> None:
+        self.parts = parts
+        self.dead = dead  # (position, death error, whether it answers) of targets already known dead
+        self.idx = np.concatenate([p.idx for p in parts]) if parts else np.zeros(0, np.int64)
+        self.relays = tuple(p.relay for p in parts)
+        self.gen = gen
+
+
+class _HostCall:
+    """The reply callback of one host's part of a relayed call: splits the gathered replies."""
+
+    __slots__ = ("plane", "part", "reply")
+
+    def __init__(self, plane: HostPlane, part: _HostPart, reply: Callable[[int, int, Any], None]) -> None:
+        self.plane = plane
+        self.part = part
+        self.reply = reply  # reply(position in the message's ranks, status, payload)
+
+    def __call__(self, status: int, payload: Any) -> None:
+        part, reply, plane = self.part, self.reply, self.plane
+        index = part.index
+        if status == P.GATHERED:
+            c = plane.counters
+            entries = P.unpack_gathered(memoryview(payload))
+            if c is not None:
+                tally = c.tally
+                tally[0] += len(entries)
+                tally[1] += sum(1 for e in entries if e[1] != P.OK)
+            for pos, st, pl in entries:
+                if st == P.DIED:
+                    plane.when_dead(part.ranks[pos], index[pos], reply)
+                else:
+                    reply(index[pos], st, pl)
+            return
+        # the relay is gone (DIED, its error): every target's own death error, once the controller has it
+        mask = part.mask
+        for pos, r in enumerate(part.ranks):
+            if mask is None or mask[pos]:
+                plane.when_dead(r, index[pos], reply)
+
+
+class HostPlane:
+    """Relayed messages of one process mesh (see the module docstring).
+
+    ``host_of[r]``: the host index of global rank ``r``; ``relays[h]``: the
+    channel to host ``h``'s relay; ``host_ids[h]``: its name; ``death_of(r)``:
+    the controller's death error of rank ``r`` (None while alive);
+    ``counters``: the mesh's :class:`~.counters.Counters` (replies, errors).
+    """
+
+    def __init__(self, host_of: Sequence[int], relays: list[Channel], host_ids: list[str],
+                 death_of: Callable[[int], BaseException | None], counters: Any = None) -> None:
+        self.n = len(host_of)
+        self.host_of = list(host_of)
+        self.relays = list(relays)
+        self.host_ids = list(host_ids)
+        self.ranks_of: list[list[int]] = [[] for _ in self.relays]
+        for r, h in enumerate(self.host_of):
+            self.ranks_of[h].append(r)
+        self.death_of = death_of
+        self.counters = counters
+        self.lock = threading.Lock()
+        self.rsent = np.zeros(self.n, dtype=np.int64)
+        self.rfenced = np.zeros(self.n, dtype=np.int64)
+        self.dsent = [0] * self.n
+        self.dfenced = [0] * self.n
+        self.ddirty: list[set[int]] = [set() for _ in self.relays]
+        self.lost: dict[int, BaseException] = {}  # host -> why its relay is gone
+        self.gen = 0  # bumped when a relay is lost
+        self._plans: dict[Any, _Plan] = {}
+        self._waiters: dict[int, list] = {}  # rank -> reply callbacks waiting for its death error
+        for h, chan in enumerate(self.relays):
+            chan.peer["ranks"] = tuple(self.ranks_of[h])
+
+    # -- the direct path's side ----------------------------------------------------------
+    def attach(self, rank: int, chan: Channel) -> None:
+        """Count ``chan`` (rank ``rank``'s direct channel) in the order of the rank's frames."""
+        chan.fence = _Direct(self, rank)
+
+    # -- plans --------------------------------------------------------------------------
+    def plan(self, key: Any, ranks: Iterable[int], addresses: Sequence[str], router: Any,
+             reply: Sequence[bool] | None = None) -> _Plan | None:
+        """The fan-out of a message to ``ranks`` (kept under ``key``), or None when they are on one host.
+
+        ``ranks`` is read only when no plan is kept (a ``Shape`` will do).
+
+        ``reply[i]``: whether ``ranks[i]`` answers (None: all do, or none for a broadcast).
+        """
+        gen = (router.gen, self.gen)
+        plan = self._plans.get(key)
+        if plan is not None and plan.gen == gen:
+            return plan
+        host_of = self.host_of
+        ranks = list(ranks)
+        if len({host_of[r] for r in ranks}) < 2:
+            return None
+        dead: list[tuple[int, BaseException, bool]] = []
+        per: dict[int, tuple[list[int], list[int], list[bool]]] = {}
+        deadmap = router.dead
+        for i, r in enumerate(ranks):
+            err = deadmap.get(addresses[r])
+            h = host_of[r]
+            if err is None and h in self.lost:
+                err = self.death_of(r) or self.lost[h]
+            if err is not None:
+                dead.append((i, err, reply is None or bool(reply[i])))
+                continue
+            rs, ix, rp = per.setdefault(h, ([], [], []))
+            rs.append(r)
+            ix.append(i)
+            rp.append(True if reply is None else bool(reply[i]))
+        parts = [_HostPart(h, self.relays[h], rs, ix, None if reply is None or all(rp) else rp)
+                 for h, (rs, ix, rp) in sorted(per.items())]
+        plan = _Plan(parts, dead, gen)
+        if len(self._plans) > 256:
+            self._plans.clear()
+        self._plans[key] = plan
+        return plan
+
+    # -- sending ------------------------------------------------------------------------
+    def send(self, plan: _Plan, kind: int, target: int, shape: Any, parts: list,
+             reply: Callable[[int, int, Any], None] | None, park: bool = False) -> None:
+        """One ``RELAY`` frame per host of ``plan``: ``kind`` (CALL, SPAWN, STOP_ACTOR) with payload ``parts``.
+
+        ``reply(i, status, payload)`` gets the reply of the plan's ``ranks[i]``
+        (a death as ``DIED`` and the rank's death error); None: a broadcast.
+        ``shape``: the view the frames refer to (None: none). ``park``: the
+        caller reads the replies itself (see :meth:`Channel.call`).
+        Raises the error of a frame that cannot be sent at all (over the
+        frame limit); a relay that is gone answers for its ranks.
+        """
+        flags = kind << 4
+        now = time.monotonic() if park else 0.0
+        mid = next_id() if reply is not None else 0
+        sent: list[_HostPart] = []
+        with self.lock:
+            try:
+                for part in plan.parts:
+                    relay = part.relay
+                    self._fences(part)
+                    try:
+                        vid = 0 if shape is None else relay.views_out.get(shape) or relay.view_id(shape)
+                        if reply is None or not part.answers:
+                            relay.post(P.RELAY, target, vid, [part.head, *parts], flags=flags)
+                        else:
+                            relay.call(P.RELAY, target, vid, [part.head, *parts], _HostCall(self, part, reply),
+                                       park, now, flags=flags | P.F_REPLY, msg_id=mid)
+                    except ActorDiedError:  # the relay is gone: its ranks answer as dead
+                        if reply is not None and part.answers:
+                            _HostCall(self, part, reply)(P.DIED, self.lost.get(part.host) or ActorDiedError(
+                                ranks=part.ranks, reason=f"the relay of host {self.host_ids[part.host]} is gone"))
+                        continue
+                    sent.append(part)
+            finally:
+                if len(sent) == len(plan.parts):
+                    if len(plan.idx):
+                        self.rsent[plan.idx] += 1
+                else:
+                    for part in sent:
+                        self.rsent[part.idx] += 1
+        if reply is not None:
+            for i, err, answers in plan.dead:
+                if answers:
+                    reply(i, P.DIED, err)
+
+    def _fences(self, part: _HostPart) -> None:
+        # relayed frames after direct ones to the same ranks: the relay makes each wait for them
+        d = self.ddirty[part.host]
+        if not d:
+            return
+        hit = d & part.rankset
+        if not hit:
+            return
+        d -= hit
+        relay = part.relay
+        for r in hit:
+            k = self.dsent[r]
+            if k != self.dfenced[r]:
+                self.dfenced[r] = k
+                try:
+                    relay.send(P.FENCE, 0, k, r)
+                except ConnectionError:
+                    pass  # the relay is gone: the frame's send says so
+
+    # -- deaths -------------------------------------------------------------------------
+    def when_dead(self, rank: int, i: int, reply: Callable[[int, int, Any], None]) -> None:
+        """``reply(i, DIED, error)`` with the controller's death error of ``rank``, now or once it has it."""
+        err = self.death_of(rank)
+        if err is None:
+            with self.lock:
+                err = self.death_of(rank)
+                if err is None:
+                    self._waiters.setdefault(rank, []).append((i, reply))
+                    return
+        reply(i, P.DIED, err)
+
+    def died(self, rank: int, err: BaseException) -> None:
+        """The controller recorded ``rank``'s death: answer the relayed calls that wait for it."""
+        with self.lock:
+            waiting = self._waiters.pop(rank, ())
+        for i, reply in waiting:
+            reply(i, P.DIED, err)
+
+    def relay_lost(self, host: int, err: BaseException) -> list[int]:
+        """Host ``host``'s relay is gone: later messages skip its ranks; returns them (the caller declares them dead)."""
+        with self.lock:
+            self.lost[host] = err
+            self.gen += 1
+            self._plans.clear()
+        return list(self.ranks_of[host])
+
+
+def relayed(addresses: Any) -> HostPlane | None:
+    """The plane of the mesh whose ``addresses`` these are, when the caller may relay (code outside actors)."""
+    plane = getattr(addresses, "plane", None)
+    if plane is None or current.get() is not None:
+        return None
+    return plane
