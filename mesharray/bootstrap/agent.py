@@ -10,12 +10,14 @@ and waits for the next one.
 Protocol (after the mutual HMAC challenge on the agent's secret, so nothing is
 unpickled from an unauthenticated peer): length-prefixed pickles.
 
-- controller → agent ``{"op": "attach", "nonce", "wrapped", "controller_pid", "controller_host"}``:
+- controller → agent ``{"op": "attach", "nonce", "wrapped", "controller_pid", "controller_host",
+  "sys_path", "preload"}``:
   the controller's *job secret* (the one its workers authenticate with)
   travels wrapped as ``job XOR HMAC(agent secret, "mesharray-job" + nonce)``
   with a fresh nonce — a one-time pad only holders of the agent's secret can
   remove, so it never crosses the network in the clear. The agent answers
-  ``{"ok": True, "host_id", "hostname", "advertise", "pid", "cpus"}``, or
+  ``{"ok": True, "host_id", "hostname", "advertise", "pid", "cpus", "relays"}``
+  (``relays``: it starts relays when a spawn asks for one), or
   ``{"ok": False, "error"}`` when it already serves another controller.
 - ``{"op": "spawn", "mesh", "ranks", "controller", ...}``: a zygote
   (:mod:`.local`) forks one worker per rank; workers connect to the
@@ -226,13 +228,16 @@ class _Session:
         self.zygotes: dict[tuple, Zygote] = {}  # by what makes them (see zygote()), least recently used first
         self._zlock = threading.Lock()
 
-    def zygote(self, sys_path: list[str], python: str | None, env: dict, workspace: bool, nprocs: int) -> Zygote:
+    def zygote(self, sys_path: list[str], python: str | None, env: dict, workspace: bool, nprocs: int,
+               preload: list[str] | None = None) -> Zygote:
         """The zygote for a mesh of ``nprocs`` processes per host started with these settings (kept, or started).
 
         ``sys_path``: the controller's (entries that do not exist here are
         dropped); ``python``: the interpreter (None: the agent's); ``env``: the
-        workers' variables; ``workspace``: put the synced copy first.
+        workers' variables; ``workspace``: put the synced copy first;
+        ``preload``: the modules the controller's layers want imported before forks.
         """
+        preload = [str(m) for m in preload or ()]
         a = self.agent
         sys_path = [p for p in sys_path if p and os.path.exists(p)]
         first: list[str] = []
@@ -253,7 +258,7 @@ class _Session:
         wenv.update({str(k): str(v) for k, v in env.items()})
         zenv = zygote_env(nprocs, wenv)
         key = (python, tuple(sorted(zenv.items())), cwd, a.workspace_gen if workspace else None,
-               tuple(sys_path), tuple(first))
+               tuple(sys_path), tuple(first), tuple(preload))
         idle: list[Zygote] = []
         with self._zlock:
             if self.closing:
@@ -263,7 +268,7 @@ class _Session:
                 idle.append(z)
                 z = None
             if z is None:
-                z = Zygote(python, zenv, cwd, sys_path if python is None else [], first)
+                z = Zygote(python, zenv, cwd, sys_path if python is None else [], first, preload)
             self.zygotes[key] = z  # (most recently used last)
             spare = [k for k, v in self.zygotes.items() if not v.meshes and v is not z]
             for k in spare[:max(0, len(spare) - MAX_ZYGOTES)]:
@@ -272,11 +277,11 @@ class _Session:
             threading.Thread(target=old.close, name="mesharray-zygote-close", daemon=True).start()
         return z
 
-    def prewarm(self, sys_path: list[str]) -> None:
+    def prewarm(self, sys_path: list[str], preload: list[str] | None = None) -> None:
         """Start the zygote a plain ``spawn_procs`` of this controller will want (its path, no env, one
         process per core), so that its interpreter's start and imports are done by then."""
         try:
-            self.zygote(sys_path, None, {}, False, os.cpu_count() or 1)
+            self.zygote(sys_path, None, {}, False, os.cpu_count() or 1, preload)
         except Exception as exc:  # (the spawn will say what is wrong)
             log.info("host agent: could not start a zygote ahead: %s", exc)
 
@@ -293,7 +298,7 @@ class _Session:
         a = self.agent
         ranks = list(msg["ranks"])
         zyg = self.zygote(msg.get("sys_path", []), msg.get("python") or None, msg.get("env") or {},
-                       bool(msg.get("workspace")), len(ranks))
+                       bool(msg.get("workspace")), len(ranks), msg.get("preload"))
         relay = msg.get("relay")
         if relay:
             relay = {"controller": msg["controller"], "ranks": ranks, "host": int(relay["host"]),
@@ -488,11 +493,12 @@ class HostAgent:
         log.info("host agent: controller %s attached (pid %s on %s)", peer, hello.get("controller_pid"),
                  hello.get("controller_host"))
         if hello.get("sys_path"):
-            threading.Thread(target=sess.prewarm, args=(list(hello["sys_path"]),), name="mesharray-prewarm",
-                             daemon=True).start()
+            threading.Thread(target=sess.prewarm, args=(list(hello["sys_path"]), hello.get("preload")),
+                             name="mesharray-prewarm", daemon=True).start()
         try:
             send_msg(sock, {"ok": True, "host_id": self.host_id, "hostname": socket.gethostname(),
-                            "advertise": self.advertise, "pid": os.getpid(), "cpus": os.cpu_count()}, sess.lock)
+                            "advertise": self.advertise, "pid": os.getpid(), "cpus": os.cpu_count(),
+                            "relays": True}, sess.lock)
             sess.serve()
         except OSError:
             pass

@@ -30,6 +30,7 @@ address the workers are given.
 
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
 import select
@@ -46,9 +47,14 @@ from ..runtime.controller import Controller
 from ..transport.sockio import read_exactly
 from .launch import Launch, wait_exit_status
 
-__all__ = ["LocalBootstrap", "Zygote", "start_local", "user_paths", "zygote_env"]
+__all__ = ["LocalBootstrap", "Zygote", "PRELOAD", "start_local", "user_paths", "zygote_env"]
 
 _LEN = struct.Struct("<I")
+
+#: modules a zygote imports before it forks, besides the worker's own: the layers above name
+#: theirs (``mesharray.darray`` its worker side), so that the workers share them instead of
+#: each importing them at its first distributed-array operation
+PRELOAD: list[str] = []
 
 
 def _write_msg(fd: int, obj) -> None:
@@ -106,11 +112,13 @@ class Zygote:
     this process's environment (:func:`zygote_env`); ``cwd``: its (and its
     workers') directory; ``sys_path``: its ``sys.path`` (default this
     process's; ``[]`` with another interpreter: that one's own), with
-    ``sys_path_first`` in front.
+    ``sys_path_first`` in front; ``preload``: modules it imports before it forks
+    (default :data:`PRELOAD`).
     """
 
     def __init__(self, python: str | None = None, env: dict | None = None, cwd: str | None = None,
-                 sys_path: list[str] | None = None, sys_path_first: list[str] | None = None) -> None:
+                 sys_path: list[str] | None = None, sys_path_first: list[str] | None = None,
+                 preload: list[str] | None = None) -> None:
         self.meshes: dict[str, LocalBootstrap] = {}
         self.gone = False
         self._lock = threading.Lock()
@@ -134,7 +142,8 @@ class Zygote:
         if python is not None and sys_path is None:
             sys_path = []  # the other interpreter's own path (and sys_path_first)
         self.send({"sys_path": list(sys.path) if sys_path is None else sys_path,
-                   "sys_path_first": list(sys_path_first or ())})
+                   "sys_path_first": list(sys_path_first or ()),
+                   "preload": list(PRELOAD if preload is None else preload)})
         self._reader = threading.Thread(target=self._read_reports, name="mesharray-zygote", daemon=True)
         self._reader.start()
 
@@ -366,6 +375,8 @@ def _zygote_main() -> None:
     sys.path[:] = first + [p for p in path if p not in first]
     # import once, here, what every worker needs: forks then share it copy-on-write
     import asyncio  # noqa: F401
+    import ctypes  # noqa: F401  (PR_SET_PDEATHSIG)
+    import gc
     import selectors
 
     import cloudpickle  # noqa: F401
@@ -374,6 +385,18 @@ def _zygote_main() -> None:
     from .. import actor  # noqa: F401
     from ..runtime import relay as relay_mod
     from ..runtime import worker as worker_mod
+
+    for name in cfg.get("preload") or ():
+        try:
+            importlib.import_module(name)
+        except Exception:  # (a worker that needs it imports it, and says what is wrong)
+            pass
+
+    # Everything imported so far is shared with the forks until someone writes to its pages. A
+    # collection in a fork writes to every object it visits (and so copies its page): frozen
+    # objects are never visited, so a worker copies only what it really touches.
+    gc.collect()
+    gc.freeze()
 
     meshes: dict[str, dict] = {}  # mesh -> its settings
     children: dict[int, tuple[str, int]] = {}  # pid -> (mesh, rank); a relay's rank is -1

@@ -44,6 +44,7 @@ from ..transport.dataplane import plane_kind
 from ..transport.sockio import shut_and_close
 from .agent import parse_url, recv_msg, send_msg, wrap_secret
 from .launch import Launch, wait_exit_status
+from .local import PRELOAD
 from .workspace import CHUNK, scan
 
 __all__ = ["AgentClient", "attach_agents", "launch", "plane_kind", "sync_workspace"]
@@ -147,7 +148,7 @@ def _attach_one(url: str, secret: bytes, job: bytes, deadline: float) -> AgentCl
             nonce = os.urandom(16)
             send_msg(sock, {"op": "attach", "nonce": nonce, "wrapped": wrap_secret(job, secret, nonce),
                             "controller_pid": os.getpid(), "controller_host": socket.gethostname(),
-                            "sys_path": [p for p in sys.path if p]})
+                            "sys_path": [p for p in sys.path if p], "preload": list(PRELOAD)})
             sock.settimeout(min(max(left, 1.0), 30.0))
             reply = recv_msg(sock)
             sock.settimeout(None)
@@ -346,13 +347,16 @@ def launch(agents: list[AgentClient], procs: int, *, forward_logs: bool = True, 
     remote = _RemoteProcs(agents, mesh_id, ranks)
     ctl.exit_status = remote.exit_status
     ctl.kill = remote.kill
-    relays = len(agents) > 1 and os.environ.get("MESHARRAY_RELAY", "1") != "0"
+    # (agents of a version that starts no relays say nothing of them when they attach: none then)
+    relays = (len(agents) > 1 and os.environ.get("MESHARRAY_RELAY", "1") != "0"
+              and all(a.info.get("relays") for a in agents))
     try:
         for h, (a, rs) in enumerate(zip(agents, ranks)):
             a.send({"op": "spawn", "mesh": mesh_id, "ranks": rs, "controller": f"tcp:{a.local_ip}:{port}",
                     "forward_logs": forward_logs, "sys_path": [p for p in sys.path if p],
                     "data_plane": data_plane, "env": _workspace_env(a, env), "python": python,
-                    "workspace": a.workspace is not None, "relay": {"host": h} if relays else None})
+                    "workspace": a.workspace is not None, "relay": {"host": h} if relays else None,
+                    "preload": list(PRELOAD)})
         ctl.adopt(shape.size, timeout=timeout, progress=progress, check=lambda: remote.check(ctl))
         if relays:
             ctl.adopt_relays([h for h, rs in enumerate(ranks) for _ in rs], timeout=timeout,

@@ -28,12 +28,15 @@ built of:
   started while ``backward()`` runs.
 
 Importing this package installs the factory into :mod:`mesharray.proc`
-(``import mesharray`` does so on the first use of a process mesh).
+(``import mesharray`` does so on the first use of a process mesh), and names
+its worker side among the modules zygotes import before they fork
+(:data:`mesharray.bootstrap.local.PRELOAD`).
 """
 
 from __future__ import annotations
 
 from .. import proc as _proc
+from ..bootstrap import local as _local
 from . import factory
 from .context import DataContext, data_context
 from .factory import all_to_all, allgather, broadcast_from, reduce_scatter
@@ -52,3 +55,5 @@ __all__ = [
 ]
 
 _proc.install_array_factory(factory)
+if __name__ + ".worker" not in _local.PRELOAD:  # (zygotes import the worker side once, before they fork)
+    _local.PRELOAD.append(__name__ + ".worker")
