@@ -676,3 +676,184 @@ def small_round(uintptr_t flags, Py_ssize_t size, Py_ssize_t rank, long long k, 
     finally:
         if ptrs != stack_ptrs:
             free(ptrs)
+
+
+# --- a small allreduce round for groups whose members outnumber the cores ---------
+#
+# Spinning (even with sched_yield) is how the rounds above wait: right when each member
+# has a core, wrong when sixty-four members share two, where the spinners take the cores
+# the members they wait for need. A *host round* has one barrier, and its waiters sleep
+# on a futex: every member copies its input into its slot and adds one to a shared
+# counter; the member whose addition completes the round (the last to arrive) reduces
+# every slot into the result area and wakes the others, which copy the result out. With
+# ``cross`` (a group that spans hosts) the last arriver publishes the host's partial
+# result instead, and wakes the host's leader, which combines it with the other hosts'
+# (Python: collectives.tree) and publishes the final one. The slots of round r+1 are
+# written only by members done with round r (they saw its result), and the result area
+# only by the last arriver of round r+1 (everyone has arrived, so has read round r's):
+# no second barrier.
+
+cdef extern from *:
+    """
+    #if defined(__linux__)
+    #include <linux/futex.h>
+    #include <sys/syscall.h>
+    #include <unistd.h>
+    #endif
+    /* Sleep while the low 32 bits of the word at p equal those of v, at most `seconds`:
+       a futex on Linux (the word lies in shared memory: shared between processes),
+       a 50 us sleep elsewhere or without `futex`. */
+    static void _ma_sleep_on(long long *p, long long v, double seconds, int futex) {
+        struct timespec ts;
+        if (seconds <= 0) return;
+    #if defined(__linux__)
+        if (futex) {
+            ts.tv_sec = (time_t)seconds;
+            ts.tv_nsec = (long)((seconds - (double)ts.tv_sec) * 1e9);
+            syscall(SYS_futex, (int *)p, FUTEX_WAIT, (int)v, &ts, NULL, 0);
+            return;
+        }
+    #endif
+        (void)p; (void)v; (void)futex;
+        ts.tv_sec = 0;
+        ts.tv_nsec = seconds < 50e-6 ? (long)(seconds * 1e9) : 50000;
+        nanosleep(&ts, NULL);
+    }
+    static void _ma_wake_all(long long *p, int futex) {
+    #if defined(__linux__)
+        if (futex) syscall(SYS_futex, (int *)p, FUTEX_WAKE, 0x7fffffff, NULL, NULL, 0);
+    #endif
+        (void)p; (void)futex;
+    }
+    static inline long long _ma_fetch_add(long long *p, long long v) {
+        return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL);
+    }
+    """
+    void _ma_sleep_on(long long *p, long long v, double seconds, int futex) nogil
+    void _ma_wake_all(long long *p, int futex) nogil
+    long long _ma_fetch_add(long long *p, long long v) nogil
+
+
+cdef inline int _sleep_until(long long* p, long long target, double seconds, bint futex) noexcept nogil:
+    # until *p >= target: a few loads, then sleep on the word; 0 once there, -1 after ``seconds``
+    cdef double deadline = _now() + seconds
+    cdef double left
+    cdef long long v
+    cdef int spins = 0
+    while True:
+        v = _ma_load_acquire(p)
+        if v >= target:
+            return 0
+        if spins < 16:
+            spins += 1
+            continue
+        left = deadline - _now()
+        if left <= 0:
+            return -1
+        _ma_sleep_on(p, v, left, futex)
+
+
+def publish_word(uintptr_t addr, long long value, bint futex):
+    """Store ``value`` at the 8-byte word ``addr`` (release) and wake every process sleeping on it."""
+    _ma_store_release(<long long*>addr, value)
+    _ma_wake_all(<long long*>addr, futex)
+
+
+cdef int _host_round(uintptr_t ctl, Py_ssize_t size, Py_ssize_t rank, long long r, uintptr_t src,
+                     Py_ssize_t nbytes, uintptr_t dst, void** ptrs, uintptr_t result, Py_ssize_t capacity,
+                     Py_ssize_t count, int code, int opc, bint failed, int stage, bint cross, bint leader,
+                     double seconds, bint futex) noexcept nogil:
+    cdef Py_ssize_t j, nbad
+    cdef long long old
+    cdef long long* cnt = <long long*>ctl
+    cdef long long* hgen = <long long*>(ctl + 64)
+    cdef long long* gen = <long long*>(ctl + 128)
+    cdef long long* nbad_word = <long long*>(ctl + 192)
+    cdef uintptr_t lines = ctl + 256
+    cdef uint32_t* idx
+    if stage <= 0:
+        _ma_store_release(<long long*>(lines + rank * 64 + 8), r if failed else 0)
+        if not failed:
+            memcpy(ptrs[rank], <const void*>src, nbytes)
+        _ma_store_release(<long long*>(lines + rank * 64), r)
+        old = _ma_fetch_add(cnt, 1)
+        if old + 1 == r * size:  # the last to arrive: reduce and publish
+            nbad = 0
+            idx = <uint32_t*>result
+            for j in range(size):
+                if _ma_load_acquire(<long long*>(lines + j * 64 + 8)) == r:
+                    if (nbad + 1) * 4 <= capacity:
+                        idx[nbad] = <uint32_t>j
+                    nbad += 1
+            _ma_store_release(nbad_word, nbad)
+            if nbad == 0 and count > 0:
+                _reduce_dispatch(code, <void*>result, ptrs, <int>size, count, opc)
+            if cross:
+                _ma_store_release(hgen, r)
+                _ma_wake_all(hgen, futex)
+            else:
+                _ma_store_release(gen, r)
+                _ma_wake_all(gen, futex)
+    if cross and leader:
+        if _sleep_until(hgen, r, seconds, futex) < 0:
+            return -1
+        return 2
+    if _sleep_until(gen, r, seconds, futex) < 0:
+        return -1
+    if _ma_load_acquire(nbad_word) != 0:
+        return 1
+    if dst != 0:
+        memcpy(<void*>dst, <const void*>result, nbytes)
+    return 0
+
+
+def host_round(uintptr_t ctl, Py_ssize_t size, Py_ssize_t rank, long long r, uintptr_t src, Py_ssize_t nbytes,
+               uintptr_t dst, slots, uintptr_t result, Py_ssize_t capacity, Py_ssize_t count, str dtype, str op,
+               bint failed, int stage, bint cross, bint leader, double seconds, bint futex):
+    """Host round ``r`` of a small allreduce among the ``size`` members of a shared-memory group.
+
+    ``ctl``: the round's control words, 64 bytes apart: the arrival counter, the
+    host partial's round, the result's round, the number of failed inputs; then one
+    line per member (its last round, its status). ``slots``: the members' slot
+    addresses; ``result``: the result area (``capacity`` bytes). The member copies
+    ``nbytes`` from ``src`` into its slot (unless ``failed``) and arrives; the last
+    to arrive reduces the ``count`` elements of every slot into the result area (or,
+    when an input failed, writes the failed members' indices there as uint32) and
+    publishes: the host partial with ``cross``, the result without. ``stage`` 1
+    resumes after the arrival (a wait that timed out).
+
+    Returns
+    -------
+    int
+        0: the result is in ``dst``; 1: inputs failed (their count is the fourth
+        control word, their indices at ``result``); 2 (``cross`` and ``leader``): the
+        host's partial (or its failures) is in the result area, to be combined with
+        the other hosts' and published (:func:`publish_word` on the third word);
+        -1: not there after ``seconds`` (resume with ``stage`` 1 once the peers are
+        known alive).
+    """
+    cdef int opc = _op_code(op)
+    cdef int code, ret
+    cdef Py_ssize_t j
+    cdef void* stack_ptrs[64]
+    cdef void** ptrs = stack_ptrs
+    if dtype not in _KERNEL_DTYPE_NAMES:
+        raise TypeError(f"reduction kernels support {', '.join(_KERNEL_DTYPE_NAMES)}; got {dtype!r}")
+    if not 0 <= rank < size or len(slots) != size or nbytes > capacity:
+        raise ValueError(f"rank {rank}, {len(slots)} slots and {nbytes} bytes do not fit a group of size {size} "
+                         f"with {capacity}-byte slots")
+    code = _KERNEL_DTYPE_NAMES.index(dtype)
+    if size > 64:
+        ptrs = <void**>malloc(size * sizeof(void*))
+        if ptrs == NULL:
+            raise MemoryError()
+    try:
+        for j in range(size):
+            ptrs[j] = <void*><uintptr_t>slots[j]
+        with nogil:
+            ret = _host_round(ctl, size, rank, r, src, nbytes, dst, ptrs, result, capacity, count, code, opc, failed,
+                              stage, cross, leader, seconds, futex)
+        return ret
+    finally:
+        if ptrs != stack_ptrs:
+            free(ptrs)

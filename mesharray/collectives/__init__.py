@@ -12,7 +12,9 @@ the backend modules' other names are internal.
   NCCL/RCCL on GPUs) for torch engines (:class:`TorchCollective`).
 
 Across hosts, :mod:`.hier` composes them: shared memory inside a host, and a
-pipelined ring between the hosts' leaders over data-plane links (:mod:`.ring`).
+pipelined ring between the hosts' leaders over data-plane links (:mod:`.ring`)
+for large messages, recursive doubling among the leaders (:mod:`.tree`) for
+small ones.
 :mod:`._args` holds the argument checks the backends share, so the same mistake
 gets the same error.
 

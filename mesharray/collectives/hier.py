@@ -10,19 +10,30 @@ shared memory. Only one process per host touches the network, and each host
 sends and receives the message about once (two hosts) — the hierarchy MPI
 and NCCL use, with no MPI and no torch needed.
 
+Small messages (:attr:`HierCollective.small_bytes`) take another way, whose
+cost is latency, not bandwidth: one *host round* of the host's shared-memory
+group (its members sleep until the host's partial result is in; see
+:mod:`.shm`), then recursive doubling among the leaders (:mod:`.tree`:
+``log2(hosts)`` exchanges instead of the ring's ``2 (hosts - 1)`` steps), then
+the leader publishes the result to its host's members, who wake and copy it.
+The agreement on failed inputs (:meth:`HierCollective.allreduce_checked`)
+rides on the same round. The ring and the tree are made when first used, by
+every leader at the same point of the group's program.
+
 Results equal NumPy's up to floating-point association: partial sums are
 formed per host first, then between hosts.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from ._args import as_contiguous, check_out, scatter_part_shape, split_mean
 from .ring import RingCollective
-from .shm import ShmCollective
+from .shm import _SMALL, ShmCollective
+from .tree import TreeCollective
 
 __all__ = ["HierCollective"]
 
@@ -42,10 +53,14 @@ class HierCollective:
         The shared-memory group of this host's members (``None`` when alone on its host).
     ring : RingCollective or None
         The ring of host leaders, ordered by host of first appearance (leaders only).
+    make_ring, make_tree : callable, optional
+        Make the ring, or the :class:`~.tree.TreeCollective` of the leaders, when
+        first needed (leaders only; every leader makes it at the same collective).
     """
 
     def __init__(self, members: tuple[int, ...], me: int, domains: list, local: ShmCollective | None,
-                 ring: RingCollective | None) -> None:
+                 ring: RingCollective | None, make_ring: Callable[[], RingCollective] | None = None,
+                 make_tree: Callable[[], TreeCollective] | None = None) -> None:
         self.members = members
         self.rank = members.index(me)
         self.size = len(members)
@@ -61,8 +76,17 @@ class HierCollective:
         self.is_leader = self.local_members[0] == self.rank
         self.local = local
         self.ring = ring
-        if self.is_leader and ring is None and len(self.hosts) > 1:
+        self._make_ring = make_ring
+        self._make_tree = make_tree
+        self.tree: TreeCollective | None = None
+        if self.is_leader and ring is None and make_ring is None and len(self.hosts) > 1:
             raise ValueError("a host leader needs the ring of leaders")
+
+    def _ring(self) -> RingCollective:
+        if self.ring is None:
+            assert self._make_ring is not None
+            self.ring = self._make_ring()
+        return self.ring
 
     # -- building blocks -----------------------------------------------------------
     def _local_bcast(self, buf: np.ndarray, root: int = 0) -> None:
@@ -82,12 +106,75 @@ class HierCollective:
             if out is not send:
                 np.copyto(out, send)
         if self.is_leader:
-            assert part is not None and self.ring is not None
-            self.ring.allreduce(part, out=out, op=kop)
+            assert part is not None
+            self._ring().allreduce(part, out=out, op=kop)
         self._local_bcast(out)
         if mean:
             np.divide(out, self.size, out=out)
         return out
+
+    # -- small messages: a host round, then the tree (see the module docstring) -------------
+    @property
+    def small_bytes(self) -> int:
+        """The largest message that takes the latency path (:meth:`small_allreduce_prechecked`)."""
+        return self.local.small_bytes if self.local is not None else _SMALL
+
+    _kernel_dtype = staticmethod(ShmCollective._kernel_dtype)
+
+    def allreduce_checked(self, send: Any, out: Any = None, op: str = "sum", failed: bool = False) -> list[int]:
+        """:meth:`allreduce` that first agrees on whether every member has its input (as
+        :meth:`ShmCollective.allreduce_checked <.shm.ShmCollective.allreduce_checked>`): the global
+        ranks whose input failed (nothing reduced then), else ``[]`` with the result in ``out``."""
+        send = as_contiguous(send, "send")
+        kdt = self._kernel_dtype(send.dtype, op)
+        out = check_out(out, send.shape, send.dtype) if not failed else None
+        if send.nbytes <= self.small_bytes:
+            return self._small(send, out, op, kdt, bool(failed))
+        bad = self._small(np.zeros(1, np.uint8), None, "max", "uint8", bool(failed))  # (the agreement alone)
+        if bad:
+            return bad
+        self.allreduce(send, out=out, op=op)
+        return []
+
+    def small_allreduce_prechecked(self, send: np.ndarray, out: np.ndarray, op: str, kdt: str) -> list[int]:
+        """A small allreduce for a caller that made its checks once (a reduction plan): ``send`` and
+        ``out`` C-contiguous, of one shape and dtype, at most :attr:`small_bytes`; ``kdt`` the dtype's
+        kernel name. Returns the global ranks whose input failed (none here: the caller has it)."""
+        return self._small(send, out, op, kdt, False)
+
+    def _small(self, send: np.ndarray, out: np.ndarray | None, op: str, kdt: str, failed: bool) -> list[int]:
+        cross = len(self.hosts) > 1
+        local = self.local
+        result: np.ndarray | None
+        if local is not None:
+            code, bad = local._host_round(send, out, op, kdt, failed, cross=cross, leader=self.is_leader)
+            if code == 0:
+                if op == "mean" and out is not None:
+                    np.divide(out, self.size, out=out)
+                return []
+            if code == 1:  # (group indices when the leader published them, else this host's)
+                return [self.members[j if cross else self.local_members[j]] for j in bad]
+            partial, lbad = local.host_partial(send.nbytes)
+            gbad = [self.local_members[j] for j in lbad]
+            result = None if partial is None else np.frombuffer(partial, dtype=send.dtype).reshape(send.shape).copy()
+        else:  # alone on this host
+            gbad = [self.rank] if failed else []
+            result = None if failed else send.copy()
+        if cross:
+            if self.tree is None:
+                assert self._make_tree is not None, "a host leader needs the tree of leaders"
+                self.tree = self._make_tree()
+            result, gbad = self.tree.allreduce(result, gbad, op)
+        if local is not None and self.is_leader:
+            local.host_publish(result, gbad)
+        if gbad:
+            return [self.members[j] for j in gbad]
+        assert result is not None
+        if out is not None:
+            np.copyto(out, result.reshape(out.shape))
+            if op == "mean":
+                np.divide(out, self.size, out=out)
+        return []
 
     def reduce(self, send: Any, out: Any = None, op: str = "sum", root: int = 0) -> np.ndarray | None:
         """Reduce over every member; member ``root`` gets the result, the others ``None``."""
@@ -105,8 +192,8 @@ class HierCollective:
         if self.host == root_host and self.local is not None:
             # the root's host first: its leader then holds the data
             self.local.broadcast(buf, root=self.local_members.index(root))
-        if self.is_leader and self.ring is not None:
-            self.ring.broadcast(buf, root=root_host)
+        if self.is_leader and len(self.hosts) > 1:
+            self._ring().broadcast(buf, root=root_host)
         if self.host != root_host:
             self._local_bcast(buf)
         return buf
@@ -123,11 +210,11 @@ class HierCollective:
             mine = send.reshape((1,) + send.shape)
         for k, j in enumerate(self.local_members):
             rows[j] = mine[k].reshape(-1)
-        if self.is_leader and self.ring is not None:
+        if self.is_leader and len(self.hosts) > 1:
             # each leader contributes its host's rows, packed; then scatter them into member order
             packed = [np.empty((len(ms), rows.shape[1]), dtype=rows.dtype) for ms in self.hosts]
             packed[self.host][...] = mine.reshape(nl, -1)
-            self.ring.allgather_bytes([p.reshape(-1).view(np.uint8).data for p in packed])
+            self._ring().allgather_bytes([p.reshape(-1).view(np.uint8).data for p in packed])
             for ms, p in zip(self.hosts, packed):
                 rows[ms] = p
         self._local_bcast(out)

@@ -55,6 +55,16 @@ Waiting spins, then yields the core (ranks may outnumber cores), and returns
 to Python every few milliseconds to check that the peers it waits for are
 alive: a dead peer fails the operation on every survivor with
 :class:`~mesharray.errors.ActorDiedError` instead of hanging it.
+
+A group whose members outnumber the cores (any member's view of its own
+CPUs, agreed at the join) does its small allreduces as *host rounds* instead
+(``_core.host_round``): one barrier whose waiters sleep on a futex, the last
+member to arrive reducing for everyone and waking them. Spinning members
+there take the cores that the members they wait for need: with 64 members on
+2 cores each round cost every member's time slices. A group that spans hosts
+(:class:`~.hier.HierCollective`) uses the same round for its host's part, its
+leader combining the hosts' partial results (:mod:`.tree`). Both kinds of
+round share the group's sequence, so they may follow each other in any order.
 """
 
 from __future__ import annotations
@@ -74,6 +84,8 @@ from .._core import (
     atomic_store,
     buffer_address,
     copy_bytes,
+    host_round,
+    publish_word,
     reduce_addresses,
     reduce_remote,
     small_round,
@@ -109,6 +121,13 @@ SINGLE_COPY_MIN_SHARED_CORES = 8 << 20
 # long (each costs microseconds: 512 KiB per source for 2 members)
 _SCRATCH = 1 << 20
 _POLL = 0.005  # seconds between liveness checks while waiting
+#: seconds a sleeping member of a host round sleeps before it checks on the members that have not
+#: arrived (every member, each _HOST_ALL-th time): a sleeper costs nothing, but a check costs syscalls
+_HOST_POLL = 0.05
+_HOST_ALL = 20
+# a host round's words (_core.host_round): the arrival counter, the host partial's round, the result's
+# round, the number of failed inputs, then one line per member
+_HOST_WORDS = 4
 
 _DTYPES = {np.dtype(t): np.dtype(t).name for t in (
     "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")}
@@ -224,7 +243,10 @@ class ShmCollective:
         self._broken: BaseException | None = None
         self._closed = False
         # the per-rank flags, then the group's three counters of single-copy reductions
-        self._ctrl = _round_up(_PAGE + (self.size * _NFLAGS + 3) * _LINE, _PAGE)
+        self._ctrl = _round_up(_PAGE + (self.size * _NFLAGS + 3 + _HOST_WORDS + self.size) * _LINE, _PAGE)
+        self._hr = 0  # host rounds so far (the same count on every member)
+        self._last_host = 0  # the sequence number of this member's last host round
+        self.sleepy = False  # small allreduces are host rounds (agreed at the join)
         self._chunks = 0  # chunks of single-copy reductions so far: where the counters start
         self._slot_bytes = _round_up(self.capacity, _PAGE)
         self._nbytes = self._ctrl + (self.size + 1) * self._slot_bytes
@@ -305,6 +327,7 @@ class ShmCollective:
         self._res_addr = self._base + self._slot_off(self.size)
         self._all = list(range(self.size))
         self._flags_at = self._flag(_ARRIVE, 0)  # the first flag line (small_round's ``flags``)
+        self._hctl = self._base + _PAGE + (self.size * _NFLAGS + 3) * _LINE  # (host_round's ``ctl``)
         self._bad: np.ndarray | None = None  # small_round's failed-member bytes (made on first use)
         if self.rank == 0:
             atomic_store(self._base, _MAGIC)
@@ -318,8 +341,13 @@ class ShmCollective:
                     self.close()
                     raise TimeoutError(f"shared-memory segment {self.name!r} was never initialised by rank 0")
                 time.sleep(0.0005)
-        # pre-fault our slot and our share of the result area: page faults during
-        # the first collective would otherwise halve its bandwidth
+        self._faulted = False  # our slot and our share of the result area pre-faulted (see _prefault)
+
+    def _prefault(self) -> None:
+        # pre-fault our slot and our share of the result area before the first large reduction:
+        # page faults during it would otherwise halve its bandwidth. Not before: a group that
+        # only reduces small messages (a loss, a norm) touches a page of each, not megabytes
+        self._faulted = True
         self._slots[self.rank][::_PAGE] = 0
         lo, hi = self._share(self.capacity, self.rank)
         self._result[lo:hi:_PAGE] = 0
@@ -359,9 +387,12 @@ class ShmCollective:
         line = self._flag(_PID, self.rank)
         atomic_store(line + 8, offer)
         atomic_store(line + 16, int(self._probe.ctypes.data))
+        # +24: whether this member has fewer CPUs than the group has members (host rounds, if any does)
+        atomic_store(line + 24, 1 if self.size > _platform.usable_cpus() else 0)
         atomic_store(line, os.getpid())
         try:
             self._wait(_PID, 1, range(self.size), "join")
+            self.sleepy = self.size > 1 and any(atomic_load(self._flag(_PID, j) + 24) for j in range(self.size))
             self.single_copy_min = self._agree_single_copy(offer)
         except BaseException:
             # a failed join leaves nothing behind: no name in /dev/shm, no mapping
@@ -592,7 +623,22 @@ class ShmCollective:
         send = self._as_array(send, "send")
         kdt = self._kernel_dtype(send.dtype, op)
         out = self._out(out, send.shape, send.dtype) if not failed else None
-        bad = self._reduce_rounds(send, out, "sum" if op == "mean" else op, kdt, root=None, failed=bool(failed))
+        if self.sleepy:
+            # one host round first, whatever the size (a member whose input failed cannot know it):
+            # the whole reduction when small, else the agreement alone, then the slot rounds
+            small = send.nbytes <= self.small_bytes
+            if small or failed:
+                code, idx = self._host_round(send, out, op, kdt, bool(failed))
+            else:
+                code, idx = self._host_round(np.zeros(1, np.uint8), None, "max", "uint8", False)
+            if code:
+                return [self.global_ranks[j] for j in idx]
+            if small:
+                if op == "mean" and out is not None:
+                    np.divide(out, self.size, out=out)
+                return []
+        checked: bool | None = None if self.sleepy else bool(failed)  # (sleepy: agreed in the host round)
+        bad = self._reduce_rounds(send, out, "sum" if op == "mean" else op, kdt, root=None, failed=checked)
         if not bad and op == "mean":
             np.divide(out, self.size, out=out)
         return [self.global_ranks[j] for j in bad]
@@ -619,6 +665,13 @@ class ShmCollective:
         """:meth:`small_allreduce_checked` for a caller that made its checks itself, once for many
         calls (a reduction plan): ``send`` and ``out`` C-contiguous, of one shape and dtype, at most
         :attr:`small_bytes`; ``kdt`` the dtype's kernel name (``_kernel_dtype``, which checked ``op``)."""
+        if self.sleepy:
+            code, bad_idx = self._host_round(send, out, op, kdt, False)
+            if code:
+                return [self.global_ranks[j] for j in bad_idx]
+            if op == "mean":
+                np.divide(out, self.size, out=out)
+            return []
         # both addresses (a read-only out raises here) before the round is taken
         src, nb = buffer_address(send)
         dst = buffer_address(out, True)[0]
@@ -650,6 +703,98 @@ class ShmCollective:
         """The largest message :meth:`small_allreduce_checked` takes (one round, every member reducing it all)."""
         return min(_SMALL, self.capacity)
 
+    # --- host rounds (see the module docstring) -----------------------------------------
+
+    def _host_round(self, send: np.ndarray, out: np.ndarray | None, op: str, kdt: str, failed: bool,
+                    cross: bool = False, leader: bool = False) -> tuple[int, list[int]]:
+        """One host round (``_core.host_round``): ``(code, failed member indices)``.
+
+        Code 0: the result is in ``out``; 1: inputs failed (their indices); 2
+        (``cross`` and ``leader``): the host's partial result is in the result
+        area (:meth:`host_partial`), and this member must :meth:`host_publish`
+        the group's. ``send`` of at most :attr:`small_bytes` bytes.
+        """
+        if self._closed or self._broken is not None:
+            self._begin("reduction")  # raises the group's error
+        k = self._seq + 1
+        if k > 1 and self._last_host != k - 1:
+            # the round before was a slot round: nobody may still read the slots or the result area
+            self._wait(_DONE, k - 1, self._all, "reduction")
+        self._seq = k
+        r = self._hr = self._hr + 1
+        src, nb = (0, 0) if failed else buffer_address(send)
+        dst = 0 if out is None else buffer_address(out, True)[0]
+        count = 0 if failed else send.size
+        kop = "sum" if op == "mean" else op
+        stage = 0
+        polls = 0
+        deadline = time.monotonic() + self.timeout
+        while True:
+            code = host_round(self._hctl, self.size, self.rank, r, src, nb, dst, self._slot_addr, self._res_addr,
+                              self.capacity, count, kdt, kop, failed, stage, cross, leader, _HOST_POLL, self._futex)
+            if code >= 0:
+                break
+            stage, polls = 1, polls + 1
+            self._check_host(r, polls % _HOST_ALL == 0, deadline)
+        bad: list[int] = []
+        if code == 1:
+            bad = self._host_failed()
+        self._last_host = k
+        if code != 2:
+            atomic_store(self._flag(_DONE, self.rank), k)  # (for a slot round that may come next)
+        return code, bad
+
+    @property
+    def _futex(self) -> bool:
+        return _platform.LINUX_NATIVE
+
+    def _host_failed(self) -> list[int]:
+        assert self._arr is not None
+        n = min(atomic_load(self._hctl + 192), self.capacity // 4)
+        off = self._slot_off(self.size)
+        return np.frombuffer(self._arr, dtype=np.uint32, count=n, offset=off).tolist()
+
+    def host_partial(self, nbytes: int) -> tuple[memoryview | None, list[int]]:
+        """After a host round that returned 2: the host's partial result (``nbytes``), or None and the
+        indices of this host's members whose input failed."""
+        bad = self._host_failed() if atomic_load(self._hctl + 192) else []
+        if bad:
+            return None, bad
+        return self._result[:nbytes].data, []
+
+    def host_publish(self, result: np.ndarray | None, failed: list[int]) -> None:
+        """The leader's end of a host round that returned 2: the group's result (or the group indices
+        of the failed inputs) for the host's members, who wake and copy it."""
+        if failed:
+            n = min(len(failed), self.capacity // 4)
+            np.frombuffer(self._result, dtype=np.uint32, count=n)[:] = failed[:n]
+            atomic_store(self._hctl + 192, len(failed))
+        else:
+            assert result is not None
+            atomic_store(self._hctl + 192, 0)
+            flat = result.reshape(-1).view(np.uint8)
+            self._result[:flat.nbytes] = flat
+        publish_word(self._hctl + 128, self._hr, self._futex)
+        atomic_store(self._flag(_DONE, self.rank), self._seq)
+
+    def _check_host(self, r: int, everyone: bool, deadline: float) -> None:
+        """A host round's wait ran out: the members it may wait for must be alive (raises when one is not)."""
+        if everyone:
+            look = [j for j in self._all if j != self.rank]
+        else:
+            look = [j for j in self._all if j != self.rank and atomic_load(self._hctl + 256 + j * 64) < r]
+        dead = [j for j in look if not _pid_alive(self._pid(j))]
+        if dead:
+            err = ActorDiedError(ranks=[self.global_ranks[j] for j in dead], pid=self._pid(dead[0]),
+                                 reason=f"died during shared-memory reduction of group {self.name!r}")
+            self._broken = err
+            raise err
+        if time.monotonic() > deadline:
+            err2 = TimeoutError(f"shared-memory reduction timed out after {self.timeout} s waiting for the other "
+                                f"members of group {self.name!r}")
+            self._broken = err2
+            raise err2
+
     def _begin_small(self) -> int:
         # _begin without its wait for the previous round (small_round waits for it)
         if self._closed or self._broken is not None:
@@ -678,6 +823,8 @@ class ShmCollective:
             nb = count * isz
             off = start * isz
             k = self._begin("reduction")
+            if not self._faulted and nb > _SMALL:
+                self._prefault()  # (once every member is done with the round before: nobody reads these bytes)
             if failed is not None and start == 0:
                 # the status word sits after the arrival flag in its line: written
                 # before the (release) store of the flag, read after the (acquire) wait

@@ -28,6 +28,7 @@ from ..collectives import new_group
 from ..collectives.hier import HierCollective
 from ..collectives.ring import RingCollective
 from ..collectives.shm import ShmCollective
+from ..collectives.tree import leader_tree
 from ..engines import Engine, get_engine
 from ..engines.numpy_engine import HUGE_PAGE, host_empty
 from ..errors import ActorDiedError, MeshArrayError
@@ -472,10 +473,16 @@ def _hier_group(members: tuple[int, ...], me: int, token: str, pids: dict, hosts
         if d not in seen:
             seen.add(d)
             leaders.append(r)
-    ring = None
-    if me in leaders:
-        ring = _cached((tuple(leaders), "ring"), lambda: _ring_group(tuple(leaders), me, token, hosts))
-    return HierCollective(members, me, domains, local, ring)
+    if me not in leaders:
+        return HierCollective(members, me, domains, local, None)
+    # (made when first used: every leader reaches that collective; a loop of small ones never makes a ring)
+    timeout = float(os.environ.get("MESHARRAY_COLLECTIVE_TIMEOUT", "60"))
+    key = tuple(leaders)
+    return HierCollective(
+        members, me, domains, local, STORE.groups.get((key, "ring")),
+        make_ring=lambda: _cached((key, "ring"), lambda: _ring_group(key, me, token, hosts)),
+        make_tree=lambda: _cached((key, "tree"), lambda: leader_tree(key, me, token, {r: hosts[r][1] for r in key},
+                                                                     timeout)))
 
 
 def _ring_group(leaders: tuple[int, ...], me: int, token: str, hosts: dict) -> RingCollective:
@@ -859,7 +866,7 @@ class DataActor(Actor):
             if len(_PLANS) >= 256:
                 _PLANS.clear()
             st = _PLANS[plan] = [pickle.loads(plan), None]
-        fast: tuple[ShmCollective, str, np.dtype, Engine, int, str] | None = st[1]
+        fast: tuple[ShmCollective | HierCollective, str, np.dtype, Engine, int, str] | None = st[1]
         if fast is not None:
             g, op, dtype, eng, small, kdt = fast
             blocks = STORE.blocks
@@ -888,7 +895,7 @@ class DataActor(Actor):
             # the group the generic path just used: shared memory, more than one member
             members = next(tuple(m) for m in ins.groups if me in m)
             grp = STORE.groups.get((members, None))
-            if isinstance(grp, ShmCollective) and grp.size > 1:
+            if isinstance(grp, (ShmCollective, HierCollective)) and grp.size > 1:
                 dtype = np.dtype(ins.dtype)
                 try:
                     kdt = grp._kernel_dtype(dtype, ins.op)
