@@ -226,8 +226,9 @@ class Relay:
                 w.send(P.VIEW, 0, 0, view, 0, [self.views[view]])
             frame = frames.get(f)
             if frame is None:
-                n, frame = pack_frame(inner, f, msg_id, target, view, [body], SMALL_FRAME, w.limit)
-                frames[f] = frame if frame is not None and n <= SMALL_FRAME else False
+                n, packed = pack_frame(inner, f, msg_id, target, view, [body], SMALL_FRAME, w.limit)
+                # (a large frame's is its header alone: it goes through send, with its payload)
+                frame = frames[f] = packed if packed is not None and n <= SMALL_FRAME else False
             try:
                 if not (frame and w.write_frame(frame)):
                     w.send(inner, f, msg_id, target, view, [body])
