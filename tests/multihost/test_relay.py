@@ -1,0 +1,212 @@
+"""Fan-out through the hosts: one relay process per host, frames once per host, each rank's order across both paths,
+and the failures of a rank or a relay."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from mh_agents import SECRET, agents, wait_until
+
+import mesharray as ma
+from mesharray.runtime.router import get_router
+from tests.support.actors import Counter, Probe
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    """Two attached hosts with three processes each (relays on): ``(procs, counters, probes)``."""
+    with agents(2, first_ip=14, prefix="r") as ags:
+        hosts = ma.attach([a.url for a in ags], secret=SECRET, transport="tcp")
+        procs = hosts.spawn_procs(per_host={"procs": 3})
+        try:
+            yield procs, procs.spawn("counters", Counter), procs.spawn("probes", Probe)
+        finally:
+            procs.stop()
+            hosts.detach()
+
+
+def _relay_pids(procs) -> list[int]:
+    ctl = procs._root.controller
+    return [ctl._relays[h].peer["pid"] for h in sorted(ctl._relays)]
+
+
+def test_messages_to_several_hosts_leave_the_controller_once_per_host(mesh):
+    procs, counters, _ = mesh
+    assert procs._root.controller.plane is not None and len(_relay_pids(procs)) == 2
+    router = get_router()
+    counters.get.call().get(timeout=30)  # (views defined, plans made)
+    calls, oneway = router.sent_calls, router.sent_oneway
+    for _ in range(5):
+        assert np.asarray(counters.get.call().get(timeout=30)).shape == (2, 3)
+    counters.incr.broadcast(0)
+    assert router.sent_calls - calls == 5 * 2  # one frame per host, not one per rank
+    assert router.sent_oneway - oneway == 2
+    calls = router.sent_calls
+    counters[0].get.call().get(timeout=30)  # the ranks of one host: the direct path
+    assert router.sent_calls - calls == 3
+
+
+def test_each_rank_keeps_the_controllers_order_across_both_paths(mesh):
+    _, counters, _ = mesh
+    counters.recorded.call().get(timeout=30)
+    want = {r: [] for r in range(6)}
+    i = 0
+    for step in range(40):
+        # relayed broadcasts and calls, direct calls and broadcasts to single ranks and to one host
+        counters.record.broadcast(i)
+        for r in range(6):
+            want[r].append(i)
+        i += 1
+        r = step % 6
+        counters[r // 3, r % 3].record.call_one(i).get(timeout=30)
+        want[r].append(i)
+        i += 1
+        h = step % 2
+        counters[h].record.broadcast(i)
+        for q in range(3 * h, 3 * h + 3):
+            want[q].append(i)
+        i += 1
+        if step % 5 == 0:
+            counters.record.call(i).get(timeout=30)
+            for q in range(6):
+                want[q].append(i)
+            i += 1
+    got = np.asarray(counters.recorded.call().get(timeout=30)).ravel()
+    assert [list(got[r]) for r in range(6)] == [want[r] for r in range(6)]
+
+
+def test_large_arguments_and_replies_go_through_the_relays(mesh):
+    _, _, probes = mesh
+    blob = np.arange(200_000, dtype=np.float64)  # 1.6 MB: over the small-frame size, shared memory on a host
+    out = np.asarray(probes.double.call(blob).get(timeout=60))
+    assert out.shape == (2, 3, blob.size)
+    for v in out.reshape(6, -1):
+        np.testing.assert_array_equal(v, blob * 2)
+    text = "x" * 40_000  # a pickle over the small-frame size, inline
+    assert all(v == text for v in np.asarray(probes.echo.call(text).get(timeout=60)).ravel())
+
+
+def test_a_relayed_broadcast_that_raised_is_told_at_the_next_direct_call(mesh):
+    _, _, probes = mesh
+    probes.fail.broadcast("from a relayed broadcast")
+    with pytest.raises(ma.ActorError, match="from a relayed broadcast"):
+        probes[1, 2].pid.call_one().get(timeout=30)
+    assert probes[1, 2].pid.call_one().get(timeout=30) > 0  # told once
+
+
+def test_arrays_reduce_across_hosts_through_the_relays(mesh):
+    procs, _, _ = mesh
+    x = procs.ones((3,)) * procs.rank_array()
+    for _ in range(3):
+        assert float(np.asarray(x.sum().fetch())) == 3 * sum(range(6))
+    np.testing.assert_array_equal(np.asarray(x.sum(axis="hosts").fetch())[:, 0], [3, 5, 7])
+    assert float(np.asarray(x.max().fetch())) == 5
+
+
+def _two_hosts(first_ip: int, prefix: str, procs: int = 2, **kw):
+    ags_cm = agents(2, first_ip=first_ip, prefix=prefix)
+    ags = ags_cm.__enter__()
+    hosts = ma.attach([a.url for a in ags], secret=SECRET, transport="tcp")
+    return ags_cm, hosts, hosts.spawn_procs(per_host={"procs": procs}, **kw)
+
+
+def test_a_dead_rank_fails_a_pending_relayed_call_within_the_bound_and_spares_the_rest():
+    ags, hosts, procs = _two_hosts(16, "d")
+    try:
+        p = procs.spawn("p", Probe)
+        pids = np.asarray(p.pid.call().get(timeout=30))
+        fut = p.sleep.call(1.0, "late")
+        time.sleep(0.2)
+        t = time.monotonic()
+        os.kill(int(pids[1, 1]), signal.SIGKILL)
+        with pytest.raises(ma.ActorDiedError) as ei:
+            fut.get(timeout=10)
+        assert time.monotonic() - t <= 1.5  # (the call itself sleeps 1 s: the death comes first)
+        assert ei.value.ranks == (3,) and ei.value.signal == signal.SIGKILL
+        # the other ranks of both hosts keep working, through their relays and directly
+        assert p[0].pid.call().get(timeout=30).shape == (2,)
+        assert p[1, 0].pid.call_one().get(timeout=30) == int(pids[1, 0])
+        with pytest.raises(ma.ActorDiedError):
+            p.pid.call().get(timeout=30)
+    finally:
+        procs.stop()
+        hosts.detach()
+        ags.__exit__(None, None, None)
+
+
+def test_a_dead_relay_is_the_death_of_its_hosts_ranks():
+    ags, hosts, procs = _two_hosts(18, "e")
+    try:
+        p = procs.spawn("p", Probe)
+        pids = np.asarray(p.pid.call().get(timeout=30))
+        fut = p.sleep.call(2.0)
+        time.sleep(0.2)
+        t = time.monotonic()
+        os.kill(_relay_pids(procs)[1], signal.SIGKILL)
+        with pytest.raises(ma.ActorDiedError) as ei:
+            fut.get(timeout=10)
+        assert time.monotonic() - t <= 1.0
+        assert "relay of host e1" in str(ei.value)
+        assert wait_until(lambda: all(_gone(int(q)) for q in pids[1]), 5)  # its ranks went with it
+        with pytest.raises(ma.ActorDiedError, match="relay of host e1"):
+            p[1, 0].pid.call_one().get(timeout=10)
+        assert p[0].pid.call().get(timeout=30).shape == (2,)  # the other host keeps working
+        assert procs.stats()["deaths"] == 2
+    finally:
+        procs.stop()
+        hosts.detach()
+        ags.__exit__(None, None, None)
+
+
+def test_a_stopped_rank_is_reported_unresponsive_through_its_relay():
+    ags, hosts, procs = _two_hosts(20, "u", heartbeat_timeout=1.0, heartbeat_interval=0.2)
+    try:
+        p = procs.spawn("p", Probe)
+        pids = np.asarray(p.pid.call().get(timeout=30))
+        time.sleep(1.5)
+        assert procs.stats()["unresponsive_now"] == 0  # idle: no false report
+        os.kill(int(pids[1, 0]), signal.SIGSTOP)
+        try:
+            t = time.monotonic()
+            assert wait_until(lambda: procs.stats()["unresponsive_now"] == 1, 5)
+            assert time.monotonic() - t < 1.0 + 1.5
+            assert p[0].pid.call().get(timeout=30).shape == (2,)
+        finally:
+            os.kill(int(pids[1, 0]), signal.SIGCONT)
+        assert wait_until(lambda: procs.stats()["unresponsive_now"] == 0, 5)
+        assert p.pid.call().get(timeout=30).shape == (2, 2)
+    finally:
+        procs.stop()
+        hosts.detach()
+        ags.__exit__(None, None, None)
+
+
+def test_relays_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("MESHARRAY_RELAY", "0")
+    ags, hosts, procs = _two_hosts(22, "o")
+    try:
+        assert procs._root.controller.plane is None
+        c = procs.spawn("c", Counter)
+        router = get_router()
+        c.get.call().get(timeout=30)
+        calls = router.sent_calls
+        c.get.call().get(timeout=30)
+        assert router.sent_calls - calls == 4  # one frame per rank
+    finally:
+        procs.stop()
+        hosts.detach()
+        ags.__exit__(None, None, None)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
