@@ -11,6 +11,13 @@ cannot be reached and one that does not answer in time come back in the
 ``missing`` list (a channel that got no answer is closed, and a new one opened
 at the next question).
 
+On a mesh whose hosts have relays (:mod:`mesharray.runtime.relay`) the
+question goes once per host instead: to the host's relay, which asks each of
+its ranks over connections of its own (the same way, for the same reason) and
+answers once for the host, with what came within the deadline; the ranks it
+could not reach or that did not answer come back in ``missing`` with its word
+for why.
+
 The controller keeps what it collected in :attr:`Telemetry.store` for
 ``MESHARRAY_TELEMETRY_RETENTION`` seconds (600), and at most ``_MAX_KEEP`` rows
 per table; each rank's last process sample and current calls are in
@@ -33,10 +40,10 @@ import time
 from typing import Any
 
 from ..runtime import protocol as P
-from ..runtime.caller import future_callback
+from ..runtime.caller import future_callback, outcome
 from ..runtime.channel import Channel
 from ..runtime.controller import Controller
-from ..runtime.future import Future, new_future
+from ..runtime.future import Future, new_future, set_exception, set_result
 from ..transport.address import connect
 from .exports import post_otlp, prometheus_text, write_chrome_trace
 from .tables import QueryResult, build_database, run_query
@@ -104,19 +111,48 @@ class Telemetry:
                                              {"role": "telemetry", "pid": os.getpid()})
         return link
 
-    def _ask_all(self, req_of, timeout: float) -> tuple[dict[int, Any], list[dict]]:
+    def _ask_relay(self, host: int, per_rank: dict[int, Any], timeout: float) -> Future[Any]:
+        """Ask host ``host``'s relay for every rank in ``per_rank`` (their requests): a future of the
+        relay's gathered answers, ``[(position in per_rank, status, payload)]``."""
+        plane = self.controller.plane
+        assert plane is not None
+        fut: Future[Any] = new_future()
+
+        def cb(status: int, payload: Any) -> None:
+            if status == P.GATHERED:
+                set_result(fut, [(pos, st, bytes(pl)) for pos, st, pl in P.unpack_gathered(memoryview(payload))])
+            else:
+                set_exception(fut, payload if isinstance(payload, BaseException) else RuntimeError(str(payload)))
+        plane.relays[host].call(P.INTROSPECT, 0, 0, [pickle.dumps({"per_rank": per_rank, "timeout": timeout})], cb)
+        return fut
+
+    def _ask_all(self, req_of, timeout: float, only: list[int] | None = None) -> tuple[dict[int, Any], list[dict]]:
         answers: dict[int, Any] = {}
         missing: list[dict] = []
         futs = {}
+        plane = self.controller.plane
+        per_host: dict[int, dict[int, Any]] = {}
+        names: dict[int, str] = {}
         for rank, info in sorted(self.controller.workers.items()):
-            host = info.hello.get("host_id") or info.host
+            if only is not None and rank not in only:
+                continue
+            host = names[rank] = info.hello.get("host_id") or info.host
             if not info.alive:
                 missing.append({"rank": rank, "host": host, "why": f"dead: {info.error}"})
+                continue
+            if plane is not None and plane.host_of[rank] not in plane.lost:  # once per host, through its relay
+                per_host.setdefault(plane.host_of[rank], {})[rank] = req_of(rank)
                 continue
             try:
                 futs[rank] = (self._link(rank).ask(req_of(rank)), host)
             except Exception as exc:
                 missing.append({"rank": rank, "host": host, "why": f"unreachable: {exc}"})
+        hosts = {}
+        for h, per_rank in per_host.items():
+            try:
+                hosts[h] = (self._ask_relay(h, per_rank, timeout), list(per_rank))
+            except Exception as exc:
+                missing.extend({"rank": r, "host": names[r], "why": f"unreachable: {exc}"} for r in per_rank)
         deadline = time.monotonic() + timeout
         for rank, (fut, host) in futs.items():
             try:
@@ -126,6 +162,23 @@ class Telemetry:
                 link = self._links.pop(rank, None)
                 if link is not None:
                     link.close()
+        for fut, ranks in hosts.values():
+            try:  # (the relay answers by the deadline, with what it has then)
+                entries = fut.get(timeout=max(0.01, deadline - time.monotonic()) + 2.0)
+            except BaseException as exc:
+                missing.extend({"rank": r, "host": names[r], "why": f"{type(exc).__name__}: {exc}"} for r in ranks)
+                continue
+            for pos, st, pl in entries:
+                r = ranks[pos]
+                if st == P.DIED:
+                    missing.append({"rank": r, "host": names[r], "why": pl.decode(errors="replace") or "gone"})
+                    continue
+                value, exc2 = outcome(st, pl)
+                if exc2 is not None:
+                    missing.append({"rank": r, "host": names[r], "why": f"{type(exc2).__name__}: {exc2}"})
+                else:
+                    answers[r] = value
+        missing.sort(key=lambda m: m["rank"])
         return answers, missing
 
     def collect(self, timeout: float = 3.0, agg: bool = False) -> list[dict]:
@@ -170,14 +223,15 @@ class Telemetry:
         return run_query(db, query, params, missing)
 
     # -- stacks ------------------------------------------------------------------
-    def stacks(self, timeout: float = 5.0, native: bool = False) -> dict[int, str]:
+    def stacks(self, timeout: float = 5.0, native: bool = False, ranks: list[int] | None = None) -> dict[int, str]:
         """Each live rank's Python thread stacks (a rank that does not answer within ``timeout`` says why).
 
         ``native=True``: where ``py-spy`` is installed on a rank's host, its
-        ``py-spy dump --native`` of the rank (C frames too) is added.
+        ``py-spy dump --native`` of the rank (C frames too) is added. ``ranks``:
+        those ranks only.
         """
         with self.lock:
-            answers, missing = self._ask_all(lambda r: {"what": "stacks", "native": native}, timeout)
+            answers, missing = self._ask_all(lambda r: {"what": "stacks", "native": native}, timeout, ranks)
         out = {rank: a["stacks"] for rank, a in answers.items()}
         for m in missing:
             out[m["rank"]] = f"<no stacks: {m['why']}>"

@@ -5,13 +5,15 @@ serves, per GET:
 
 - ``/`` (or ``/index.html``): the page ``static/index.html`` (shipped as
   package data), its ``__MESH__`` placeholders replaced by the mesh's name; its
-  script polls ``api/state`` every second and draws the ranks, endpoints,
+  script polls ``api/state`` every second and draws the ranks (a grid, one row
+  per host and one cell per rank coloured by its state, 1,024 ranks on one
+  screen; a cell links to ``#rank-N``, whose details it shows), endpoints,
   errors and logs;
 - ``api/state``: :func:`live_state` as JSON (what ``python -m mesharray top``
   polls too);
 - ``api/sql?q=QUERY``: ``Telemetry.sql`` as ``{"rows", "missing"}`` or
   ``{"error"}``;
-- ``api/stacks``: ``Telemetry.stacks``;
+- ``api/stacks`` (``?rank=N``, repeatable: those ranks only): ``Telemetry.stacks``;
 - ``/metrics``: ``Telemetry.metrics`` (the Prometheus text exposition).
 
 A request that fails (a stopped mesh, a dead rank) answers 500 with the error
@@ -122,7 +124,8 @@ class Server:
                             body = {"error": str(exc)}
                         self._send(200, json.dumps(body, default=str).encode(), "application/json")
                     elif url.path == "/api/stacks":
-                        self._send(200, json.dumps(tel_ref.stacks()).encode(), "application/json")
+                        only = [int(r) for r in q.get("rank", [])] or None
+                        self._send(200, json.dumps(tel_ref.stacks(ranks=only)).encode(), "application/json")
                     elif url.path == "/metrics":
                         self._send(200, tel_ref.metrics().encode(), "text/plain; version=0.0.4; charset=utf-8")
                     else:

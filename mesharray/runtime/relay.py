@@ -47,7 +47,6 @@ import pickle
 import sys
 import threading
 import time
-from typing import Any
 
 from .._core import pack_frame
 from ..transport.address import connect
@@ -209,7 +208,7 @@ class Relay:
         if reply:
             pos = {r: i for i, r in enumerate(ranks) if mask is None or mask[i]}
             g = self.gathers[msg_id] = _Gather(pos)
-        frames: dict[int, Any] = {}  # flags -> the whole frame (a small one: written as is to every rank)
+        frames: dict[int, bytes | None] = {}  # flags -> the whole frame (a small one: written as is to every rank)
         workers = self.workers
         for i, r in enumerate(ranks):
             f = P.F_REPLY if reply and (mask is None or mask[i]) else 0
@@ -224,13 +223,14 @@ class Relay:
             if view and view not in self.defined[w]:
                 self.defined[w].add(view)
                 w.send(P.VIEW, 0, 0, view, 0, [self.views[view]])
-            frame = frames.get(f)
-            if frame is None:
+            if f in frames:
+                frame = frames[f]
+            else:
                 n, packed = pack_frame(inner, f, msg_id, target, view, [body], SMALL_FRAME, w.limit)
                 # (a large frame's is its header alone: it goes through send, with its payload)
-                frame = frames[f] = packed if packed is not None and n <= SMALL_FRAME else False
+                frame = frames[f] = packed if packed is not None and n <= SMALL_FRAME else None
             try:
-                if not (frame and w.write_frame(frame)):
+                if frame is None or not w.write_frame(frame):
                     w.send(inner, f, msg_id, target, view, [body])
             except ConnectionError:
                 pass  # gone: its close handler answers for it

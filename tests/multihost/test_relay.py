@@ -109,6 +109,17 @@ def test_arrays_reduce_across_hosts_through_the_relays(mesh):
     assert float(np.asarray(x.max().fetch())) == 5
 
 
+def test_telemetry_goes_once_per_host_through_the_relays(mesh):
+    procs, counters, _ = mesh
+    counters.get.call().get(timeout=30)
+    rows = procs.telemetry.sql("SELECT host, count(DISTINCT rank) AS n FROM messages WHERE actor = 'counters' "
+                               "GROUP BY host ORDER BY host")
+    assert rows == [{"host": "r0", "n": 3}, {"host": "r1", "n": 3}] and rows.missing == []
+    assert procs.telemetry._links == {}  # no connection of the controller's own to any rank
+    assert sorted(procs.stacks()) == list(range(6))
+    assert list(procs.telemetry.stacks(ranks=[4])) == [4]
+
+
 def _two_hosts(first_ip: int, prefix: str, procs: int = 2, **kw):
     ags_cm = agents(2, first_ip=first_ip, prefix=prefix)
     ags = ags_cm.__enter__()

@@ -79,6 +79,9 @@ def test_the_web_view_in_a_headless_browser(served, tmp_path):
         args = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                 "--virtual-time-budget=8000", "--window-size=1280,1000"]
         dom = subprocess.run(args + ["--dump-dom", url], capture_output=True, text=True, timeout=90).stdout
+        # a click on a cell goes to #rank-N: the page then shows that rank's details
+        detail = subprocess.run(args + ["--dump-dom", url + "#rank-3"], capture_output=True, text=True,
+                                timeout=90).stdout
         shot = tmp_path / "view.png"
         subprocess.run(args + [f"--screenshot={shot}", url], capture_output=True, timeout=90)
     finally:
@@ -86,6 +89,9 @@ def test_the_web_view_in_a_headless_browser(served, tmp_path):
     states = re.findall(r'class="rank (idle|busy|unresponsive|dead)" data-rank="(\d)"', dom)
     assert sorted(states, key=lambda s: s[1]) == [("idle", "0"), ("idle", "1"), ("idle", "2"), ("busy", "3")], dom[-3000:]
     assert "busy.hang_here_for_a_while" in dom
+    info = detail[detail.index('class="rankinfo" data-rank="3"'):]
+    assert f"<td>pid</td><td>{procs.pids[3]}</td>" in info and "<td>busy</td>" in info, detail[-3000:]
+    assert "busy.hang_here_for_a_while" in info
     assert "<td>step</td>" in dom and "KeyError" in dom
     assert "a line for the web view" in dom
     assert shot.exists() and shot.stat().st_size > 10_000
