@@ -455,7 +455,6 @@ def _zygote_main() -> None:
                               forward_logs=mesh["forward_logs"], exit_process=True, relay=mesh.get("relay_address"))
 
     def run_relay(rcfg: dict, fd: int) -> None:
-        worker_mod._set_pdeathsig()
         relay_mod.run_relay(rcfg, fd)
         os._exit(0)
 

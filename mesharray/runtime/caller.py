@@ -132,6 +132,18 @@ class Gather:
         if self.count() == self.n:
             self.finish()
 
+    def many(self, indices: Sequence[int], payload: Any) -> None:
+        """The same ``OK`` reply of every rank in ``indices`` (a host's gathered replies, all alike)."""
+        value, exc = outcome(P.OK, payload)
+        if exc is not None:
+            set_exception(self.fut, exc)
+            return
+        values, count, n = self.values, self.count, self.n
+        for i in indices:
+            values[i] = value
+            if count() == n:
+                self.finish()
+
     def finish(self) -> None:
         """Complete the future with the gathered values (at once for a call to no actor)."""
         if is_done(self.fut):
@@ -232,7 +244,7 @@ class Caller:
                 if parts is None:
                     assert p is not None
                     parts = [self.method, *framing.encode(p)]
-                self.plane.send(plan, P.CALL, self.actor_id, shape, parts, g.reply, True)
+                self.plane.send(plan, P.CALL, self.actor_id, shape, parts, g.reply, True, g.many)
                 if plan.relays:
                     reply_on(fut, plan.relays)  # get() reads the gathered replies in its own thread
                 return fut

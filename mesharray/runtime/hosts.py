@@ -141,19 +141,29 @@ class _Plan:
 class _HostCall:
     """The reply callback of one host's part of a relayed call: splits the gathered replies."""
 
-    __slots__ = ("plane", "part", "reply")
+    __slots__ = ("plane", "part", "reply", "many")
 
-    def __init__(self, plane: HostPlane, part: _HostPart, reply: Callable[[int, int, Any], None]) -> None:
+    def __init__(self, plane: HostPlane, part: _HostPart, reply: Callable[[int, int, Any], None],
+                 many: Callable[[list[int], Any], None] | None = None) -> None:
         self.plane = plane
         self.part = part
         self.reply = reply  # reply(position in the message's ranks, status, payload)
+        self.many = many  # many(positions, payload): the same OK reply of all of them
 
     def __call__(self, status: int, payload: Any) -> None:
         part, reply, plane = self.part, self.reply, self.plane
         index = part.index
         if status == P.GATHERED:
             c = plane.counters
-            entries = P.unpack_gathered(memoryview(payload))
+            view = memoryview(payload)
+            many = self.many
+            one = P.uniform_gathered(view) if many is not None else None
+            if many is not None and one is not None:  # every target answered OK alike (None, mostly): decoded once
+                if c is not None:
+                    c.tally[0] += len(index)
+                many(index, one)
+                return
+            entries = P.unpack_gathered(view)
             if c is not None:
                 tally = c.tally
                 tally[0] += len(entries)
@@ -251,11 +261,14 @@ class HostPlane:
 
     # -- sending ------------------------------------------------------------------------
     def send(self, plan: _Plan, kind: int, target: int, shape: Any, parts: list,
-             reply: Callable[[int, int, Any], None] | None, park: bool = False) -> None:
+             reply: Callable[[int, int, Any], None] | None, park: bool = False,
+             many: Callable[[list[int], Any], None] | None = None) -> None:
         """One ``RELAY`` frame per host of ``plan``: ``kind`` (CALL, SPAWN, STOP_ACTOR) with payload ``parts``.
 
         ``reply(i, status, payload)`` gets the reply of the plan's ``ranks[i]``
         (a death as ``DIED`` and the rank's death error); None: a broadcast.
+        ``many(positions, payload)``, if given, gets a host's replies that are
+        all ``OK`` and alike at once (decoded once: a ``call()`` of a no-op).
         ``shape``: the view the frames refer to (None: none). ``park``: the
         caller reads the replies itself (see :meth:`Channel.call`).
         Raises the error of a frame that cannot be sent at all (over the
@@ -275,7 +288,7 @@ class HostPlane:
                         if reply is None or not part.answers:
                             relay.post(P.RELAY, target, vid, [part.head, *parts], flags=flags)
                         else:
-                            relay.call(P.RELAY, target, vid, [part.head, *parts], _HostCall(self, part, reply),
+                            relay.call(P.RELAY, target, vid, [part.head, *parts], _HostCall(self, part, reply, many),
                                        park, now, flags=flags | P.F_REPLY, msg_id=mid)
                     except ActorDiedError:  # the relay is gone: its ranks answer as dead
                         if reply is not None and part.answers:

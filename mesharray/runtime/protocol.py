@@ -52,7 +52,7 @@ from array import array
 __all__ = [
     "HELLO", "CONFIG", "CALL", "REPLY", "SPAWN", "VIEW", "HEARTBEAT", "LOG", "STOP", "STOP_ACTOR", "INTROSPECT", "DEBUG",
     "RELAY", "FENCE", "BEAT", "F_REPLY", "OK", "ERR", "DIED", "GATHERED", "encode_method", "decode_method",
-    "pack_targets", "unpack_targets", "pack_gathered", "unpack_gathered",
+    "pack_targets", "unpack_targets", "pack_gathered", "unpack_gathered", "uniform_gathered",
 ]
 
 HELLO, CONFIG, CALL, REPLY, SPAWN, VIEW, HEARTBEAT, LOG, STOP, STOP_ACTOR, INTROSPECT, DEBUG = range(1, 13)
@@ -64,6 +64,8 @@ OK, ERR, DIED, GATHERED = 0, 1, 2, 3
 
 _U32 = struct.Struct("<I")
 _ENTRY = struct.Struct("<III")  # position, status, length of one gathered reply
+_UNIFORM = struct.Struct("<II")
+_ALL = 0xFFFFFFFF  # (the count of a payload that every position answered alike)
 
 _method_cache: dict[str, bytes] = {}
 
@@ -109,23 +111,44 @@ def unpack_targets(payload) -> tuple[list[int], list[int] | None, int]:
     return ranks, list(payload[end:end + n]), end + n
 
 
-def pack_gathered(entries) -> list:
+def pack_gathered(entries, count: int = 0) -> list:
     """The parts of a ``GATHERED`` payload: ``u32 n``, ``n`` x ``(u32 position, u32 status, u32 length)``,
     then the payloads in that order (``entries``: ``(position, status, payload)``).
+
+    When all ``count`` positions answered ``OK`` with the same bytes (a call whose every rank
+    returns ``None``), it is ``u32 0xFFFFFFFF, u32 count`` and those bytes once:
+    :func:`uniform_gathered` says so, and the caller decodes them once.
 
     >>> b = b"".join(pack_gathered([(1, OK, b"ab"), (0, DIED, b"")]))
     >>> [(p, s, bytes(x)) for p, s, x in unpack_gathered(memoryview(b))]
     [(1, 0, b'ab'), (0, 2, b'')]
+    >>> u = memoryview(b"".join(pack_gathered([(1, OK, b"n"), (0, OK, b"n")], 2)))
+    >>> uniform_gathered(u) is not None and bytes(uniform_gathered(u)), len(unpack_gathered(u))
+    (b'n', 2)
     """
+    if count and len(entries) == count and entries:
+        first = entries[0][2]
+        if all(st == OK and p == first for _, st, p in entries):
+            return [_UNIFORM.pack(_ALL, count), first]
     head = bytearray(_U32.pack(len(entries)))
     for pos, status, payload in entries:
         head += _ENTRY.pack(pos, status, len(payload))
     return [bytes(head), *(p for _, _, p in entries if len(p))]
 
 
+def uniform_gathered(payload):
+    """The one payload every position answered ``OK`` with, if :func:`pack_gathered` found them all equal, else None."""
+    if len(payload) >= 8 and _U32.unpack_from(payload, 0)[0] == _ALL:
+        return payload[8:]
+    return None
+
+
 def unpack_gathered(payload) -> list:
     """``[(position, status, payload view)]`` of a :func:`pack_gathered` payload."""
     (n,) = _U32.unpack_from(payload, 0)
+    if n == _ALL:
+        one = payload[8:]
+        return [(i, OK, one) for i in range(_U32.unpack_from(payload, 4)[0])]
     off = 4 + 12 * n
     out = []
     for i in range(n):

@@ -204,16 +204,24 @@ def thread_stacks(native: bool = False) -> str:
 REC = Recorder()
 
 
+_setproctitle: Any = None  # the module once looked for (False: not installed)
+
+
 def set_title(text: str) -> None:
     """Name this process in ``ps``/``top``: ``setproctitle`` if installed, else ``/proc/self/comm`` (15 bytes)."""
-    try:
-        import setproctitle  # type: ignore[import-not-found]
+    global _setproctitle
+    if _setproctitle is None:  # (looked for once: a failed import searches all of sys.path again)
+        try:
+            import setproctitle  # type: ignore[import-not-found]
 
-        setproctitle.setproctitle(text)
-        return
-    except ImportError:
-        pass
-    except Exception:  # pragma: no cover - best effort
+            _setproctitle = setproctitle
+        except ImportError:
+            _setproctitle = False
+    if _setproctitle:
+        try:
+            _setproctitle.setproctitle(text)
+        except Exception:  # pragma: no cover - best effort
+            pass
         return
     try:
         with open("/proc/self/comm", "w") as f:

@@ -64,12 +64,12 @@ _COUNTED = (P.CALL, P.SPAWN, P.STOP_ACTOR)
 class _Gather:
     """The replies of one relayed call (or telemetry request) that the relay still waits for."""
 
-    __slots__ = ("pos", "entries", "left", "deadline")
+    __slots__ = ("pos", "entries", "left", "deadline", "count")
 
     def __init__(self, pos: dict[int, int], deadline: float = 0.0) -> None:
         self.pos = pos  # rank -> its position among the frame's targets (the ranks that answer)
         self.entries: list = []
-        self.left = len(pos)
+        self.left = self.count = len(pos)
         self.deadline = deadline
 
 
@@ -240,7 +240,7 @@ class Relay:
 
     def _answer(self, msg_id: int, g: _Gather) -> None:
         try:
-            self.ctl.send(P.REPLY, 0, msg_id, P.GATHERED, 0, P.pack_gathered(g.entries))
+            self.ctl.send(P.REPLY, 0, msg_id, P.GATHERED, 0, P.pack_gathered(g.entries, g.count))
         except ConnectionError:
             self.done.set()
 
@@ -349,10 +349,16 @@ class Relay:
 def run_relay(cfg: dict, address_fd: int) -> None:
     """The relay process's main (forked by a zygote): write the listening address to ``address_fd``, serve, exit.
 
-    ``cfg``: ``controller`` (address), ``secret``, ``ranks``, ``host``, ``host_id``.
+    ``cfg``: ``controller`` (address), ``secret``, ``ranks``, ``host``, ``host_id``. The relay
+    dies with the zygote (``PR_SET_PDEATHSIG``) and runs in the workers' scheduling class: woken by
+    the controller's frame it does not preempt it (the controller goes on sending to the other
+    hosts), nor is it preempted by the workers it wakes (it goes on forwarding).
     """
     from .router import set_secret
+    from .worker import _set_pdeathsig, set_sched_class
 
+    _set_pdeathsig()
+    set_sched_class()
     set_secret(cfg["secret"])
     try:
         relay = Relay(cfg["controller"], cfg["secret"], cfg["ranks"], cfg["host"], cfg["host_id"])
