@@ -111,7 +111,7 @@ class _Direct:
 class _HostPart:
     """One host's part of a plan: its relay, the targets' bytes, where each reply goes."""
 
-    __slots__ = ("host", "relay", "ranks", "rankset", "index", "head", "idx", "answers", "mask")
+    __slots__ = ("host", "relay", "ranks", "rankset", "index", "head", "idx", "answers", "mask", "pos")
 
     def __init__(self, host: int, relay: Channel, ranks: list[int], index: list[int], reply: list[bool] | None):
         self.mask = reply  # which targets reply to a call (None: all)
@@ -120,6 +120,7 @@ class _HostPart:
         self.relay = relay
         self.ranks = ranks  # the targets, in the frame's order
         self.rankset = frozenset(ranks)
+        self.pos = {r: i for i, r in enumerate(ranks)}
         self.index = index  # index[pos]: the target's position in the message's own list of ranks
         self.head = P.pack_targets(ranks, reply)
         self.idx = np.asarray(ranks, dtype=np.int64)
@@ -141,18 +142,20 @@ class _Plan:
 class _HostCall:
     """The reply callback of one host's part of a relayed call: splits the gathered replies."""
 
-    __slots__ = ("plane", "part", "reply", "many")
+    __slots__ = ("plane", "part", "reply", "many", "mid")
 
     def __init__(self, plane: HostPlane, part: _HostPart, reply: Callable[[int, int, Any], None],
-                 many: Callable[[list[int], Any], None] | None = None) -> None:
+                 many: Callable[[list[int], Any], None] | None = None, mid: int = 0) -> None:
         self.plane = plane
         self.part = part
+        self.mid = mid
         self.reply = reply  # reply(position in the message's ranks, status, payload)
         self.many = many  # many(positions, payload): the same OK reply of all of them
 
     def __call__(self, status: int, payload: Any) -> None:
         part, reply, plane = self.part, self.reply, self.plane
         index = part.index
+        plane.inflight[part.host].pop(self.mid, None)
         if status == P.GATHERED:
             c = plane.counters
             view = memoryview(payload)
@@ -211,6 +214,9 @@ class HostPlane:
         self.gen = 0  # bumped when a relay is lost
         self._plans: dict[Any, _Plan] = {}
         self._waiters: dict[int, list] = {}  # rank -> reply callbacks waiting for its death error
+        #: per host, its relayed calls in flight (msg id -> reply callback): a rank's death answers
+        #: its part of them at once, not when the rest of its host has answered
+        self.inflight: list[dict[int, _HostCall]] = [{} for _ in self.relays]
         for h, chan in enumerate(self.relays):
             chan.peer["ranks"] = tuple(self.ranks_of[h])
 
@@ -288,8 +294,9 @@ class HostPlane:
                         if reply is None or not part.answers:
                             relay.post(P.RELAY, target, vid, [part.head, *parts], flags=flags)
                         else:
-                            relay.call(P.RELAY, target, vid, [part.head, *parts], _HostCall(self, part, reply, many),
-                                       park, now, flags=flags | P.F_REPLY, msg_id=mid)
+                            hc = self.inflight[part.host][mid] = _HostCall(self, part, reply, many, mid)
+                            relay.call(P.RELAY, target, vid, [part.head, *parts], hc, park, now,
+                                       flags=flags | P.F_REPLY, msg_id=mid)
                     except ActorDiedError:  # the relay is gone: its ranks answer as dead
                         if reply is not None and part.answers:
                             _HostCall(self, part, reply)(P.DIED, self.lost.get(part.host) or ActorDiedError(
@@ -345,6 +352,11 @@ class HostPlane:
             waiting = self._waiters.pop(rank, ())
         for i, reply in waiting:
             reply(i, P.DIED, err)
+        for hc in list(self.inflight[self.host_of[rank]].values()):  # (its host's reply comes later)
+            part = hc.part
+            pos = part.pos.get(rank)
+            if pos is not None and (part.mask is None or part.mask[pos]):
+                hc.reply(part.index[pos], P.DIED, err)
 
     def relay_lost(self, host: int, err: BaseException) -> list[int]:
         """Host ``host``'s relay is gone: later messages skip its ranks; returns them (the caller declares them dead)."""

@@ -132,15 +132,16 @@ def test_a_dead_rank_fails_a_pending_relayed_call_within_the_bound_and_spares_th
     try:
         p = procs.spawn("p", Probe)
         pids = np.asarray(p.pid.call().get(timeout=30))
-        fut = p.sleep.call(1.0, "late")
+        fut = p.sleep.call(5.0, "late")  # (the other ranks answer after 5 s: the death must not wait for them)
         time.sleep(0.2)
         t = time.monotonic()
         os.kill(int(pids[1, 1]), signal.SIGKILL)
         with pytest.raises(ma.ActorDiedError) as ei:
             fut.get(timeout=10)
-        assert time.monotonic() - t <= 1.5  # (the call itself sleeps 1 s: the death comes first)
+        assert time.monotonic() - t <= 1.0
         assert ei.value.ranks == (3,) and ei.value.signal == signal.SIGKILL
         # the other ranks of both hosts keep working, through their relays and directly
+        time.sleep(5.0)  # (the ranks still sleeping in the failed call)
         assert p[0].pid.call().get(timeout=30).shape == (2,)
         assert p[1, 0].pid.call_one().get(timeout=30) == int(pids[1, 0])
         with pytest.raises(ma.ActorDiedError):

@@ -1,0 +1,250 @@
+"""One controller, many ranks: 64, 256 and 1,024 ranks of 64 processes per host, in one run.
+
+Sixteen host agents on 127.0.0.2..17 with host ids h0..h15 (``python -m
+mesharray host``): processes of different host ids never share memory, so
+this machine plays a cluster of sixteen hosts. The script attaches to all of
+them once (each agent starts its zygote then), and for each size starts a
+process mesh on the first ``size / 64`` hosts and measures:
+
+- spawn + first call: ``spawn_procs`` of the mesh, ``spawn`` of an actor on
+  every rank and the first ``call()`` to all of them, until its reply;
+- ``call()`` to all, p50 wall, and the controller's CPU per ``call()`` (its
+  process time over the calls; every thread counts), and that CPU against the
+  64-rank mesh's (one host: the direct path);
+- a 1-element ``x.sum().fetch()`` over all ranks, p50 (the first one, which
+  makes the groups, apart);
+- PSS per idle worker (``/proc/PID/smaps_rollup``, after the sums);
+- SIGKILL of one rank → the error at a ``call()`` pending on every rank;
+- "unresponsive" reports while the mesh idles (``--idle`` seconds) and over its
+  whole run.
+
+``--compare`` measures the same sizes again with ``MESHARRAY_RELAY=0`` (every
+message from the controller to each rank, as before relays), in the same run.
+
+    python bench/bench_scale.py                 # 64, 256, 1024 (a few minutes)
+    python bench/bench_scale.py --sizes 64,256 --compare
+
+On a machine with 2 cores the 1,024 processes share them; figures taken while
+other jobs run say so (the load average is printed with them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import mesharray as ma  # noqa: E402
+
+SECRET = "bench-scale"
+PER_HOST = 64
+
+
+class Bench(ma.Actor):
+    @ma.endpoint
+    def noop(self) -> None:
+        return None
+
+    @ma.endpoint
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+def start_agents(n: int) -> list[tuple[subprocess.Popen, str]]:
+    env = dict(os.environ, MESHARRAY_SECRET=SECRET)
+    out = []
+    try:
+        for i in range(n):
+            p = subprocess.Popen([sys.executable, "-m", "mesharray", "host", "--listen", f"tcp://127.0.0.{2 + i}:0",
+                                  "--host-id", f"h{i}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                 text=True, env=env, start_new_session=True)
+            out.append((p, ""))
+            assert p.stdout is not None
+            out[-1] = (p, p.stdout.readline().strip().rsplit(" ", 1)[1])
+    except BaseException:
+        stop_agents(out)
+        raise
+    return out
+
+
+def stop_agents(agents) -> None:
+    for p, _ in agents:
+        if p.poll() is None:
+            p.terminate()
+    for p, _ in agents:
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        if p.stdout:
+            p.stdout.close()
+
+
+def pss_mib(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def _bench_class() -> type:
+    # the class of this module as it is imported (not __main__'s): workers import it by name, as they
+    # would a user's module, rather than each unpickling a copy of the class sent by value
+    import importlib
+
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    return importlib.import_module("bench_scale").Bench
+
+
+def measure(hosts, nhosts: int, calls: int, sums: int, idle: float) -> dict:
+    """The figures of one mesh of ``nhosts`` x 64 ranks (see the module docstring)."""
+    res: dict = {"ranks": nhosts * PER_HOST}
+    t0 = time.perf_counter()
+    procs = hosts[0:nhosts].spawn_procs(per_host={"procs": PER_HOST})
+    try:
+        b = procs.spawn("bench", _bench_class())
+        b.noop.call().get(timeout=120)
+        res["spawn_first_call_s"] = time.perf_counter() - t0
+        res["relays"] = procs._root.controller.plane is not None
+        for _ in range(5):
+            b.noop.call().get(timeout=60)
+        walls, cpus = [], []
+        for _ in range(calls):
+            c = time.process_time()
+            w = time.perf_counter()
+            b.noop.call().get(timeout=60)
+            walls.append(time.perf_counter() - w)
+            cpus.append(time.process_time() - c)
+        res["call_p50_ms"] = float(np.median(walls)) * 1e3
+        res["call_cpu_ms"] = float(np.mean(cpus)) * 1e3
+        x = procs.ones(())
+        w = time.perf_counter()
+        assert float(x.sum().fetch()) == procs.size()
+        res["sum_first_ms"] = (time.perf_counter() - w) * 1e3
+        times = []
+        for _ in range(sums):
+            w = time.perf_counter()
+            x.sum().fetch()
+            times.append(time.perf_counter() - w)
+        res["sum_p50_ms"] = float(np.median(times)) * 1e3
+        del x
+        before = procs.stats()["unresponsive"]
+        time.sleep(idle)
+        res["unresponsive_idle"] = procs.stats()["unresponsive"] - before
+        sizes = [pss_mib(p) for p in procs.pids]
+        res["pss_mib"] = float(np.mean([s for s in sizes if s is not None]))
+        victim = procs.size() - 1
+        fut = b.sleep.call(5.0)
+        time.sleep(0.3)
+        w = time.perf_counter()
+        os.kill(procs.pids[victim], signal.SIGKILL)
+        try:
+            fut.get(timeout=30)
+            res["kill_error_ms"] = float("nan")
+        except ma.ActorDiedError:
+            res["kill_error_ms"] = (time.perf_counter() - w) * 1e3
+        res["unresponsive_run"] = procs.stats()["unresponsive"]
+    finally:
+        procs.stop()
+    return res
+
+
+ROWS = [
+    ("spawn + first call", "spawn_first_call_s", "{:.1f} s", "≤ 6 s at 1,024"),
+    ("`call()` to all, p50 wall", "call_p50_ms", "{:.1f} ms", "≤ 40 ms at 1,024"),
+    ("controller CPU per `call()` to all", "call_cpu_ms", "{:.2f} ms", ""),
+    ("  the same, against 64 ranks on one host", "cpu_ratio", "{:.2f}x", "≤ 2x"),
+    ("1-element `x.sum().fetch()`, p50", "sum_p50_ms", "{:.1f} ms", "≤ 50 ms at 1,024"),
+    ("  its first one (makes the groups)", "sum_first_ms", "{:.0f} ms", ""),
+    ("PSS per idle worker", "pss_mib", "{:.1f} MiB", "≤ 6 MiB"),
+    ("SIGKILL of one rank → error at a pending `call()`", "kill_error_ms", "{:.0f} ms", "≤ 1 s"),
+    ("\"unresponsive\" reports at idle / over the run", "unresponsive", "{}", "none"),
+]
+
+
+def table(results: list[dict]) -> str:
+    base = next((r for r in results if r["ranks"] == PER_HOST and r.get("relays") is False), None)
+    cols = []
+    for r in results:
+        r = dict(r)
+        r["cpu_ratio"] = r["call_cpu_ms"] / base["call_cpu_ms"] if base else float("nan")
+        r["unresponsive"] = f"{r['unresponsive_idle']} / {r['unresponsive_run']}"
+        cols.append(r)
+    head = ["measure"] + [f"{r['ranks']} ranks ({r['ranks'] // PER_HOST} host{'s' if r['ranks'] > PER_HOST else ''}"
+                          f"{'' if r['relays'] or r['ranks'] == PER_HOST else ', no relays'})" for r in cols] + ["target"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, key, fmt, target in ROWS:
+        lines.append("| " + " | ".join([label] + [fmt.format(r[key]) for r in cols] + [target]) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="64,256,1024", help="ranks per mesh, multiples of 64 (default 64,256,1024)")
+    ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--sums", type=int, default=15)
+    ap.add_argument("--idle", type=float, default=5.0, help="seconds each mesh idles while reports are counted")
+    ap.add_argument("--compare", action="store_true", help="every size again with MESHARRAY_RELAY=0")
+    args = ap.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    if any(s % PER_HOST for s in sizes):
+        raise SystemExit(f"sizes must be multiples of {PER_HOST}, got {sizes}")
+    os.environ["MESHARRAY_SECRET"] = SECRET
+    nhosts = max(sizes) // PER_HOST
+    agents = start_agents(nhosts)
+    results = []
+    try:
+        hosts = ma.attach([u for _, u in agents], transport="tcp", timeout=120)
+        time.sleep(3.0)  # (the agents start their zygotes at the attach)
+        for relays in ([True, False] if args.compare else [True]):
+            os.environ["MESHARRAY_RELAY"] = "1" if relays else "0"
+            for n in sizes:
+                r = measure(hosts, n // PER_HOST, args.calls, args.sums, args.idle)
+                results.append(r)
+                print(f"{n} ranks{'' if relays else ' (no relays)'}: " +
+                      ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
+                      flush=True)
+        hosts.detach()
+    finally:
+        stop_agents(agents)
+    print(f"\nload average {os.getloadavg()[0]:.1f} at the end (2 cores: the figures are this machine's, "
+          f"with its other jobs)\n")
+    print(table(results))
+
+
+# --- pytest-benchmark case (make bench): a small mesh, the same path ---------------------------------
+
+
+def test_call_to_all_of_4_hosts(benchmark):
+    os.environ["MESHARRAY_SECRET"] = SECRET
+    agents = start_agents(4)
+    try:
+        hosts = ma.attach([u for _, u in agents], transport="tcp", timeout=60)
+        procs = hosts.spawn_procs(per_host={"procs": 8})
+        b = procs.spawn("bench", Bench)
+        b.noop.call().get(timeout=60)
+        benchmark(lambda: b.noop.call().get(timeout=60))
+        procs.stop()
+        hosts.detach()
+    finally:
+        stop_agents(agents)
+
+
+if __name__ == "__main__":
+    main()
