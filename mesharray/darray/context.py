@@ -172,7 +172,9 @@ class DataContext:
         self._torch_init: str | None = None
         self._pids = dict(zip(root.mesh_shape, root.pids))
         # memory domain and data-plane address of each rank: groups that span hosts go hierarchical
-        self._hosts = dict(zip(root.mesh_shape, root.host_info))
+        # (each domain one string object: a plan pickles it once, then refers to it)
+        domains: dict = {}
+        self._hosts = {r: (domains.setdefault(d, d), a) for r, (d, a) in zip(root.mesh_shape, root.host_info)}
         self._multi_host = len({h[0] for h in self._hosts.values()}) > 1
         self.plans: dict = {}  # DistributedStorage.reduce's plans by layout and request
         # the command buffer: (ranks, wire instructions) in the order the ops were issued
@@ -219,10 +221,28 @@ class DataContext:
         return tuple(self._hosts[rank])
 
     def hosts(self, groups: list) -> dict | None:
-        """``{rank: (memory domain, data-plane address)}`` for the ranks of ``groups``; ``None`` on one host."""
+        """``{rank: (memory domain, data-plane address)}`` for the ranks of ``groups``; ``None`` on one host.
+
+        The address is only given for each group's host leaders (the first rank of each domain, in the
+        group's order and in rank order): no one else's is used, and a plan over many ranks is sent
+        with every operation.
+        """
         if not self._multi_host:
             return None
-        return {r: self._hosts[r] for g in groups for r in g}
+        hosts = self._hosts
+        out = {}
+        for g in groups:
+            first: set = set()
+            for order in (g, sorted(g)):
+                seen: set = set()
+                for r in order:
+                    d = hosts[r][0]
+                    if d not in seen:
+                        seen.add(d)
+                        first.add(r)
+            for r in g:
+                out[r] = hosts[r] if r in first else (hosts[r][0], None)
+        return out
 
     def torch_init_method(self) -> str:
         """Rendezvous address of torch.distributed for ``collective="torch"`` (rank 0 hosts the store)."""

@@ -49,6 +49,7 @@ _CAPTURED = frozenset(("def", "replay"))
 #: Planned instructions' plans, by their bytes: [the Collective's fields after out and src,
 #: (group, op, dtype, engine) once the plan is known to run in shared memory]
 _PLANS: dict[bytes, list] = {}
+_LAST_PLAN: list = [b"", None]  # the last plan's bytes and state: a loop of one reduction compares, not hashes
 _SHM_OPS = frozenset(("sum", "prod", "min", "max", "mean"))
 
 #: host blocks below this many bytes travel as (dtype, shape, bytes): pickling an ndarray
@@ -861,11 +862,16 @@ class DataActor(Actor):
         """A :class:`~.instructions.Planned` collective: the plan's bytes are unpickled once; once
         its group is known to be shared memory, an allreduce of a contiguous NumPy block goes
         straight to the group (what :meth:`_collective_inner` would do, without deciding it again)."""
-        st = _PLANS.get(plan)
-        if st is None:
-            if len(_PLANS) >= 256:
-                _PLANS.clear()
-            st = _PLANS[plan] = [pickle.loads(plan), None]
+        last = _LAST_PLAN
+        if plan == last[0]:  # (a memcmp: hashing a plan of many ranks' hosts for the dict cost more)
+            st = last[1]
+        else:
+            st = _PLANS.get(plan)
+            if st is None:
+                if len(_PLANS) >= 256:
+                    _PLANS.clear()
+                st = _PLANS[plan] = [pickle.loads(plan), None]
+            last[0], last[1] = plan, st
         fast: tuple[ShmCollective | HierCollective, str, np.dtype, Engine, int, str] | None = st[1]
         if fast is not None:
             g, op, dtype, eng, small, kdt = fast
