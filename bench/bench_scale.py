@@ -51,16 +51,6 @@ SECRET = "bench-scale"
 PER_HOST = 64
 
 
-class Bench(ma.Actor):
-    @ma.endpoint
-    def noop(self) -> None:
-        return None
-
-    @ma.endpoint
-    def sleep(self, seconds: float) -> None:
-        time.sleep(seconds)
-
-
 def start_agents(n: int) -> list[tuple[subprocess.Popen, str]]:
     env = dict(os.environ, MESHARRAY_SECRET=SECRET)
     out = []
@@ -104,13 +94,13 @@ def pss_mib(pid: int) -> float | None:
 
 
 def _bench_class() -> type:
-    # the class of this module as it is imported (not __main__'s): workers import it by name, as they
-    # would a user's module, rather than each unpickling a copy of the class sent by value
+    # (in a module of its own, which workers import by name as they would a user's: not the class of
+    # __main__, which each would unpickle by value, nor this module, which imports more than they need)
     import importlib
 
     if HERE not in sys.path:
         sys.path.insert(0, HERE)
-    return importlib.import_module("bench_scale").Bench
+    return importlib.import_module("_scale_actor").Bench
 
 
 def _mean_pss(pids: list[int]) -> float:
@@ -122,11 +112,13 @@ def measure(hosts, nhosts: int, calls: int, sums: int, idle: float) -> dict:
     """The figures of one mesh of ``nhosts`` x 64 ranks (see the module docstring)."""
     res: dict = {"ranks": nhosts * PER_HOST}
     t0 = time.perf_counter()
+    c0 = time.process_time()
     procs = hosts[0:nhosts].spawn_procs(per_host={"procs": PER_HOST})
     try:
         b = procs.spawn("bench", _bench_class())
         b.noop.call().get(timeout=120)
         res["spawn_first_call_s"] = time.perf_counter() - t0
+        res["spawn_ctl_cpu_s"] = time.process_time() - c0
         res["relays"] = procs._root.controller.plane is not None
         time.sleep(1.0)
         res["pss_spawned_mib"] = _mean_pss(procs.pids)
@@ -174,6 +166,7 @@ def measure(hosts, nhosts: int, calls: int, sums: int, idle: float) -> dict:
 
 ROWS = [
     ("spawn + first call", "spawn_first_call_s", "{:.1f} s", "≤ 6 s at 1,024"),
+    ("  the controller's CPU meanwhile", "spawn_ctl_cpu_s", "{:.2f} s", ""),
     ("`call()` to all, p50 wall", "call_p50_ms", "{:.1f} ms", "≤ 40 ms at 1,024"),
     ("controller CPU per `call()` to all", "call_cpu_ms", "{:.2f} ms", ""),
     ("  the same, against 64 ranks on one host", "cpu_ratio", "{:.2f}x", "≤ 2x"),
@@ -245,7 +238,7 @@ def test_call_to_all_of_4_hosts(benchmark):
     try:
         hosts = ma.attach([u for _, u in agents], transport="tcp", timeout=60)
         procs = hosts.spawn_procs(per_host={"procs": 8})
-        b = procs.spawn("bench", Bench)
+        b = procs.spawn("bench", _bench_class())
         b.noop.call().get(timeout=60)
         benchmark(lambda: b.noop.call().get(timeout=60))
         procs.stop()

@@ -40,9 +40,10 @@ from __future__ import annotations
 import itertools
 import queue
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
-from itertools import repeat
+from itertools import islice, repeat
 from typing import TYPE_CHECKING, Any
 
 from ..array import MeshArray
@@ -110,13 +111,14 @@ class Gather:
     """Collects the replies of a ``call()``; ``next()`` on a count is atomic under the GIL,
     so the reader threads of different ranks need no lock."""
 
-    __slots__ = ("fut", "values", "n", "count", "shape")
+    __slots__ = ("fut", "values", "n", "count", "shape", "counter")
 
     def __init__(self, fut: Future[MeshArray], n: int, shape: Shape) -> None:
         self.fut = fut
         self.values = [None] * n
         self.n = n
-        self.count = itertools.count(1).__next__
+        self.counter = itertools.count(1)
+        self.count = self.counter.__next__
         self.shape = shape
 
     def reply(self, i: int, status: int, payload: Any) -> None:
@@ -138,11 +140,13 @@ class Gather:
         if exc is not None:
             set_exception(self.fut, exc)
             return
-        values, count, n = self.values, self.count, self.n
+        values = self.values
         for i in indices:
             values[i] = value
-            if count() == n:
-                self.finish()
+        if len(indices) > 1:  # (the count moved on by all but one, at C speed)
+            deque(islice(self.counter, len(indices) - 1), maxlen=0)
+        if indices and self.count() == self.n:
+            self.finish()
 
     def finish(self) -> None:
         """Complete the future with the gathered values (at once for a call to no actor)."""
@@ -246,7 +250,7 @@ class Caller:
                     parts = [self.method, *framing.encode(p)]
                 self.plane.send(plan, P.CALL, self.actor_id, shape, parts, g.reply, True, g.many)
                 if plan.relays:
-                    reply_on(fut, plan.relays)  # get() reads the gathered replies in its own thread
+                    reply_on(fut, plan.reader())  # get() reads the gathered replies in its own thread
                 return fut
         fan = self.fan
         if parts is not None:

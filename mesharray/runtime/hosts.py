@@ -50,7 +50,7 @@ import numpy as np
 
 from ..errors import ActorDiedError
 from . import protocol as P
-from .channel import Channel, next_id
+from .channel import Channel, Fanout, next_id
 from .context import current
 
 __all__ = ["Addresses", "HostPlane", "COUNTED"]
@@ -129,14 +129,21 @@ class _HostPart:
 class _Plan:
     """A message's fan-out to a set of ranks: per host, what goes to its relay (see the module docstring)."""
 
-    __slots__ = ("parts", "dead", "idx", "relays", "gen")
+    __slots__ = ("parts", "dead", "idx", "relays", "gen", "_reader")
 
     def __init__(self, parts: list[_HostPart], dead: list[tuple[int, BaseException, bool]], gen: tuple) -> None:
+        self._reader: Fanout | None = None
         self.parts = parts
         self.dead = dead  # (position, death error, whether it answers) of targets already known dead
         self.idx = np.concatenate([p.idx for p in parts]) if parts else np.zeros(0, np.int64)
         self.relays = tuple(p.relay for p in parts)
         self.gen = gen
+
+    def reader(self) -> Fanout:
+        """What a caller reads the gathered replies with (its poll set made once, kept with the plan)."""
+        if self._reader is None:
+            self._reader = Fanout(self.relays, [0] * len(self.relays))
+        return self._reader
 
 
 class _HostCall:
