@@ -375,7 +375,6 @@ def _zygote_main() -> None:
     sys.path[:] = first + [p for p in path if p not in first]
     # import once, here, what every worker needs: forks then share it copy-on-write
     import asyncio  # noqa: F401
-    import ctypes  # noqa: F401  (PR_SET_PDEATHSIG)
     import gc
     import selectors
 
@@ -397,6 +396,7 @@ def _zygote_main() -> None:
     # objects are never visited, so a worker copies only what it really touches.
     gc.collect()
     gc.freeze()
+    worker_mod.prepare_process()  # (its forks inherit the workers' scheduling class and settings)
 
     meshes: dict[str, dict] = {}  # mesh -> its settings
     children: dict[int, tuple[str, int]] = {}  # pid -> (mesh, rank); a relay's rank is -1

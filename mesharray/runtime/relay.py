@@ -355,10 +355,10 @@ def run_relay(cfg: dict, address_fd: int) -> None:
     hosts), nor is it preempted by the workers it wakes (it goes on forwarding).
     """
     from .router import set_secret
-    from .worker import _set_pdeathsig, set_sched_class
+    from .worker import _set_pdeathsig, prepare_process
 
     _set_pdeathsig()
-    set_sched_class()
+    prepare_process()
     set_secret(cfg["secret"])
     try:
         relay = Relay(cfg["controller"], cfg["secret"], cfg["ranks"], cfg["host"], cfg["host_id"])

@@ -76,7 +76,8 @@ from .recorder import ENABLED as RECORD
 from .recorder import MAX_ROWS, REC, SPAN, set_title, thread_stacks
 from .router import set_secret
 
-__all__ = ["run_worker", "Worker", "error_record", "set_sched_class", "set_spin", "run_on_main_thread"]
+__all__ = ["run_worker", "Worker", "error_record", "set_sched_class", "set_spin", "prepare_process",
+           "run_on_main_thread"]
 
 log = logging.getLogger("mesharray.worker")
 
@@ -123,16 +124,45 @@ def run_on_main_thread(fn: Callable[[], _T]) -> concurrent.futures.Future[_T]:
     return fut
 
 
+_prctl: Any = None  # libc's prctl, looked up once (a zygote does it for its forks)
+
+
 def _set_pdeathsig() -> None:
+    global _prctl
     if sys.platform.startswith("linux"):
         try:
-            import ctypes
+            if _prctl is None:
+                import ctypes
+
+                _prctl = ctypes.CDLL(None, use_errno=True).prctl
             import signal
 
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+            _prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
         except Exception:  # pragma: no cover - best effort
             pass
+
+
+_prepared = False  # this process (or the zygote it was forked from) ran prepare_process
+
+
+def prepare_process() -> None:
+    """What every worker process sets up before anything else, done once: :func:`set_sched_class`,
+    :func:`set_spin` and the lookup of ``prctl``. A zygote runs it before it forks: the forks inherit
+    the scheduling class (Linux keeps it across fork), the spin setting and the lookup, and
+    :func:`run_worker` then has nothing to do here but ``PR_SET_PDEATHSIG`` (which fork resets)."""
+    global _prepared, _prctl
+    if _prepared:
+        return
+    set_sched_class()
+    set_spin()
+    if sys.platform.startswith("linux") and _prctl is None:
+        try:
+            import ctypes
+
+            _prctl = ctypes.CDLL(None, use_errno=True).prctl
+        except Exception:  # pragma: no cover - best effort
+            _prctl = False
+    _prepared = True
 
 
 def set_sched_class() -> None:
@@ -869,8 +899,7 @@ def run_worker(controller_address: str, secret: bytes, rank: int, *, listen: str
     """
     if exit_process:
         _set_pdeathsig()
-        set_sched_class()
-        set_spin()
+        prepare_process()
     set_secret(secret)
     w = Worker(rank, secret, exit_process)
     w.listener = Listener(secret, w.on_peer_socket, kind=listen, host=listen_host)
