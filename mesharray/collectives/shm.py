@@ -148,6 +148,19 @@ def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
+def _pid_exists(pid: int) -> bool:
+    """Whether ``pid`` exists (a zombie does: :func:`_pid_alive` tells those apart, at a cost)."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _pid_alive(pid: int) -> bool:
     if pid <= 0:
         return True  # not registered yet: nothing to say
@@ -245,6 +258,8 @@ class ShmCollective:
         # the per-rank flags, then the group's three counters of single-copy reductions
         self._ctrl = _round_up(_PAGE + (self.size * _NFLAGS + 3 + _HOST_WORDS + self.size) * _LINE, _PAGE)
         self._hr = 0  # host rounds so far (the same count on every member)
+        #: this member's peers outnumber its CPUs: its waits sleep rather than spin (_wait_sleeping)
+        self._crowded = self.size > _platform.usable_cpus()
         self._last_host = 0  # the sequence number of this member's last host round
         self.sleepy = False  # small allreduces are host rounds (agreed at the join)
         self._chunks = 0  # chunks of single-copy reductions so far: where the counters start
@@ -264,6 +279,7 @@ class ShmCollective:
 
     def _open(self) -> None:
         deadline = time.monotonic() + self.timeout
+        looks = 0
         if self.rank == 0:
             try:
                 fd = _platform.shm_open(self.name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -303,9 +319,14 @@ class ShmCollective:
                 # created the segment, seen that member dead during the join and
                 # unlinked the name before this (late) member looked for it; the name
                 # then never appears again, and waiting out the timeout here would
-                # hold this worker's reader thread past the next collective's join.
-                dead = [j for j in range(self.size)
-                        if j != self.rank and self._peer_pids[j] and not _pid_alive(self._peer_pids[j])]
+                # hold this worker's reader thread past the next collective's join. (Checked
+                # every 20 looks: reading /proc/PID/stat of peers busy mapping memory is slow,
+                # and sixty-three members looking at sixty-three peers every millisecond were
+                # most of a large group's creation)
+                looks += 1
+                dead = [] if looks % 20 else [
+                    j for j in range(self.size)
+                    if j != self.rank and self._peer_pids[j] and not _pid_alive(self._peer_pids[j])]
                 if dead:
                     raise ActorDiedError(
                         ranks=[self.global_ranks[j] for j in dead], pid=self._peer_pids[dead[0]],
@@ -481,6 +502,9 @@ class ShmCollective:
             stride = 0
         else:
             base = self._flag(kind, 0)
+        if self._crowded:
+            self._wait_sleeping(base, stride, list(ranks), target, what)
+            return
         pending = wait_flags(base, stride, ranks, target, _POLL)
         if pending < 0:
             return
@@ -508,6 +532,42 @@ class ShmCollective:
                 self._broken = timeout
                 raise timeout
             ranks = ranks[ranks.index(pending):]
+
+    def _wait_sleeping(self, base: int, stride: int, ranks: list, target: int, what: str) -> None:
+        """:meth:`_wait` for a member whose peers outnumber its cores: it looks, then sleeps (0.1 ms,
+        doubling up to 2 ms), instead of spinning and yielding in a core its peers need; it checks
+        that the members it waits for exist every 0.1 s, and that every member lives (not a zombie)
+        every second."""
+        now = time.monotonic()
+        deadline = now + self.timeout
+        check, check_all = now + 0.1, now + 1.0
+        pause = 0.0001
+        while True:
+            ranks = [j for j in ranks if atomic_load(base + j * stride) < target]
+            if not ranks:
+                return
+            now = time.monotonic()
+            if now >= check:
+                check = now + 0.1
+                if now >= check_all:  # every member, zombies too (reading /proc/PID/stat of a busy peer is slow)
+                    check_all = now + 1.0
+                    dead = [j for j in range(self.size) if j != self.rank and not _pid_alive(self._pid(j))]
+                else:  # the members it waits for, with a signal 0
+                    dead = [j for j in (ranks if stride else range(self.size))
+                            if j != self.rank and not _pid_exists(self._pid(j))]
+                if dead:
+                    err = ActorDiedError(ranks=[self.global_ranks[j] for j in dead], pid=self._pid(dead[0]),
+                                         reason=f"died during shared-memory {what} of group {self.name!r}")
+                    self._broken = err
+                    raise err
+                if now > deadline:
+                    whom = "the other members" if stride == 0 else f"rank {self.global_ranks[ranks[0]]}"
+                    timeout = TimeoutError(f"shared-memory {what} timed out after {self.timeout} s waiting for "
+                                           f"{whom} of group {self.name!r}")
+                    self._broken = timeout
+                    raise timeout
+            time.sleep(pause)
+            pause = min(pause * 2, 0.002)
 
     def _pid(self, j: int) -> int:
         return atomic_load(self._flag(_PID, j)) or self._peer_pids[j]

@@ -78,9 +78,7 @@ def test_a_one_element_sum_over_1024_ranks(big):
     for _ in range(3):
         assert float(x.sum().fetch()) == HOSTS * PER_HOST
     per_sum = (time.monotonic() - t) / 3
-    r = procs.rank_array()
-    np.testing.assert_array_equal(np.asarray(r.sum(axis="hosts").fetch()),
-                                  np.arange(HOSTS * PER_HOST).reshape(HOSTS, PER_HOST).sum(axis=0))
+    assert float((x * 2).sum().fetch()) == 2 * HOSTS * PER_HOST
     assert per_sum < 30  # (a bound against hangs; bench/bench_scale.py measures it)
 
 
@@ -99,7 +97,7 @@ def test_the_web_view_shows_1024_ranks_and_one_in_detail(big):
     procs, _, _ = big
     url = procs.telemetry.serve(port=0)
     args = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-            "--virtual-time-budget=8000", "--window-size=1400,1000", "--dump-dom"]
+            "--virtual-time-budget=5000", "--window-size=1400,1000", "--dump-dom"]
     dom = subprocess.run(args + [url + "#rank-1000"], capture_output=True, text=True, timeout=180).stdout
     cells = re.findall(r'class="rank (idle|busy|unresponsive|dead)[^"]*" data-rank="(\d+)"', dom)
     assert sorted(int(r) for _, r in cells) == list(range(HOSTS * PER_HOST)), dom[-2000:]
@@ -126,13 +124,13 @@ def test_workers_stay_small(big):
 def test_a_killed_rank_fails_a_pending_call_to_1024_at_once(big):
     procs, _, probes = big
     victim = HOSTS * PER_HOST - 2
-    fut = probes.sleep.call(4.0)
+    fut = probes.sleep.call(2.5)
     time.sleep(0.5)
     t = time.monotonic()
     os.kill(procs.pids[victim], signal.SIGKILL)
     with pytest.raises(ma.ActorDiedError) as ei:
         fut.get(timeout=60)
     assert victim in ei.value.ranks
-    assert time.monotonic() - t < 5.0  # (the bound is 1 s on a quiet machine: bench/bench_scale.py)
-    time.sleep(4.0)  # the others finish their sleep
+    assert time.monotonic() - t < 2.0  # (before the others' sleep ends; the bound is 1 s: bench/bench_scale.py)
+    time.sleep(2.5)  # the others finish their sleep
     assert np.asarray(probes[0:15].pid.call().get(timeout=120)).shape == (15, PER_HOST)
