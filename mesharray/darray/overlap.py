@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import pickle
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import numpy as np
@@ -106,7 +106,7 @@ class Overlap:
             size += e.nbytes
         self.missing = [len(b) for b in self.buckets]
         self.next = 0  # the next bucket to send
-        self.futures: list[tuple[list[_Entry], Future]] = []
+        self.futures: list[tuple[list[_Entry], Any]] = []  # (bucket, Future, or the call to make here)
 
     def on_grad(self, t: Any) -> None:
         e = self.by_tensor.get(id(t))
@@ -122,7 +122,12 @@ class Overlap:
         bucket = self.buckets[k]
         COUNTS["buckets"] += 1
         COUNTS["grads"] += len(bucket)
-        self.futures.append((bucket, _thread().submit(self._reduce, bucket, failed)))
+        if k == len(self.buckets) - 1:
+            # the last bucket: the backward is all but done; it runs in this thread at finish, after
+            # the others (a small model's only bucket never waits for a thread to wake)
+            self.futures.append((bucket, (self._reduce, bucket, failed)))
+        else:
+            self.futures.append((bucket, _thread().submit(self._reduce, bucket, failed)))
 
     def _reduce(self, bucket: list[_Entry], failed: bool) -> list | list[int]:
         if failed:
@@ -153,7 +158,8 @@ class Overlap:
         for bucket, fut in self.futures:
             got: Any
             try:
-                got = fut.result()  # the bucket's parts, or the ranks whose gradients were missing
+                # the bucket's parts, or the ranks whose gradients were missing
+                got = fut[0](*fut[1:]) if type(fut) is tuple else fut.result()
             except BaseException as exc:  # (the group broke: a member died)
                 got = exc
             here = error or MeshArrayError("no gradient reached a parameter of this bucket in this backward")
