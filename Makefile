@@ -62,7 +62,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-test tools
 	$(MAKE) lint
-	MESHARRAY_REQUIRE_UCX=1 $(PY) -m pytest tests --ignore=tests/mpi -q -p no:cacheprovider
+	MESHARRAY_REQUIRE_UCX=1 PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests --ignore=tests/mpi -q -p no:cacheprovider
 	$(MAKE) test-portable
 	$(MAKE) test-mpi
 	$(MAKE) test-wheel

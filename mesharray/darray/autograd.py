@@ -57,17 +57,25 @@ class MeshNode:
     result's.
     """
 
-    __slots__ = ("id", "kind", "src", "out", "groups", "scale", "pairs")
+    __slots__ = ("id", "kind", "src", "out", "keep", "groups", "scale", "pairs")
 
     def __init__(self, kind: str, src: Any, groups: list | None = None, scale: float = 1.0,
                  pairs: list | None = None) -> None:
         self.id = _ids()
         self.kind = kind
         self.src = src
-        self.out: Any = None  # set once the result's storage exists
+        self.out: Any = None  # the result's layout (dispatch.layout_of) and block id: see result()
+        self.keep: Any = None  # the hold on the result's block (not the storage: it holds this node)
         self.groups: list = groups or []
         self.scale = scale
         self.pairs: list = pairs or []
+
+    def result(self, st: Any, layout: Any) -> None:
+        """The node's result is storage ``st`` (``layout``: :func:`~.dispatch.layout_of` of it); the node holds
+        its block, not the storage, whose ``deps`` hold the node (no reference cycle to wait on the
+        collector for)."""
+        self.out = (layout, st.bid)
+        self.keep = st.ctx.keep_blocks([st.bid])
 
     def __repr__(self) -> str:
         return f"<MeshNode {self.id} {self.kind}>"
@@ -100,11 +108,15 @@ def grad_of(t: Any) -> Any:
 
 
 def grad_or_zeros(t: Any) -> Any:
-    """``t``'s accumulated gradient (detached), or zeros shaped like ``t`` when none reached it."""
+    """``t``'s accumulated gradient, taken (a later backward through the same node sends only its own),
+    or zeros shaped like ``t`` when none reached it."""
     import torch
 
     g = t.grad
-    return torch.zeros_like(t, requires_grad=False) if g is None else g.detach().clone()
+    if g is None:
+        return torch.zeros_like(t, requires_grad=False)
+    t.grad = None
+    return g.detach()
 
 
 def zeros_like(t: Any) -> Any:

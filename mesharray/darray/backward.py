@@ -43,7 +43,7 @@ def mesh_backward(loss: Any, call: Any, leaves: list) -> None:
     # the local graph may share parts with the graphs the nodes continue from: keep it
     call = BlockCall(call.func, call.args, {**call.kwargs, "retain_graph": True}, call.tensors, call.grad)
     # each position's rank seeds its own copy: a replicated loss is counted once
-    ctx.effect(_positions(loss), I.encode([I.Apply(ctx.new_id(), call, ops)])[0], "backward")
+    ctx.effect(_positions(loss), I.encode([I.Apply(ctx.new_id(), call, ops)])[0])
     for node in sorted(loss.deps, key=lambda n: n.id, reverse=True):
         if node.kind == "reduce":
             _reverse_reduce(node)
@@ -53,21 +53,22 @@ def mesh_backward(loss: Any, call: Any, leaves: list) -> None:
 
 def _reverse_reduce(node: MeshNode) -> None:
     """Members all-reduce their copies' gradients; each continues from its input with the sum."""
-    out, src = node.out, node.src
+    src = node.src
+    out = node.out[0].view(src.ctx, node.out[1])
     members = sorted({r for g in node.groups for r in g})
     g0 = _apply(out, grad_or_zeros, [I.BlockRef(out.bid)], members)
     total = g0._send_collective([], g0.bid, "sum", [tuple(g) for g in node.groups], g0._dtype)
     ctx = src.ctx
     ctx.effect(_positions(src), I.encode([I.Apply(ctx.new_id(), backward_with,
-                                                  [I.BlockRef(src.bid), I.BlockRef(total), I.Value(node.scale)])])[0],
-               "backward through a reduction over mesh axes")
+                                                  [I.BlockRef(src.bid), I.BlockRef(total), I.Value(node.scale)])])[0],)
     ctx.post(members, [I.Free([total])])
 
 
 def _reverse_move(node: MeshNode) -> None:
     """Each receiver sends its copy's gradient back; a sender sums what it gets, then continues from its block."""
-    out, src = node.out, node.src
+    src = node.src
     ctx = src.ctx
+    out = node.out[0].view(ctx, node.out[1])
     dsts = sorted({d for _, d in node.pairs})
     g = _apply(out, grad_or_zeros, [I.BlockRef(out.bid)], dsts)
     back: dict[int, list] = {}
@@ -81,5 +82,4 @@ def _reverse_move(node: MeshNode) -> None:
     for s, parts in back.items():
         grad = parts[0] if len(parts) == 1 else _apply(parts[0], accumulate, [I.BlockRef(p.bid) for p in parts], [s])
         ctx.effect([s], I.encode([I.Apply(ctx.new_id(), backward_with,
-                                          [I.BlockRef(src.bid), I.BlockRef(grad.bid), I.Value(1.0)])])[0],
-                   "backward through a move of blocks between ranks")
+                                          [I.BlockRef(src.bid), I.BlockRef(grad.bid), I.Value(1.0)])])[0],)

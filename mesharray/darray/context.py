@@ -26,12 +26,13 @@ import mesharray.darray.instructions as I
 
 from .._core import Shape
 from ..actor import ActorMesh
-from ..errors import ActorDiedError, ActorError, MeshStoppedError
+from ..errors import ActorDiedError, ActorError, BackpressureError, MeshStoppedError, SerializationError
 from ..proc import ProcMesh
-from ..runtime.channel import defer_flush, programs
+from ..runtime.channel import PENDING_FULL, defer_flush, programs, sending_program
+from ..transport.interrupt import guard
 from .worker import DataActor, InputFailed, meta_dtype, unpack_small
 
-__all__ = ["DataContext", "data_context", "existing_context", "no_wait", "set_trace", "tracing"]
+__all__ = ["DataContext", "contexts", "data_context", "existing_context", "no_wait", "set_trace", "tracing"]
 
 #: a command buffer holding this many instructions is sent at once
 BATCH_OPS = int(os.environ.get("MESHARRAY_BATCH_OPS", "256"))
@@ -181,9 +182,7 @@ class DataContext:
         self._buf: list[tuple[list, list]] = []
         self._buffered = 0
         self._first_post = self._last_post = 0.0  # (perf_counter of the buffer's first and last op)
-        #: ops that make no block (backward()): effect block id -> (ranks not yet checked, what it was);
-        #: their failures are raised by the next wait on those ranks (see checks)
-        self._effects: dict[int, tuple[set, str]] = {}
+        self._undefs: list[int] = []  # captured steps whose programs the ranks may drop
         self._unsynced = 0  # instructions queued since the last wait on every rank (MAX_PENDING)
         self.layouts: dict = {}  # elementwise result layouts by operand layouts
 
@@ -287,48 +286,35 @@ class DataContext:
 
         The buffer goes out as one message per rank (:meth:`flush`) before this
         process waits on any reply, when it holds :data:`BATCH_OPS`
-        instructions, or from the runtime's flusher thread within ~0.2 ms. A
+        instructions, or from the runtime's flusher thread once the controller is idle
+        (:meth:`flush_idle`). A
         dead rank is not an error here: the blocks it should have made are
         missing, and whatever uses or fetches them raises
         :class:`~mesharray.ActorDiedError` (survivors of a collective with it
         notice its death in their wait).
         """
-        wire = I.encode(program)
+        self.post_wire(ranks, I.encode(program))
+
+    def post_wire(self, ranks: list, wire: tuple | list, n: int = 0) -> None:
+        """:meth:`post` of instructions already in their wire form: one (a tuple: a recipe's, see
+        :mod:`.dispatch`) or a list; ``n``: the ops they stand for where more than one each (a captured
+        step's replay), as the bound of queued ops counts them."""
+        if type(wire) is tuple:
+            wire = [wire]
         if _TRACE is not None:
             _TRACE.record(self, ranks, wire)
         with self._lock:
             buf = self._buf
             self._last_post = now = perf_counter()
-            if buf and buf[-1][0] == ranks:
+            if buf and (buf[-1][0] is ranks or buf[-1][0] == ranks):
                 buf[-1][1].extend(wire)  # (consecutive ops to the same ranks: one list)
             else:
-                buf.append((ranks, wire))
+                buf.append((ranks, list(wire)))
                 if len(buf) == 1:
                     self._first_post = now
                     defer_flush(self)
             self._buffered += len(wire)
-            self._unsynced += len(wire)
-            if self._buffered >= BATCH_OPS:
-                self.flush()
-        if self._unsynced > MAX_PENDING:
-            self._catch_up()
-
-    def post_wire(self, ranks: list, ins: tuple) -> None:
-        """:meth:`post` of one instruction already in its wire form (a recipe's: see :mod:`.dispatch`)."""
-        if _TRACE is not None:
-            _TRACE.record(self, ranks, [ins])
-        with self._lock:
-            buf = self._buf
-            self._last_post = now = perf_counter()
-            if buf and (buf[-1][0] is ranks or buf[-1][0] == ranks):
-                buf[-1][1].append(ins)
-            else:
-                buf.append((ranks, [ins]))
-                if len(buf) == 1:
-                    self._first_post = now
-                    defer_flush(self)
-            self._buffered += 1
-            self._unsynced += 1
+            self._unsynced += n or len(wire)
             if self._buffered >= BATCH_OPS:
                 self.flush()
         if self._unsynced > MAX_PENDING:
@@ -339,31 +325,24 @@ class DataContext:
         ranks to run them (as a caller past the bound of calls in flight waits for replies)."""
         if _TRACE is not None:
             return  # (a capture runs its ops once; the bound holds for the calls that replay it)
+        if PENDING_FULL == "raise":
+            self._unsynced = 0
+            raise BackpressureError(
+                f"more than MESHARRAY_MAX_PENDING={MAX_PENDING} distributed-array ops are queued on "
+                f"{self.mesh!r} without a wait; call procs.sync() (or fetch a value) now and then")
         self._unsynced = 0
         self.call(list(self.shape), [])
 
-    def effect(self, ranks: list, ins: tuple, what: str) -> None:
-        """Queue ``ins`` (wire form), an op that makes no block of use (``backward()``): its out id holds
-        its failure, if any, which the next wait on those ranks raises (:meth:`checks`)."""
-        self.post_wire(ranks, ins)
-        with self._lock:
-            self._effects[ins[1]] = (set(ranks), what)
+    def effect(self, ranks: list, ins: tuple) -> None:
+        """Queue ``ins`` (wire form), an op run for its effect (``backward()``): its block is not kept, and
+        its failure, if any, is raised by the next wait on each rank where it failed (:data:`CHECK`)."""
+        self.post_wire(ranks, ("effect", ins))
 
-    def checks(self, ranks: Sequence[int]) -> list:
-        """The instruction that makes a wait on ``ranks`` raise the first failure of the effects queued on
-        them (taken off for those ranks): ``[("check", ids)]``, or ``[]``."""
-        if not self._effects:
-            return []
-        mine = set(ranks)
-        bids = []
-        with self._lock:
-            for bid, (rs, _) in list(self._effects.items()):
-                if rs & mine:
-                    bids.append(bid)
-                    rs -= mine
-                    if not rs:
-                        del self._effects[bid]
-        return [("check", bids)] if bids else []
+    @staticmethod
+    def checks(ranks: Sequence[int]) -> list:
+        """What a wait's program ends with: ``ranks`` raise the first failure of their effects since their
+        last wait (a rank a broadcast reaches cannot: its error would go nowhere)."""
+        return [("check", tuple(ranks))]
 
     def flush_idle(self) -> None:
         """The flusher thread's turn: flush once no op came for ``MESHARRAY_FLUSH_IDLE_US`` (the controller
@@ -385,50 +364,84 @@ class DataContext:
         (every op that used a freed block was queued before its free). Never
         raises: a rank that cannot be reached has its blocks missing.
         """
-        programs.discard(self)
-        with self._lock:
-            buf = self._buf
-            if not buf and not self._pending:
-                return
-            self._buf = []
-            self._buffered = 0
+        self._flush(True)
+
+    def _flush(self, frees: bool) -> None:
+        """:meth:`flush`; ``frees`` False: the pending frees stay for the program sent next (they ride on it)."""
+        with self._lock, sending_program():
+            try:
+                self._send_buffer(frees)
+            finally:
+                # (only now: a caller that found this buffer pending waits on the lock for these sends)
+                programs.discard(self)
+
+    def _send_buffer(self, with_frees: bool = True) -> None:
+        undefs, self._undefs = self._undefs, []
+        buf = self._buf
+        if not buf and not undefs and not (with_frees and self._pending):
+            return
+        self._buf = []
+        self._buffered = 0
+        pending: dict = {}
+        if with_frees:
             pending, self._pending, self._pending_bytes = self._pending, {}, 0
             if self._timer:  # (under the lock: a decref now schedules anew)
                 self._timer = False
                 _FREES.cancel(self)
-            try:
-                if len(buf) == 1 and all(rs.issubset(buf[0][0]) for rs in pending.values()):
-                    ranks, wire = buf[0]  # (one message for all: the common case)
-                    if pending:
-                        wire.append(("free", sorted(pending)))
-                    self._broadcast(ranks, wire)
-                    return
-                # each rank's instructions, in order; ranks with the same entries share a message
-                entries: dict[int, list[int]] = {}
-                for i, (ranks, _) in enumerate(buf):
-                    for r in ranks:
-                        entries.setdefault(r, []).append(i)
-                frees: dict[int, list[int]] = {}
-                for bid, rs in pending.items():
-                    for r in rs:
-                        frees.setdefault(r, []).append(bid)
-                        entries.setdefault(r, [])
-                groups: dict[tuple, list[int]] = {}
-                for r, idx in entries.items():
-                    groups.setdefault((tuple(idx), tuple(sorted(frees.get(r, ())))), []).append(r)
-                for (idx, fr), ranks in groups.items():
-                    wire = [w for i in idx for w in buf[i][1]]
-                    if fr:
-                        wire.append(("free", list(fr)))
-                    self._broadcast(sorted(ranks), wire)
-            except Exception:  # the mesh is going away: nothing to run there
-                pass
+        tail = [("undef", undefs)] if undefs else []  # (captured steps no record replays any more)
+        try:
+            if len(buf) == 1 and all(rs.issubset(buf[0][0]) for rs in pending.values()) and not undefs:
+                ranks, wire = buf[0]  # (one message for all: the common case)
+                if pending:
+                    wire.append(("free", sorted(pending)))
+                self._broadcast(ranks, wire)
+                return
+            # each rank's instructions, in order; ranks with the same entries share a message
+            entries: dict[int, list[int]] = {r: [] for r in (self.shape if undefs else ())}
+            for i, (ranks, _) in enumerate(buf):
+                for r in ranks:
+                    entries.setdefault(r, []).append(i)
+            frees: dict[int, list[int]] = {}
+            for bid, rs in pending.items():
+                for r in rs:
+                    frees.setdefault(r, []).append(bid)
+                    entries.setdefault(r, [])
+            groups: dict[tuple, list[int]] = {}
+            for r, idx in entries.items():
+                groups.setdefault((tuple(idx), tuple(sorted(frees.get(r, ())))), []).append(r)
+            for (idx, fr), ranks in groups.items():
+                wire = [w for i in idx for w in buf[i][1]]
+                if fr:
+                    wire.append(("free", list(fr)))
+                self._broadcast(sorted(ranks), wire + tail)
+        except (ActorDiedError, MeshStoppedError):  # the mesh is going away: nothing to run there
+            pass
+
+    def forget_program(self, fid: int) -> None:
+        """A captured step's record is gone: its ranks may drop its program (with the next flush)."""
+        self._undefs.append(fid)  # (from a finalizer: no lock, a list's append is atomic)
 
     def _broadcast(self, ranks: list, wire: list) -> None:
         try:
             self.view(ranks).run.broadcast(wire)
         except ActorDiedError:
             pass
+        except SerializationError:
+            self._each(ranks, wire)
+
+    def _each(self, ranks: list, wire: list) -> None:
+        """``wire`` one instruction a message, where an instruction cannot be pickled (``procs.apply`` of a
+        function holding a lock): that one's block keeps the error, which its uses raise; the rest run."""
+        run = self.view(ranks).run
+        for ins in wire:
+            try:
+                run.broadcast([ins])
+            except ActorDiedError:
+                pass
+            except SerializationError as exc:
+                inner = ins[1] if ins[0] == "effect" else ins
+                if len(inner) > 1 and type(inner[1]) is int:
+                    run.broadcast([("fail", inner[1], SerializationError(str(exc)))])
 
     def call(self, ranks: Sequence[int], program: list) -> Any:
         """Run a program on ``ranks`` and wait for every rank.
@@ -478,30 +491,28 @@ class DataContext:
         ``wire``: the program in its wire form (:func:`~.instructions.encode`'s tuples).
         """
         no_wait("a reduction whose small result comes back with its program")
-        if self._buf:
-            self.flush()
+        self._flush(False)  # (under the lock: waits for a flush in flight too; the frees ride on this program)
         if self._pending:
             frees = self._take_frees(members)
             if frees:
                 wire = [("free", frees), *wire]
-        if self._effects:
-            wire = wire + self.checks(reply)  # (only the ranks that answer: a broadcast cannot raise)
+        wire = wire + self.checks(reply)  # (only the ranks that answer: a broadcast cannot raise)
         return (run or self.view(members).run)._call_some(reply, wire)
 
     def call_one(self, rank: int, program: list) -> Any:
         """Run ``program`` on ``rank``; a future of its result (a :class:`~.instructions.Fetch`'s block)."""
         no_wait("a fetch of a block's values")
-        if self._buf:
-            self.flush()
+        self.flush()  # (under the lock: also waits for a flush in flight, which this must not overtake)
         return self.view([rank]).run.call_one(I.encode(program) + self.checks([rank]))
 
-    def meta(self, rank: int, bid: int) -> tuple[tuple, Any]:
-        """Local shape and dtype of block ``bid`` on ``rank`` (raises the failure of its making)."""
+    def meta(self, rank: int, bid: int) -> tuple[tuple, Any, bool]:
+        """Local shape, dtype and whether it requires grad, of block ``bid`` on ``rank`` (raises the failure
+        of its making)."""
         self.check_live()
         no_wait("a question for a rank about a result's shape (an op whose result shape only running it tells)")
         self.flush()
-        local, dt = self.view([rank]).meta.call_one(bid).get()
-        return local, meta_dtype(dt)
+        local, dt, rg = self.view([rank]).meta.call_one(bid).get()
+        return local, meta_dtype(dt), rg
 
     def raise_failure(self, exc: BaseException, bid: int, hops: int = 0) -> NoReturn:
         """Raise the failure of block ``bid`` that ``exc`` (a fetch's error) stands for: a dead rank's
@@ -608,6 +619,11 @@ def data_context(procs: ProcMesh) -> DataContext:
     return ctx
 
 
+def contexts() -> list[DataContext]:
+    """The data contexts of this process's live process meshes."""
+    return list(_CONTEXTS.values())
+
+
 def existing_context(procs: ProcMesh) -> DataContext | None:
     """The data context of ``procs``' root mesh if one was made (arrays were), else None."""
     return _CONTEXTS.get(procs.root_mesh)
@@ -615,3 +631,7 @@ def existing_context(procs: ProcMesh) -> DataContext | None:
 
 def _forget(root: ProcMesh) -> None:
     _CONTEXTS.pop(root, None)
+
+
+# a Ctrl-C in the controller's thread never leaves a command buffer half taken or half sent
+guard(DataContext.post, DataContext.post_wire, DataContext.flush, DataContext._flush, DataContext._send_buffer)

@@ -72,6 +72,11 @@ class _Result:
         self.lkey = st.lkey
         self.rg = st.rg  # (the signature holds whether each operand requires grad: so does the result)
 
+    def view(self, ctx: Any, bid: int) -> Any:
+        """A storage, laid out as this result, over block ``bid`` that exists already (a reference more)."""
+        return self.cls(ctx, bid, self.R, self.local, self.dtype, self.engine, self.holders, self.collective,
+                        _all_ranks=self.all_ranks)
+
     def make(self, ctx: Any, bid: int, shape: Any = None, operands: Any = ()) -> MeshArray:
         """A MeshArray over block ``bid`` of ``ctx`` laid out as this result (on mesh ``shape``, if given);
         it depends on the mesh nodes of ``operands`` (storages) when it requires grad."""
@@ -103,7 +108,7 @@ class ApplyRecipe:
         self.rg = rg  # (in place: whether the operand requires grad after the call)
 
     def __call__(self, leaves: list) -> Any:
-        sts = [x._storage for x in leaves]
+        sts = [x.storage for x in leaves]
         ctx = sts[0].ctx
         ctx.check_live()
         ops = [("b", s.bid) for s in sts]
@@ -140,14 +145,14 @@ class UfuncRecipe:
         self.lead = kinds.index(True)
 
     def __call__(self, inputs: list) -> Any:
-        ctx = inputs[self.lead]._storage.ctx
+        ctx = inputs[self.lead].storage.ctx
         ctx.check_live()
-        ops = [("b", x._storage.bid) if k else ("v", x) for x, k in zip(inputs, self.kinds)]
+        ops = [("b", x.storage.bid) if k else ("v", x) for x, k in zip(inputs, self.kinds)]
         bid = ctx.new_id()
         ctx.post_wire(self.ranks, ("ew", bid, self.name, ops, self.extra))
         res = self.result
         if res.rg:
-            return res.make(ctx, bid, None, [x._storage for x, k in zip(inputs, self.kinds) if k])
+            return res.make(ctx, bid, None, [x.storage for x, k in zip(inputs, self.kinds) if k])
         return res.make(ctx, bid)
 
 
@@ -158,9 +163,9 @@ def layout_of(st: Any) -> _Result:
 
 def result_of(value: Any, shape: Any, ranks: list) -> _Result | None:
     """The :class:`_Result` of an op's value when it is one new distributed block, else None."""
-    if not isinstance(value, MeshArray) or value._shape is not shape:
+    if not isinstance(value, MeshArray) or value.mesh_shape is not shape:
         return None
-    st = value._storage
+    st = value.storage
     if getattr(st, "announced", 1) is not None or not hasattr(st, "lkey"):
         return None
     return _Result(st, shape, ranks)

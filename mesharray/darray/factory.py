@@ -20,6 +20,7 @@ from ..array import MeshArray
 from ..engines import resolve_engine_name
 from ..errors import DimensionError, MeshShapeError
 from ..proc import ProcMesh
+from ..transport import framing
 from .context import data_context, existing_context
 from .placement import move_blocks
 from .storage import DistributedStorage, distributed
@@ -96,14 +97,17 @@ def apply(procs: ProcMesh, fn: Callable[..., Any], arrays: Sequence[Any]) -> Mes
     for a in arrays:
         st = moved.get(id(a), distributed(a))
         operands.append(I.BlockRef(st.bid) if st is not None else I.Value(a))
+    framing.dumps((fn, [o for o in operands if isinstance(o, I.Value)]))  # (SerializationError here, not later)
     bid = ctx.new_id()
     ranks = sorted(set(where.ravel().tolist()))
     ctx.send(ranks, [I.Apply(bid, fn, operands)])
     # the result's local shape and dtype are known only after running: ask one rank
     # (this also raises the error of a failing fn)
-    local, dtype = ctx.meta(ranks[0], bid)
-    return MeshArray.from_storage(shape, DistributedStorage(
-        ctx, bid, np.array(where, dtype=np.int64), tuple(local), dtype, st0.engine, None, st0.collective))
+    local, dtype, rg = ctx.meta(ranks[0], bid)
+    st = DistributedStorage(ctx, bid, np.array(where, dtype=np.int64), tuple(local), dtype, st0.engine, None,
+                            st0.collective)
+    st.rg = rg  # (what fn gave; gradients through it stay in each rank's graph)
+    return MeshArray.from_storage(shape, st)
 
 
 def sync(procs: ProcMesh) -> None:

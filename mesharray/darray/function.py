@@ -42,7 +42,7 @@ from typing import Any, Callable
 from ..array import MeshArray
 from ..elementwise import signature
 from ..errors import CaptureError
-from .context import DataContext, set_trace
+from .context import DataContext, contexts, set_trace, tracing
 from .instructions import map_ids
 
 __all__ = ["Function", "function"]
@@ -80,7 +80,10 @@ def _user_frame() -> str:
 
 
 class _Record:
-    """One captured signature: the program each rank runs, and the layout of the results."""
+    """One captured signature: the program each rank runs, and the layout of the results.
+
+    When the record goes (its function is collected, or keeps too many), the ranks drop its program.
+    """
 
     def __init__(self, ctx: DataContext, fid: int, ranks: list, n: int, args: list, outputs: Any,
                  keep: list) -> None:
@@ -91,11 +94,15 @@ class _Record:
         self.outputs = outputs  # the result's structure: ("i", k, layout), ("a", j), ("c", value)
         self.keep = keep  # arrays from outside the step that the program uses (kept alive)
 
+    def __del__(self, _finalizing: Any = sys.is_finalizing) -> None:
+        if not _finalizing():
+            self.ctx.forget_program(self.fid)
+
     def replay(self, args: list) -> Any:
         ctx = self.ctx
         ctx.check_live()
         base = ctx.new_base(self.n)
-        ctx.post_wire(self.ranks, ("replay", self.fid, base, [a._storage.bid for a in args]))
+        ctx.post_wire(self.ranks, ("replay", self.fid, base, [a.storage.bid for a in args]), self.n)
         return _build(self.outputs, ctx, base, args)
 
 
@@ -106,6 +113,9 @@ def _build(spec: Any, ctx: DataContext, base: int, args: list) -> Any:
         return res.make(ctx, base + k, shape)
     if kind == "a":
         return args[spec[1]]
+    if kind == "v":
+        _, j, shape, res = spec
+        return MeshArray.from_storage(shape, res.view(ctx, args[j].storage.bid))
     if kind == "c":
         return spec[1]
     _, t, items = spec  # ("t", type, items): a tuple, list or dict of results
@@ -133,13 +143,19 @@ class Function:
         return len(self._records)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if tracing():
+            raise CaptureError(f"ma.function {getattr(self.fn, '__qualname__', self.fn)!s}: called while another step is being captured; "
+                               f"a captured step cannot hold another (call the inner function itself)")
         leaves: list = []
         try:
             torch = sys.modules.get("torch")
-            key = (signature(args, leaves), signature(kwargs, leaves),
-                   torch.is_grad_enabled() if torch is not None else True)
+            key: tuple = (signature(args, leaves), signature(kwargs, leaves),
+                          torch.is_grad_enabled() if torch is not None else True)
         except TypeError:  # an argument with no signature: nothing to replay it by
             return self.fn(*args, **kwargs)
+        # the same array passed twice replays as the same array twice: part of the signature
+        first: dict[int, int] = {}
+        key += (tuple(first.setdefault(id(a.storage), j) for j, a in enumerate(leaves)),)
         rec = self._records.get(key)
         if rec is not None and not rec.ctx.stopped:
             return rec.replay(leaves)
@@ -153,8 +169,10 @@ class Function:
 
     def _capture(self, args: tuple, kwargs: dict, leaves: list) -> tuple[Any, _Record | None]:
         name = getattr(self.fn, "__qualname__", repr(self.fn))
-        ctxs = {id(a._storage.ctx): a._storage.ctx for a in leaves}
-        starts = {k: ctx.new_id() for k, ctx in ctxs.items()}  # (ids are minted in order: the step's follow)
+        ctxs = {id(a.storage.ctx): a.storage.ctx for a in leaves}
+        # every context's next id: ids are minted in order, so the step's own come after (a context
+        # made inside the step has only those: its ids start at 1)
+        starts = {id(ctx): ctx.new_id() for ctx in contexts()}
         trace = _Trace(name)
         old = set_trace(trace)
         try:
@@ -164,18 +182,16 @@ class Function:
         used = {id(c): c for c, _, _ in trace.entries}
         if not used:
             return value, None  # nothing distributed ran: nothing to replay
-        if len(used) > 1 or (ctxs and set(used) != set(ctxs) and not set(used) <= set(ctxs)):
-            raise CaptureError(f"ma.function {name}: the step ran ops on {len(used)} process meshes; a captured "
-                               f"step runs on one (call it without ma.function, or split it)")
+        meshes = {**ctxs, **used}
+        if len(meshes) > 1:
+            raise CaptureError(f"ma.function {name}: the step's arrays and ops are on {len(meshes)} process "
+                               f"meshes; a captured step runs on one (call it without ma.function, or split it)")
         ctx = next(iter(used.values()))
-        start = starts.get(id(ctx))
-        if start is None:
-            start = min(_first_id(trace.entries))
+        start = starts.get(id(ctx), 1)
         end = ctx.new_id()
         args_of: dict[int, int] = {}
         for j, a in enumerate(leaves):
-            if a._storage.ctx is ctx:
-                args_of.setdefault(a._storage.bid, j)
+            args_of.setdefault(a.storage.bid, j)
         outside: set[int] = set()
 
         def sym(b: Any) -> Any:
@@ -189,7 +205,7 @@ class Function:
             return b
 
         program = [(ranks, [map_ids(ins, sym) for ins in wire]) for _, ranks, wire in trace.entries]
-        outputs = _outputs(value, ctx, start, end, args)
+        outputs = _outputs(value, ctx, start, end, leaves, args_of, name)
         made = {spec[1] for spec in _walk(outputs) if spec[0] == "i"}
         temps = [("i", k) for k in range(end - start) if k not in made]
         # each rank its part of the program, once; ranks given the same share one message
@@ -207,29 +223,29 @@ class Function:
         return value, _Record(ctx, fid, sorted(by_rank), end - start, leaves, outputs, keep)
 
 
-def _first_id(entries: list) -> list:
-    ids = []
-    for _, _, wire in entries:
-        for ins in wire:
-            map_ids(ins, lambda b: ids.append(b) if type(b) is int else None)
-    return ids or [0]
-
-
-def _outputs(value: Any, ctx: DataContext, start: int, end: int, args: tuple) -> Any:
+def _outputs(value: Any, ctx: DataContext, start: int, end: int, leaves: list, args_of: dict, name: str) -> Any:
     """The structure of a step's result: what a replay builds (see :func:`_build`)."""
     if isinstance(value, MeshArray):
-        st: Any = value._storage
-        if getattr(st, "ctx", None) is ctx and start <= st.bid < end:
-            return ("i", st.bid - start, value._shape, st.layout())
-        for j, a in enumerate(args):
+        st: Any = value.storage
+        if getattr(st, "deps", ()):
+            raise CaptureError(f"ma.function {name}: the step returns an array whose gradient goes through ops "
+                               f"across ranks (a reduction over mesh dims, a move); a replay cannot keep that "
+                               f"graph: call backward() inside the step")
+        for j, a in enumerate(leaves):
             if value is a:
                 return ("a", j)
+        if getattr(st, "ctx", None) is ctx:
+            if start <= st.bid < end:
+                return ("i", st.bid - start, value.mesh_shape, st.layout())
+            arg = args_of.get(st.bid)
+            if arg is not None:  # a view of an argument (renamed, a mesh slice): the new argument's block
+                return ("v", arg, value.mesh_shape, st.layout())
         return ("c", value)
     t = type(value)
     if t in (tuple, list) or (isinstance(value, tuple) and hasattr(value, "_fields")):
-        return ("t", t, [_outputs(v, ctx, start, end, args) for v in value])
+        return ("t", t, [_outputs(v, ctx, start, end, leaves, args_of, name) for v in value])
     if t is dict:
-        return ("t", dict, [(k, _outputs(v, ctx, start, end, args)) for k, v in value.items()])
+        return ("t", dict, [(k, _outputs(v, ctx, start, end, leaves, args_of, name)) for k, v in value.items()])
     return ("c", value)
 
 

@@ -25,8 +25,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple, Union
 
+from ..errors import MeshArrayError
+
 __all__ = [
     "CODES",
+    "InputFailed",
     "decode",
     "encode",
     "map_ids",
@@ -52,6 +55,24 @@ __all__ = [
     "SetItem",
     "Value",
 ]
+
+
+class InputFailed(MeshArrayError):
+    """Kept by the members of a collective whose input failed on other ranks.
+
+    The controller, on meeting it, asks ``ranks[0]`` for its block ``bid``,
+    which raises the original failure (or the next link of a chain of them).
+    """
+
+    def __init__(self, ranks: list[int], bid: int, token: str | None = None) -> None:
+        self.ranks = [int(r) for r in ranks]
+        self.bid = int(bid)
+        #: the mesh (data-context token) of ``ranks``, when not the failing block's own
+        self.token = token
+        super().__init__(f"the input of this collective or move failed on rank(s) {self.ranks}")
+
+    def __reduce__(self) -> tuple:
+        return (InputFailed, (self.ranks, self.bid, self.token))
 
 
 # -- operands ------------------------------------------------------------------------
@@ -229,6 +250,7 @@ class Planned(NamedTuple):
     src: int
     plan: bytes
     fetch: tuple = ()
+    nbytes: int = 0  # the size of ``src``'s block: what a worker's gradient buckets are cut by
 
 
 # -- instructions that make no block ---------------------------------------------------
@@ -313,6 +335,8 @@ _LISTS = {"free": 1, "check": 1}
 def map_ids(ins: tuple, f: Callable[[Any], Any]) -> tuple:
     """``ins`` with every block id ``b`` replaced by ``f(b)`` (its fields by code: :data:`_IDS`)."""
     code = ins[0]
+    if code == "effect":  # (an op run for its effect: the ids of the op it wraps)
+        return ("effect", map_ids(ins[1], f))
     out = list(ins)
     for i in _IDS.get(code, ()):
         out[i] = f(out[i])

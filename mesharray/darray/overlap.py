@@ -32,18 +32,23 @@ from __future__ import annotations
 import os
 import pickle
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import numpy as np
 
+from ..engines import get_engine
+from ..errors import MeshArrayError
 from .autograd import grad_of
+from .instructions import InputFailed, map_ids
 
 __all__ = ["COUNTS", "Overlap", "prepare"]
 
 #: a bucket this full goes to the communication thread; 0 turns the buckets off
 BUCKET_BYTES = int(os.environ.get("MESHARRAY_BUCKET_BYTES", str(1 << 20)))
 _OPS = ("sum", "mean")
+#: instructions a look-ahead stops at (see prepare)
+_BARRIERS = frozenset(("effect", "coll", "move", "check", "def", "replay"))
 
 #: what this process bucketed: backward passes, buckets sent, gradients in them
 COUNTS = {"backwards": 0, "buckets": 0, "grads": 0}
@@ -62,109 +67,160 @@ def _thread() -> ThreadPoolExecutor:
 
 
 class _Entry:
-    __slots__ = ("w", "g", "m", "gi", "mi", "grad", "result", "error")
+    __slots__ = ("w", "g", "m", "gi", "mi", "nbytes", "grad", "bucket")
 
-    def __init__(self, w: int, g: int, m: int, gi: int, mi: int) -> None:
-        self.w, self.g, self.m, self.gi, self.mi = w, g, m, gi, mi
+    def __init__(self, w: int, g: int, m: int, gi: int, mi: int, nbytes: int) -> None:
+        self.w, self.g, self.m, self.gi, self.mi, self.nbytes = w, g, m, gi, mi, nbytes
         self.grad: Any = None
-        self.result: Any = None
-        self.error: BaseException | None = None
+        self.bucket = 0
 
 
 class Overlap:
-    """The buckets of one ``backward``: hooks in, results out (see the module docstring)."""
+    """The buckets of one ``backward``: hooks in, results out (see the module docstring).
 
-    def __init__(self, group: Any, op: str, dtype: np.dtype, entries: list[_Entry], hooks: list) -> None:
+    Buckets are cut from the program alone (its reductions' sizes, last
+    parameter first, as DDP orders them), so every member has the same ones
+    whatever happens on it; they are all-reduced strictly in order, each once
+    its gradients are all in. A bucket this rank cannot fill (its backward
+    failed, or did not reach a parameter) still takes its turn, as a failed
+    input, so its peers never wait for it: they keep an ``InputFailed`` naming
+    this rank, whose own blocks keep the failure.
+    """
+
+    def __init__(self, group: Any, op: str, dtype: np.dtype, entries: list[_Entry], engine: Any) -> None:
         self.group = group
         self.op = op
         self.dtype = dtype
         self.entries = entries
+        self.engine = engine
         self.by_tensor: dict[int, _Entry] = {}
-        self.hooks = hooks
-        self.bucket: list[_Entry] = []
-        self.bytes = 0
-        self.seen = 0
-        self.futures: list[tuple[list[_Entry], Future]] = []
+        self.hooks: list = []
+        self.buckets: list[list[_Entry]] = []
+        size = BUCKET_BYTES
+        for e in reversed(entries):
+            if size >= BUCKET_BYTES:
+                self.buckets.append([])
+                size = 0
+            e.bucket = len(self.buckets) - 1
+            self.buckets[-1].append(e)
+            size += e.nbytes
+        self.missing = [len(b) for b in self.buckets]
+        self.next = 0  # the next bucket to send
+        self.futures: list[tuple[list[_Entry], Any]] = []  # (bucket, Future, or the call to make here)
 
     def on_grad(self, t: Any) -> None:
         e = self.by_tensor.get(id(t))
         if e is None or e.grad is not None:
             return
         e.grad = t.grad
-        self.bucket.append(e)
-        self.bytes += e.grad.numel() * e.grad.element_size()
-        self.seen += 1
-        if self.bytes >= BUCKET_BYTES or self.seen == len(self.entries):
-            self._send()
+        self.missing[e.bucket] -= 1
+        while self.next < len(self.buckets) and not self.missing[self.next]:
+            self._send(self.next, False)
+            self.next += 1
 
-    def _send(self) -> None:
-        bucket, self.bucket, self.bytes = self.bucket, [], 0
-        if bucket:
-            COUNTS["buckets"] += 1
-            COUNTS["grads"] += len(bucket)
-            self.futures.append((bucket, _thread().submit(self._reduce, bucket)))
+    def _send(self, k: int, failed: bool) -> None:
+        bucket = self.buckets[k]
+        COUNTS["buckets"] += 1
+        COUNTS["grads"] += len(bucket)
+        if k == len(self.buckets) - 1:
+            # the last bucket: the backward is all but done; it runs in this thread at finish, after
+            # the others (a small model's only bucket never waits for a thread to wake)
+            self.futures.append((bucket, (self._reduce, bucket, failed)))
+        else:
+            self.futures.append((bucket, _thread().submit(self._reduce, bucket, failed)))
 
-    def _reduce(self, bucket: list[_Entry]) -> list:
-        hosts = [np.asarray(e.grad.detach().contiguous().numpy(), dtype=self.dtype).reshape(-1) for e in bucket]
+    def _reduce(self, bucket: list[_Entry], failed: bool) -> list | list[int]:
+        if failed:
+            return self.group.allreduce_checked(np.zeros(1, self.dtype), op=self.op, failed=True)
+        hosts = [np.asarray(self.engine.host_view(e.grad), dtype=self.dtype).reshape(-1) for e in bucket]
         buf = np.concatenate(hosts) if len(hosts) > 1 else hosts[0].copy()
         out = np.empty_like(buf)
-        failed = self.group.allreduce_checked(buf, out=out, op=self.op)
-        if failed:
-            raise RuntimeError(f"the gradients of ranks {failed} were missing in a bucket all-reduce")
+        missing = self.group.allreduce_checked(buf, out=out, op=self.op)
+        if missing:
+            return missing
         parts, off = [], 0
         for e, h in zip(bucket, hosts):
             parts.append(out[off:off + h.size].reshape(tuple(e.grad.shape)))
             off += h.size
         return parts
 
-    def finish(self, store: Any, engine: Any) -> set[int]:
-        """After the backward: store each bucketed ``g`` and ``m``; the instruction indices now done."""
+    def finish(self, store: Any, error: BaseException | None) -> set[int]:
+        """After the backward (``error``: its failure, if any): send the buckets not sent yet (as failed ones
+        on this rank: some gradient never came), store each bucketed ``g`` and ``m``, or their failures;
+        the instruction indices now done."""
         for h in self.hooks:
             h.remove()
-        self._send()  # (a bucket not full when the last hook fired: the entries no hook saw stay out)
+        while self.next < len(self.buckets):
+            self._send(self.next, True)
+            self.next += 1
+        eng = self.engine
         done: set[int] = set()
         for bucket, fut in self.futures:
+            got: Any
             try:
-                parts = fut.result()
-            except BaseException as exc:
-                parts = None
-                err = exc
+                # the bucket's parts, or the ranks whose gradients were missing
+                got = fut[0](*fut[1:]) if type(fut) is tuple else fut.result()
+            except BaseException as exc:  # (the group broke: a member died)
+                got = exc
+            here = error or MeshArrayError("no gradient reached a parameter of this bucket in this backward")
             for i, e in enumerate(bucket):
-                store.put(e.g, e.grad, engine)  # (what grad_of would have given)
-                if parts is None:
-                    store.fail(e.m, err)
-                else:
-                    store.put(e.m, engine.from_numpy(parts[i]), engine)
                 done.update((e.gi, e.mi))
+                if e.grad is not None:
+                    store.put(e.g, e.grad, eng)  # (what grad_of would have given)
+                else:
+                    store.fail(e.g, here)
+                if isinstance(got, BaseException):
+                    store.fail(e.m, got)
+                elif got and type(got[0]) is int:  # missing on some ranks: here (the failure), or elsewhere
+                    failed_here = any(x.grad is None for x in bucket)
+                    store.fail(e.m, here if failed_here else InputFailed(list(got), e.m))
+                else:
+                    store.put(e.m, eng.from_numpy(got[i]), eng)
         return done
 
 
-def prepare(program: list, i: int, get: Callable[[int], Any], group_of: Callable[[tuple, int], Any]) -> Overlap | None:
+def prepare(program: list, i: int, get: Callable[[int], Any], group_of: Callable[[tuple, int], Any],
+            engine_of: Callable[[int], Any]) -> Overlap | None:
     """An :class:`Overlap` for the ``backward`` at ``program[i]``, or None when nothing follows it to bucket.
 
-    ``get(bid)`` is a block of this rank (or raises); ``group_of(fields, src)``
-    the shared-memory group of a reduction (``Planned`` fields), or None.
+    Whether there are buckets, and which, depends on the program alone (every
+    member decides the same): ``g = w.grad`` followed by a reduction of ``g``
+    (sum or mean, no fetch, one plan for all, a shared-memory group), with
+    nothing else naming ``g`` in between and ``w`` not changed in place before
+    it, up to the first instruction past which gradients may change or be read
+    (an effect, a collective, a move, a wait's check). ``get(bid)`` is a block
+    of this rank (or raises), ``engine_of(bid)`` its engine, ``group_of(fields,
+    src)`` the group of a reduction (``Planned`` fields), or None.
     """
     if BUCKET_BYTES <= 0:  # (MESHARRAY_BUCKET_BYTES=0: every reduction as the program says)
         return None
     made_at: dict[int, int] = {}
     entries: list[_Entry] = []
     plan = None
+    touched: dict[int, int] = {}  # block id -> instructions that name it (a gradient must be named by two only)
     for j in range(i + 1, len(program)):
         ins = program[j]
         code = ins[0]
+        if code in _BARRIERS:
+            # another backward (an effect), a backward through mesh ops (effects, collectives, moves),
+            # a wait's check: gradients may change or be read after it, so nothing beyond is bucketed
+            break
+        if code != "free":  # (frees of the gradients come last: they are freed after the buckets stored them)
+            map_ids(ins, lambda b: touched.__setitem__(b, touched.get(b, 0) + 1) if type(b) is int else None)
         if code == "apply" and ins[2] is grad_of and len(ins[3]) == 1 and ins[3][0][0] == "b":
             made_at[ins[1]] = j
-        elif code == "plan" and not ins[4] and ins[2] in made_at:
+        elif code == "plan" and not ins[4] and ins[2] in made_at and len(ins) > 5 and ins[5]:
             if plan is None:
                 plan = ins[3]
             if ins[3] != plan:
                 continue
             gi = made_at[ins[2]]
-            entries.append(_Entry(program[gi][3][0][1], ins[2], ins[1], gi, j))
-        elif code == "apply" and getattr(ins[2], "backward", False):
-            break  # (another backward: its gradients are its own)
-    if len(entries) < 1 or plan is None:
+            entries.append(_Entry(program[gi][3][0][1], ins[2], ins[1], gi, j, ins[5]))
+    # a gradient some other instruction reads or changes (g.mul_(0.5) before its reduction), or a
+    # parameter changed in place before its gradient is read, is left to the instructions
+    entries = [e for e in entries if touched.get(e.g) == 2 and not any(
+        program[k][0] == "apply" and program[k][1] == e.w for k in range(i + 1, e.gi))]
+    if not entries or plan is None:
         return None
     fields = pickle.loads(plan)  # (op, groups, backend, dtype, torch_init, pids, hosts)
     if fields[0] not in _OPS or fields[2] is not None:
@@ -172,15 +228,18 @@ def prepare(program: list, i: int, get: Callable[[int], Any], group_of: Callable
     group = group_of(fields, entries[0].g)
     if group is None or not hasattr(group, "allreduce_checked"):
         return None
-    try:
-        tensors = [get(e.w) for e in entries]
-    except BaseException:
-        return None
-    if not all(getattr(t, "requires_grad", False) and getattr(t, "is_leaf", False) for t in tensors):
-        return None
-    ov = Overlap(group, fields[0], np.dtype(fields[3]), entries, [])
+    ov = Overlap(group, fields[0], np.dtype(fields[3]), entries, None)
     COUNTS["backwards"] += 1
-    for e, t in zip(entries, tensors):
-        ov.by_tensor[id(t)] = e
-        ov.hooks.append(t.register_post_accumulate_grad_hook(ov.on_grad))
+    for e in entries:
+        try:  # (a parameter this rank lacks, or that is no leaf requiring grad: its bucket fails here)
+            t = get(e.w)
+            if ov.engine is None:
+                ov.engine = engine_of(e.w)
+            if getattr(t, "requires_grad", False) and getattr(t, "is_leaf", False):
+                ov.by_tensor[id(t)] = e
+                ov.hooks.append(t.register_post_accumulate_grad_hook(ov.on_grad))
+        except BaseException:
+            pass
+    if ov.engine is None:
+        ov.engine = get_engine("torch")
     return ov

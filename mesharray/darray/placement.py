@@ -21,6 +21,7 @@ from .._core import Shape, reduction_plan
 from ..errors import MeshShapeError
 from .autograd import MeshNode, mark_leaf
 from .context import DataContext
+from .dispatch import layout_of
 
 __all__ = ["groups_of", "move_blocks", "placed", "placement", "per_rank"]
 
@@ -92,7 +93,7 @@ def move_blocks(src: Any, src_ranks: np.ndarray, ctx: DataContext, dst_ranks: np
         # autograd through the move (see .autograd): each moved block a leaf on its receiver,
         # whose gradient goes back to its sender; copies stay in their rank's own graph
         node = MeshNode("move", src, pairs=[(s, d) for s, d in zip(flat_s, flat_d) if s != d])
-        node.out = res
+        node.result(res, layout_of(res))
         sctx.send(receivers, [I.Apply(out, mark_leaf, [I.BlockRef(out)])])
         res.rg, res.deps = True, src.deps + (node,)
     elif same and src.rg:

@@ -266,16 +266,23 @@ class DistributedStorage:
         mesh_key, local_key = key[:m], key[m:]
         sel = self.ranks[mesh_key + (Ellipsis,)] if mesh_key else self.ranks
         sel = np.asarray(sel)
+        # every copy of a selected position changes (a held array: each holder keeps one)
+        held = None
+        if self.holders is not None:
+            held = np.asarray(self.holders[mesh_key + (Ellipsis,)] if mesh_key else self.holders)
+            held = held.reshape(sel.shape + (self.holders.shape[-1],))
         if isinstance(value, np.ndarray) and value.ndim > len(np.empty(self._local, bool)[local_key + (Ellipsis,)].shape):
             # one value per selected position
             vals = np.broadcast_to(value, sel.shape + value.shape[sel.ndim:]) if value.ndim >= sel.ndim else value
             per = {}
             for pos in np.ndindex(*sel.shape):
-                per[int(sel[pos])] = np.array(vals[pos])
+                for r in ([int(sel[pos])] if held is None else held[pos].tolist()):
+                    per[int(r)] = np.array(vals[pos])
             arg: I.Operand = I.PerRank(per)
         else:
             arg = I.Value(value)
-        self.ctx.send(np.unique(sel).tolist(), [I.SetItem(self.bid, tuple(local_key), arg)])
+        ranks = np.unique(sel if held is None else np.concatenate([sel.reshape(-1), held.reshape(-1)])).tolist()
+        self.ctx.send(ranks, [I.SetItem(self.bid, tuple(local_key), arg)])
 
     def reshape_local(self, mesh_ndim: int, local_shape: tuple[int, ...]) -> "DistributedStorage":
         bid = self.ctx.new_id()
@@ -347,8 +354,10 @@ class DistributedStorage:
             return self._derive(cur, local=new_local, dtype=rdt_work)
         members, ranks, holders, all_ranks, roots, planned, tiny, nbytes, run = coll
         out = ctx.new_id()
+        nbytes_in = math.prod(new_local) * rdt_work.itemsize  # (the collective's input block)
         if self.rg:
-            return self._reduce_with_grad(op, program, cur, out, plan)
+            res = self._reduce_with_grad(op, program, cur, out, plan)
+            return res.astype(rdt, copy=True) if rdt_work != rdt else res  # (any/all ran as uint8 max/min)
         if tiny and not tracing():  # (a capture replays programs whose results stay where they are)
             # a tiny result (a loss, a norm): the ranks holding it send it back with the
             # program's reply, so fetching it costs no further message (one program for
@@ -356,14 +365,14 @@ class DistributedStorage:
             # wire form (instructions.encode's), the collective's fields but the block ids
             # pickled once in the plan (Planned)
             wire = I.encode(program) if program else []
-            wire.append(("plan", out, cur, planned, roots))
+            wire.append(("plan", out, cur, planned, roots, nbytes_in))
             if cur != self.bid:
                 wire.append(("free", [cur]))
             res = DistributedStorage._made(ctx, out, ranks, new_local, rdt_work, self.engine, holders,
                                            self.collective, all_ranks, nbytes)
             res.announced = ctx.call_some(run, members, roots, wire)
             return res
-        program.append(I.Planned(out, cur, planned, ()))
+        program.append(I.Planned(out, cur, planned, (), nbytes_in))
         if cur != self.bid:
             program.append(I.Free([cur]))
         res = DistributedStorage(ctx, out, ranks, new_local, rdt_work, self.engine, holders, self.collective,
@@ -385,13 +394,13 @@ class DistributedStorage:
         if cur != self.bid:  # the local step's result: what the node's backward continues from
             src = self._derive(cur, local=new_local, dtype=rdt_work)
             src.rg, src.deps = True, self.deps
-        program.append(I.Planned(out, cur, planned, ()))
+        program.append(I.Planned(out, cur, planned, (), math.prod(new_local) * rdt_work.itemsize))
         res = DistributedStorage(ctx, out, ranks, new_local, rdt_work, self.engine, holders, self.collective,
                                  _all_ranks=all_ranks)
         if name in ("sum", "mean") and is_float(rdt_work):
             groups = pickle.loads(planned)[1]  # (the collective's fields: op, groups, backend, ...)
             node = MeshNode("reduce", src, groups=groups, scale=1.0 / len(groups[0]) if name == "mean" else 1.0)
-            node.out = res
+            node.result(res, layout_of(res))
             program.append(I.Apply(out, mark_leaf, [I.BlockRef(out)]))
             res.rg, res.deps = True, self.deps + (node,)
         ctx.post(members, program)
@@ -585,14 +594,20 @@ class DistributedStorage:
                 operands.append(I.PerRank(per_rank(plan.align(x, pad_local=not per_element), pos_of, m)))
         bid = ctx.new_id() if into is None else into
         if effect:
-            ctx.effect(ranks, I.encode([I.Apply(bid, call, operands)])[0], what)
+            ctx.effect(ranks, I.encode([I.Apply(bid, call, operands)])[0])
             return None
         ctx.send(ranks, [I.Apply(bid, call, operands)])
         if into is not None:
             return None
-        local, dt = meta if meta is not None else ctx.meta(ranks[0], bid)
-        return DistributedStorage(ctx, bid, R, tuple(local), dt, first.engine, holders, first.collective,
-                                  _all_ranks=tuple(ranks))
+        if meta is None:  # (asked of a rank: whether it requires grad too)
+            local, dt, rg = ctx.meta(ranks[0], bid)
+        else:
+            local, dt, rg = meta[0], meta[1], False
+        st = DistributedStorage(ctx, bid, R, tuple(local), dt, first.engine, holders, first.collective,
+                                _all_ranks=tuple(ranks))
+        if rg:
+            _requires(st, True, leaves)
+        return st
 
     def pick(self, i: int, meta: tuple) -> "DistributedStorage":
         """Output ``i`` of blocks that hold several (a function returning a tuple)."""
@@ -704,18 +719,24 @@ class DistributedStorage:
             # known without asking: the gradient is shaped like its tensor (None raises where used)
             meta = (array.local_shape, array.dtype)
             get: Any = grad_of
+            rg = False
         else:
             get = operator.attrgetter(name)
+            rg = None
             try:
                 from ..engines.torch_engine import numpy_dtype, torch_dtype
 
-                value = getattr(torch.empty(array.local_shape, dtype=torch_dtype(array.dtype), device="meta"), name)
+                value = getattr(torch.empty(array.local_shape, dtype=torch_dtype(array.dtype), device="meta",
+                                            requires_grad=self.rg), name)
                 if isinstance(value, torch.Tensor) and value.dtype != torch.bfloat16:
                     meta = (tuple(value.shape), numpy_dtype(value.dtype))  # x.T, x.mT, x.data, x.real
+                    rg = value.requires_grad
             except Exception:
                 pass
         st = DistributedStorage.blockwise(name, get, plan, [array], meta)
         assert st is not None
+        if name != "grad" and rg is not None:
+            _requires(st, rg, [array])
         return _host_or_array(plan.shape, st)
 
     # -- recipes: repeating an op of the same signature (see .dispatch) -----------------------

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 import mesharray.darray.instructions as I
+from mesharray.darray.instructions import InputFailed
 
 from ..actor import Actor, context, endpoint
 from ..collectives import new_group
@@ -34,6 +35,7 @@ from ..engines.numpy_engine import HUGE_PAGE, host_empty
 from ..errors import ActorDiedError, MeshArrayError
 from ..transport import cma
 from ..transport.dataplane import process_plane, rendezvous
+from .blockfn import BlockCall
 from .overlap import prepare
 
 __all__ = ["BlockStore", "DataActor", "InputFailed", "STORE", "local_block", "meta_dtype", "pack_small",
@@ -44,7 +46,7 @@ COLLECTIVE_OP = {"sum": "sum", "prod": "prod", "min": "min", "max": "max", "mean
                  "any": "max", "all": "min"}
 
 #: the codes of a captured step's definition and replays (expanded before a program runs)
-_CAPTURED = frozenset(("def", "replay"))
+_CAPTURED = frozenset(("def", "replay", "undef"))
 
 #: Planned instructions' plans, by their bytes: [the Collective's fields after out and src,
 #: (group, op, dtype, engine) once the plan is known to run in shared memory]
@@ -56,24 +58,6 @@ _SHM_OPS = frozenset(("sum", "prod", "min", "max", "mean"))
 #: runs more Python on each side than the rest of a small fetch (``docs/internals.md``,
 #: "Distributed arrays")
 SMALL_FETCH = 1 << 16
-
-
-class InputFailed(MeshArrayError):
-    """Kept by the members of a collective whose input failed on other ranks.
-
-    The controller, on meeting it, asks ``ranks[0]`` for its block ``bid``,
-    which raises the original failure (or the next link of a chain of them).
-    """
-
-    def __init__(self, ranks: list[int], bid: int, token: str | None = None) -> None:
-        self.ranks = [int(r) for r in ranks]
-        self.bid = int(bid)
-        #: the mesh (data-context token) of ``ranks``, when not the failing block's own
-        self.token = token
-        super().__init__(f"the input of this collective or move failed on rank(s) {self.ranks}")
-
-    def __reduce__(self) -> tuple:
-        return (InputFailed, (self.ranks, self.bid, self.token))
 
 
 class BlockStore:
@@ -529,87 +513,6 @@ def _move_group_of(order: tuple[int, ...], me: int, ins: I.Move) -> Any:
     return g
 
 
-def _move_group_many(members: tuple[int, ...], me: int, inss: list) -> list:
-    """:func:`_move_group` for several moves of one group at once (consecutive moves with the same
-    participants: the weights of a model sent to another mesh), on one host: one header broadcast and
-    one agreement for all of them, where each would take its own. Returns ``(block, engine)``, None
-    (a sender) or an exception, per move. Other groups (across hosts, MPI) take the moves one by one."""
-    order = tuple(sorted(members))
-    first = inss[0]
-    g = _move_group_of(order, me, first)
-    if not isinstance(g, ShmCollective):
-        out: list = []
-        for ins in inss:
-            try:
-                out.append(_move_group(members, me, ins, ins.token))
-            except BaseException as exc:
-                out.append(exc)
-        return out
-    root = members[0]
-    ri = order.index(root)
-    k = len(inss)
-    hdr = np.zeros((k, 4), dtype=np.int64)  # per move: 1 (block follows) / 0 (its own failure) / -1, pid, addr, nbytes
-    hosts: list = [None] * k
-    errs: list = [None] * k
-    if me == root:
-        cma.allow_attach()
-        for i, ins in enumerate(inss):
-            try:
-                block, eng = STORE.get(ins.src), STORE.engine(ins.src)
-            except BaseException as exc:
-                errs[i] = exc
-                continue
-            try:
-                host = np.asarray(eng.host_view(block), order="C")
-                if host.dtype != np.dtype(ins.dtype):
-                    host = host.astype(np.dtype(ins.dtype))
-                if host.shape != tuple(ins.shape):
-                    raise MeshArrayError(f"block {ins.src} has local shape {host.shape}; the move expected "
-                                         f"{tuple(ins.shape)}")
-                hosts[i] = host
-                hdr[i] = (1, os.getpid(), host.ctypes.data, host.nbytes)
-            except BaseException as exc:
-                errs[i] = exc
-                hdr[i, 0] = -1
-    g.broadcast(hdr, root=ri)
-    results: list = [None] * k
-    need = np.zeros((k, len(order)), dtype=np.int32)
-    for i, ins in enumerate(inss):
-        if hdr[i, 0] == 1:
-            if me != root:
-                results[i] = STORE.take(tuple(ins.shape), np.dtype(ins.dtype))
-                if results[i].nbytes:
-                    try:
-                        cma.transfer(False, int(hdr[i, 1]), results[i].ctypes.data, int(hdr[i, 2]), int(hdr[i, 3]))
-                    except cma.CmaDenied:
-                        need[i, order.index(me)] = 1
-        elif me == root:
-            results[i] = errs[i]
-        elif hdr[i, 0] == -1:
-            results[i] = MeshArrayError(f"rank {root} could not send its block of a move (see its own error)")
-        else:
-            ids = ins.ids or {}
-            src_rank = next((r for (_t, r), j in ids.items() if j == root), root)
-            src_tok = next((t for (t, _r), j in ids.items() if j == root), None)
-            results[i] = InputFailed([src_rank], ins.src, src_tok if src_tok != ins.token else None)
-    # also the barrier that keeps the sender's blocks in place until every reader is done
-    need = np.asarray(g.allreduce(need, op="max"))
-    for i in range(k):
-        if hdr[i, 0] == 1 and need[i].any():
-            g.broadcast(hosts[i] if me == root else results[i], root=ri)
-    out = []
-    for i, ins in enumerate(inss):
-        r = results[i]
-        if me == root:
-            out.append(r if isinstance(r, BaseException) else None)
-        elif isinstance(r, BaseException):
-            out.append(r)
-        else:
-            eng = get_engine(ins.engine)
-            out.append(((eng.from_numpy(r) if eng.name != "numpy" else r), eng))
-    return out
-
-
 def _move_group(members: tuple[int, ...], me: int, ins: I.Move, token: str) -> tuple[Any, Engine] | None:
     """Send (``me`` first in ``members``) or receive one block of a move; the received block.
 
@@ -691,7 +594,8 @@ def _name_op(exc: BaseException, ins: Any, me: int) -> None:
     if any(n.startswith("mesharray: ") for n in notes):
         return
     what = ins.fn if isinstance(ins, I.Apply) else getattr(ins, "name", None) or type(ins).__name__
-    exc.add_note(f"mesharray: in the distributed op {what!r} (block {ins.out}) on rank {me}")
+    block = getattr(ins, "out", getattr(ins, "block", None))
+    exc.add_note(f"mesharray: in the distributed op {what!r} (block {block}) on rank {me}")
 
 
 class DataActor(Actor):
@@ -701,6 +605,8 @@ class DataActor(Actor):
         self.token = token
         self.rank: int | None = None
         self.funcs: dict[int, tuple[list, list]] = {}  # captured steps by id: (program, temporaries)
+        #: the first failure of an effect (backward()) since this rank's last wait: raised there
+        self.unreported: BaseException | None = None
 
     def _me(self) -> int:
         if self.rank is None:
@@ -709,7 +615,8 @@ class DataActor(Actor):
 
     @endpoint
     def meta(self, bid: int) -> tuple:
-        """Local shape and dtype of block ``bid`` (raises its failure if it could not be made).
+        """Local shape, dtype and whether it requires grad, of block ``bid`` (raises its failure if it could
+        not be made).
 
         The dtype as its string where that names it exactly (:func:`meta_dtype` turns it back):
         pickling a ``numpy.dtype`` runs its ``__reduce__`` in Python, several times the cost of
@@ -718,12 +625,19 @@ class DataActor(Actor):
         """
         b, eng = STORE.get(bid), STORE.engine(bid)
         dt = eng.dtype_of(b)
-        return tuple(eng.shape_of(b)), (dt.str if dt.kind in "biufcmM" else dt)
+        return tuple(eng.shape_of(b)), (dt.str if dt.kind in "biufcmM" else dt), bool(getattr(b, "requires_grad", False))
 
     @endpoint
     def run(self, program: list) -> Any:
         """Run instructions in order; returns the result of the last :class:`Fetch`, or of a
-        :class:`Planned`'s fetch (taken after the rest of the program), if any."""
+        :class:`Planned`'s fetch (taken after the rest of the program), if any.
+
+        Nothing an instruction raises stops the program (the ops after it, a collective
+        peers wait in, its frees still run): an op that makes a block keeps its failure as
+        the block's; a fetch that fails, or anything else unexpected, is raised once the
+        whole program ran; an *effect* (``("effect", ins)``: ``backward()``) that fails
+        keeps its failure for the next wait on this rank (``("check", ranks)``).
+        """
         me = self._me()
         for raw in program:
             if raw[0] in _CAPTURED:  # (a captured step's definition or replay: see darray.function)
@@ -731,7 +645,7 @@ class DataActor(Actor):
                 break
         result = None
         fetch = None
-        failed: BaseException | None = None  # the first failure of the effects checked ("check")
+        failed: BaseException | None = None  # raised once the whole program ran
         made: np.ndarray | None = None  # the fast path's block (a Planned's result, when it ran there)
         done: set[int] | None = None  # instructions a backward's buckets already ran (see .overlap)
         for idx, raw in enumerate(program):
@@ -739,7 +653,7 @@ class DataActor(Actor):
                 continue
             code = raw[0]
             if code == "apply":
-                if getattr(raw[2], "backward", False):
+                if type(raw[2]) is BlockCall and raw[2].backward:
                     done = self._backward(program, idx, me, done)
                     continue
                 if _fast_apply(raw, me):
@@ -747,7 +661,7 @@ class DataActor(Actor):
             elif code == "ew" and _fast_elementwise(raw, me):
                 continue
             if code == "plan":  # (the instructions of a reduction in a loop: first, undecoded)
-                _, out, src, plan, ranks = raw
+                out, src, plan, ranks = raw[1:5]
                 made = self._planned(me, out, src, plan)
                 if me in ranks:
                     fetch = out  # after the rest of the program (its frees), which a failed out must not skip
@@ -755,41 +669,59 @@ class DataActor(Actor):
             if code == "free":
                 STORE.free(raw[1])
                 continue
-            if code == "check":
-                # ops that made no block (backward()): their failures are raised once the whole
-                # program ran (raising here would skip what follows: a collective peers wait in)
-                if failed is None:
-                    failed = next((e for e in map(STORE.failed.get, raw[1]) if e is not None), None)
-                STORE.free(raw[1])
+            if code == "fail-replay":
+                failed = failed or MeshArrayError(f"captured step {raw[1]} is not defined on rank {me}")
                 continue
-            ins = I.decode(raw)
-            t = type(ins)
-            make = _MAKERS.get(t)
-            if make is not None:
-                try:
-                    block, eng = make(ins, me)
-                except BaseException as exc:
-                    _name_op(exc, ins, me)
-                    STORE.fail(ins.out, exc)
+            if code == "fail":  # (an op the controller could not send: its block keeps why)
+                STORE.fail(raw[1], raw[2])
+                continue
+            if code == "effect":
+                inner = raw[1]
+                if inner[0] == "apply" and type(inner[2]) is BlockCall and inner[2].backward:
+                    done = self._backward(program, idx, me, done, inner)
                 else:
-                    STORE.put(ins.out, block, eng)
-            elif t is I.Fetch:
-                if not ins.ranks or me in ins.ranks:
-                    bid = ins.block
-                    result = pack_small(_host(STORE.engine(bid), STORE.get(bid)))
-            elif t is I.Free:
-                STORE.free(ins.blocks)
-            elif t is I.Collective:
-                self._collective(me, ins)
-            elif t is I.Move:
-                if idx + 1 < len(program) and program[idx + 1][0] == "move":
-                    done = self._moves(me, program, idx, done)
-                else:
+                    self._effect(inner, me)
+                self._effect_done(inner[1])
+                continue
+            if code == "check":
+                # the first failure of this rank's effects since its last wait, raised once the
+                # whole program ran (raising here would skip what follows: a collective peers wait in)
+                if me in raw[1] and self.unreported is not None:
+                    failed = failed or self.unreported
+                    self.unreported = None
+                continue
+            try:
+                ins = I.decode(raw)
+                t = type(ins)
+                make = _MAKERS.get(t)
+                if make is not None:
+                    try:
+                        block, eng = make(ins, me)
+                    except BaseException as exc:
+                        _name_op(exc, ins, me)
+                        STORE.fail(ins.out, exc)
+                    else:
+                        STORE.put(ins.out, block, eng)
+                elif t is I.Fetch:
+                    if not ins.ranks or me in ins.ranks:
+                        bid = ins.block
+                        result = pack_small(_host(STORE.engine(bid), STORE.get(bid)))
+                elif t is I.Free:
+                    STORE.free(ins.blocks)
+                elif t is I.Collective:
+                    self._collective(me, ins)
+                elif t is I.Move:
                     self._move(me, ins)
-            elif t is I.SetItem:
-                _setitem(ins, me)
-            else:
-                raise TypeError(f"not a distributed-array instruction: {ins!r}")
+                elif t is I.SetItem:
+                    try:
+                        _setitem(ins, me)
+                    except BaseException as exc:  # (the block is as it was; its uses raise this)
+                        _name_op(exc, ins, me)
+                        STORE.fail(ins.block, exc)
+                else:
+                    raise TypeError(f"not a distributed-array instruction: {ins!r}")
+            except BaseException as exc:
+                failed = failed or exc
         if failed is not None:
             raise failed
         if fetch is not None:
@@ -798,10 +730,33 @@ class DataActor(Actor):
             result = pack_small(_host(STORE.engine(fetch), STORE.get(fetch)))
         return result
 
-    def _backward(self, program: list, idx: int, me: int, done: set[int] | None) -> set[int] | None:
-        """Run the backward at ``program[idx]``, its gradients' reductions bucketed and started while it
-        runs where the program reduces them next (:mod:`.overlap`); the instructions that did."""
-        raw = program[idx]
+    def _effect(self, raw: tuple, me: int) -> None:
+        """An op run for its effect (its block, if any, is not kept): see :meth:`_effect_done`."""
+        if not (raw[0] == "apply" and _fast_apply(raw, me)):
+            ins = I.decode(raw)
+            try:
+                block, eng = _MAKERS[type(ins)](ins, me)
+            except BaseException as exc:
+                _name_op(exc, ins, me)
+                STORE.fail(ins.out, exc)
+            else:
+                STORE.put(ins.out, block, eng)
+
+    def _effect_done(self, out: int) -> None:
+        """After an effect: its failure kept for this rank's next wait, its block dropped."""
+        exc = STORE.failed.pop(out, None)
+        STORE.blocks.pop(out, None)
+        STORE.engines.pop(out, None)
+        if exc is not None and self.unreported is None:
+            self.unreported = exc
+
+    def _backward(self, program: list, idx: int, me: int, done: set[int] | None,
+                  raw: tuple | None = None) -> set[int] | None:
+        """Run the backward at ``program[idx]`` (``raw``: the apply, when that is an effect wrapping it), its
+        gradients' reductions bucketed and started while it runs where the program reduces them next
+        (:mod:`.overlap`); the instructions that did."""
+        if raw is None:
+            raw = program[idx]
 
         def group_of(fields: tuple, src: int) -> Any:
             ins = I.Collective(0, src, *fields)
@@ -811,21 +766,22 @@ class DataActor(Actor):
             return self._group(members, me, ins, None)
 
         try:
-            ov = prepare(program, idx, STORE.get, group_of)
+            ov = prepare(program, idx, STORE.get, group_of, STORE.engine)
         except BaseException:  # (anything odd: the instructions run one by one, as written)
             ov = None
         ins = I.decode(raw)
+        error = None
         try:
             block, eng = _apply(ins, me)
         except BaseException as exc:
             _name_op(exc, ins, me)
             STORE.fail(ins.out, exc)
+            error = exc
         else:
             STORE.put(ins.out, block, eng)
         if ov is None:
             return done
-        first = ov.entries[0].w
-        more = ov.finish(STORE, STORE.engines.get(first) or get_engine("torch"))
+        more = ov.finish(STORE, error)
         return more if done is None else done | more
 
     def _expand(self, program: list) -> list:
@@ -837,9 +793,16 @@ class DataActor(Actor):
             if code == "def":
                 _, fid, prog, temps = raw
                 self.funcs[fid] = (prog, temps)
+            elif code == "undef":
+                for fid in raw[1]:
+                    self.funcs.pop(fid, None)
             elif code == "replay":
                 _, fid, base, args = raw
-                prog, temps = self.funcs[fid]
+                got = self.funcs.get(fid)
+                if got is None:  # (never defined here: the controller sent its definition elsewhere)
+                    out.append(("fail-replay", fid))
+                    continue
+                prog, temps = got
                 out.extend(I.remap(prog, base, args))
                 if temps:
                     out.append(("free", [base + t[1] for t in temps]))
@@ -909,47 +872,6 @@ class DataActor(Actor):
                     return None
                 st[1] = (grp, ins.op, dtype, get_engine("numpy"), grp.small_bytes, kdt)
         return None
-
-    def _moves(self, me: int, program: list, idx: int, done: set[int] | None) -> set[int] | None:
-        """The move at ``program[idx]`` with the moves right after it that share its participants, run
-        together (:func:`_move_group_many`); the indices of those it ran besides the first."""
-        first = I.decode(program[idx])
-        same = [first]
-        j = idx + 1
-        key = (first.groups, first.copies, first.ids, first.pids, first.hosts, first.mpi, first.token)
-        while j < len(program) and program[j][0] == "move":
-            ins = I.decode(program[j])
-            if (ins.groups, ins.copies, ins.ids, ins.pids, ins.hosts, ins.mpi, ins.token) != key:
-                break
-            same.append(ins)
-            j += 1
-        if len(same) == 1:
-            self._move(me, first)
-            return done
-        me = first.ids.get((self.token, me), me) if first.ids else me
-        for ins in same:
-            if me in ins.copies or any(me in g[1:] for g in ins.groups):
-                STORE.blocks.pop(ins.out, None)
-            if me in ins.copies:
-                try:
-                    STORE.put(ins.out, _clone(STORE.get(ins.src)), STORE.engine(ins.src))
-                except BaseException as exc:
-                    STORE.fail(ins.out, exc)
-        for g in first.groups:
-            if me not in g:
-                continue
-            try:
-                got = _move_group_many(tuple(g), me, same)
-            except BaseException as exc:
-                got = [exc] * len(same)
-            for ins, r in zip(same, got):
-                if isinstance(r, BaseException):
-                    if me != g[0]:  # a sender makes no block: its own failure stays with its src
-                        STORE.fail(ins.out, r)
-                elif r is not None:
-                    STORE.put(ins.out, *r)
-        more = set(range(idx + 1, j))
-        return more if done is None else done | more
 
     def _move(self, me: int, ins: I.Move) -> None:
         """This process's part of a move: its sends and its receive, in the move's order."""

@@ -44,7 +44,8 @@ from .recorder import REC, SPAN
 
 _current = REC.current
 
-__all__ = ["Channel", "Fanout", "defer_flush", "flush_all", "flush_programs", "programs", "dirty", "next_id", "sent"]
+__all__ = ["Channel", "Fanout", "defer_flush", "flush_all", "flush_programs", "programs", "sending_program", "dirty",
+           "next_id", "sent"]
 
 next_id = itertools.count(1).__next__
 _pid = os.getpid
@@ -485,10 +486,27 @@ def _mark_dirty(conn: Any) -> None:
 programs: set = set()
 
 
+_sending = threading.local()
+
+
+class sending_program:
+    """``with sending_program():`` around a command buffer's own sends: no other buffer is flushed from
+    inside them (two buffers flushed by two threads, each from inside the other's, would wait on each
+    other's locks)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        _sending.on = True
+
+    def __exit__(self, *exc: Any) -> None:
+        _sending.on = False
+
+
 def flush_programs() -> None:
     """Send every command buffer now: what a caller does before a message of its own (an actor call
     after array ops must find their blocks made)."""
-    if not programs:
+    if not programs or getattr(_sending, "on", False):
         return
     with _dirty_lock:
         objs = list(programs)
@@ -499,7 +517,7 @@ def flush_programs() -> None:
 
 def defer_flush(obj: Any) -> None:
     """Have ``obj.flush()`` run before this process next waits on a reply (:func:`flush_all`), or by
-    the flusher thread within ~0.2 ms, whichever comes first: for layers above that batch what they
+    the flusher thread (which looks every 0.2 ms), whichever comes first: for layers above that batch what they
     send (the distributed arrays' command buffers) as connections batch corked frames. The flusher
     calls ``obj.flush_idle()`` instead where it has one, which may flush or defer itself again.
     Also before any message a caller of this process sends (:func:`flush_programs`)."""

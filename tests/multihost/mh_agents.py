@@ -48,7 +48,17 @@ class Agent:
         except ProcessLookupError:
             pass
 
+    def signal_host(self, sig: int) -> None:
+        """``sig`` to every process of this host: the agent and all it started (the workers' zygote
+        runs in a session of its own, so the agent's process group is not enough)."""
+        for pid in [self.proc.pid, *_descendants(self.proc.pid)]:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
     def stop(self) -> str:
+        left = _descendants(self.proc.pid)
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -60,11 +70,34 @@ class Agent:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        for pid in left:  # and the workers' zygote's session
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         err = self.proc.stderr.read() if self.proc.stderr else ""
         for f in (self.proc.stdout, self.proc.stderr):
             if f:
                 f.close()
         return err
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        for c in children.get(todo.pop(), ()):
+            out.append(c)
+            todo.append(c)
+    return out
 
 
 def _readline(proc: subprocess.Popen, timeout: float) -> str:

@@ -59,19 +59,14 @@ def test_silent_host_is_reported_unresponsive_by_heartbeat():
         try:
             w = procs.spawn("w", Where)
             w.where.call().get(timeout=30)
-            # the host goes silent, nothing closes: its agent and its zygote's session (the zygote,
-            # the relay, the workers: a session of their own, which a Ctrl-C at the agent misses)
-            groups = [ags[1].proc.pid, os.getpgid(procs.pids[1])]
-            for g in groups:
-                os.killpg(g, signal.SIGSTOP)
+            ags[1].signal_host(signal.SIGSTOP)  # the host goes silent: nothing closes
             try:
                 t = time.monotonic()
                 assert wait_until(lambda: procs.stats()["unresponsive_now"] == 1, 5)
                 assert time.monotonic() - t < 1.0 + 1.5  # the documented bound: heartbeat_timeout + a check period
                 assert w[0].where.call_one().get(timeout=10)[0] == "s0"
             finally:
-                for g in groups:
-                    os.killpg(g, signal.SIGCONT)
+                ags[1].signal_host(signal.SIGCONT)
             assert wait_until(lambda: procs.stats()["unresponsive_now"] == 0, 5)
             assert w[1].where.call_one().get(timeout=10)[0] == "s1"
         finally:
