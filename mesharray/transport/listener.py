@@ -170,8 +170,8 @@ class Listener:
                 self._admit(s)
             except Exception as exc:
                 self._pending.pop(s, None)
-                self.refused += 1
                 log.warning("refused a connection on %s: %s", self.address, exc)
+                self.refused += 1  # after the warning: whoever watches the count finds it logged
                 try:
                     self._sel.unregister(s)
                 except (KeyError, ValueError):
@@ -182,9 +182,9 @@ class Listener:
         if s.family == socket.AF_UNIX:
             uid = peer_uid(s)
             if uid is not None and uid != os.geteuid() and uid != 0:
-                self.refused += 1
                 log.warning("refused a connection on %s from uid %d (this process runs as uid %d)",
                             self.address, uid, os.geteuid())
+                self.refused += 1
                 s.close()
                 return
         s.setblocking(False)
@@ -229,8 +229,8 @@ class Listener:
                 raise BrokenTransportError("peer does not take the handshake's answer")
             s.setblocking(True)
         except OSError as exc:
-            self.refused += 1
             log.warning("refused a connection on %s: %s", self.address, exc)
+            self.refused += 1
             s.close()
             return
         try:
@@ -246,9 +246,9 @@ class Listener:
         except (KeyError, ValueError):
             pass
         s.close()
-        self.refused += 1
         if why is not None:
             log.warning("refused a connection on %s: %s", self.address, why)
+        self.refused += 1
 
     @property
     def pending_handshakes(self) -> int:
