@@ -94,22 +94,13 @@ def _flush() -> None:
             pass
 
 
-def _exit_code(exc: SystemExit) -> int:
-    code = exc.code
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    # sys.exit("message"): python prints it and exits 1
-    print(code, file=sys.stderr)
-    return 1
-
-
 def _guarded(run: Any) -> int:
+    from mesharray.spmd.rank import exit_status  # the status `python script.py` would exit with
+
     try:
         run()
     except SystemExit as exc:
-        code = _exit_code(exc)
+        code = exit_status(exc)
     except BaseException:
         # print like the interpreter would, without this module's frames
         kind, value, tb = sys.exc_info()

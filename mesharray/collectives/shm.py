@@ -164,13 +164,7 @@ def _pid_exists(pid: int) -> bool:
 def _pid_alive(pid: int) -> bool:
     if pid <= 0:
         return True  # not registered yet: nothing to say
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return _proc_stat.state(pid) not in (b"Z", b"X")  # unknown (None): alive
+    return _pid_exists(pid) and _proc_stat.state(pid) not in (b"Z", b"X")  # unknown (None): alive
 
 
 class ShmCollective:

@@ -313,6 +313,14 @@ def _fast_operands(ops: list) -> list | None:
 _MISSING = object()
 
 
+def _stored(out, r, eng) -> None:
+    """``r`` (of engine ``eng``) kept as block ``out``, in place of a failure an earlier run left there."""
+    STORE.blocks[out] = r
+    STORE.engines[out] = eng
+    if STORE.failed:
+        STORE.failed.pop(out, None)
+
+
 def _fast_apply(raw: tuple, me: int) -> bool:
     """``("apply", out, fn, operands)`` whose operands are at hand (blocks, plain values), run as
     :func:`_apply` runs it, without decoding the instruction; False (nothing done) when they are not."""
@@ -330,11 +338,8 @@ def _fast_apply(raw: tuple, me: int) -> bool:
     except BaseException as exc:  # kept as the block's failure, as the general path keeps it
         _name_op(exc, I.decode(raw), me)
         STORE.fail(out, exc)
-        return True
-    STORE.blocks[out] = r
-    STORE.engines[out] = eng
-    if STORE.failed:
-        STORE.failed.pop(out, None)
+    else:
+        _stored(out, r, eng)
     return True
 
 
@@ -353,14 +358,11 @@ def _fast_elementwise(raw: tuple, me: int) -> bool:
         return False
     try:
         r = eng.elementwise(name, *vals)
-    except BaseException as exc:  # kept as the block's failure, as the general path keeps it
+    except BaseException as exc:  # (as in _fast_apply)
         _name_op(exc, I.decode(raw), me)
         STORE.fail(out, exc)
-        return True
-    STORE.blocks[out] = r
-    STORE.engines[out] = eng
-    if STORE.failed:
-        STORE.failed.pop(out, None)
+    else:
+        _stored(out, r, eng)
     return True
 
 

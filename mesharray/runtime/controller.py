@@ -360,13 +360,7 @@ class Controller:
                           file=sys.stderr, flush=True)
                     shown = True
                     next_note = now + 1.0
-                self._cond.wait(0.1)
-                if check is not None:
-                    self._cond.release()
-                    try:
-                        check()
-                    finally:
-                        self._cond.acquire()
+                self._wait_checked(check)
         infos = [self.workers[r] for r in range(n)]
         for info in infos:
             self._configure(info)
@@ -374,6 +368,17 @@ class Controller:
             print(f"mesharray: {n}/{n} processes started ({time.monotonic() - t0:.1f} s)",
                   file=sys.stderr, flush=True)
         return infos
+
+    def _wait_checked(self, check) -> None:
+        """Wait on ``self._cond`` (held) for at most 0.1 s, then run ``check()`` (the bootstrap's: it raises
+        when the processes cannot join any more) without holding it."""
+        self._cond.wait(0.1)
+        if check is not None:
+            self._cond.release()
+            try:
+                check()
+            finally:
+                self._cond.acquire()
 
     def adopt_relays(self, host_of: list[int], timeout: float = 60.0, check=None) -> HostPlane:
         """Wait for the HELLO of every host's relay (``host_of[r]``: rank r's host) and make the mesh's
@@ -385,13 +390,7 @@ class Controller:
                 if time.monotonic() > deadline:
                     missing = [h for h in range(hosts) if h not in self._relays]
                     raise BootstrapError(f"the relays of hosts {missing} did not join within {timeout} s")
-                self._cond.wait(0.1)
-                if check is not None:
-                    self._cond.release()
-                    try:
-                        check()
-                    finally:
-                        self._cond.acquire()
+                self._wait_checked(check)
             relays = [self._relays[h] for h in range(hosts)]
         plane = HostPlane(host_of, relays, [c.peer.get("host_id") or str(h) for h, c in enumerate(relays)],
                           self._death_of, self.counters)

@@ -448,19 +448,17 @@ class Debugger:
                 return "".join(text), False
 
     def _resumed(self, p: _Paused) -> None:
-        with self._lock:
-            p.paused = False
-            info = self._infos.get(p.address)
-            if info is not None:
-                _mark(info, p.where, p.key, False)
-            self.changed.notify_all()
+        self._set_paused(p, False)
 
     def _paused_again(self, p: _Paused) -> None:
+        self._set_paused(p, True)
+
+    def _set_paused(self, p: _Paused, paused: bool) -> None:
         with self._lock:
-            p.paused = True
+            p.paused = paused
             info = self._infos.get(p.address)
             if info is not None:
-                _mark(info, p.where, p.key, True)
+                _mark(info, p.where, p.key, paused)
             self.changed.notify_all()
 
     def hello(self, p: _Paused) -> str:

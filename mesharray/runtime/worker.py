@@ -415,25 +415,25 @@ class Worker:
 
     def _frame_direct(self, conn, _c, kind, flags, msg_id, actor_id, view, payload) -> None:
         """A frame of the controller's connection of a rank with a relay: :meth:`_frame`, counted."""
-        if kind == P.FENCE:
-            self._await(True, msg_id)
-            return
-        self._frame(conn, _c, kind, flags, msg_id, actor_id, view, payload)
-        if kind in _COUNTED:
-            o = self.order
-            o.direct += 1
-            if o.waiting:
-                o.wake()
+        self._frame_counted(False, conn, _c, kind, flags, msg_id, actor_id, view, payload)
 
     def _frame_relayed(self, conn, _c, kind, flags, msg_id, actor_id, view, payload) -> None:
         """A frame of the relay's connection: :meth:`_frame`, counted."""
+        self._frame_counted(True, conn, _c, kind, flags, msg_id, actor_id, view, payload)
+
+    def _frame_counted(self, relayed: bool, conn, _c, kind, flags, msg_id, actor_id, view, payload) -> None:
+        """:meth:`_frame` of a frame that came by one path (``relayed`` or direct), after a fence on it
+        has waited for that many frames of the other path, counted for the other path's fences."""
         if kind == P.FENCE:
-            self._await(False, msg_id)
+            self._await(not relayed, msg_id)
             return
         self._frame(conn, _c, kind, flags, msg_id, actor_id, view, payload)
         if kind in _COUNTED:
             o = self.order
-            o.relayed += 1
+            if relayed:
+                o.relayed += 1
+            else:
+                o.direct += 1
             if o.waiting:
                 o.wake()
 

@@ -71,7 +71,7 @@ def find_script(path: str) -> str:
     raise FileNotFoundError(f"script not found on host {socket.gethostname()}: looked at {', '.join(tried)}")
 
 
-def _exit_code(exc: SystemExit) -> int:
+def exit_status(exc: SystemExit) -> int:
     """The status ``python script.py`` exits with after ``exc``."""
     code = exc.code
     if code is None:
@@ -217,7 +217,7 @@ def run_script(path: str, args: list[str], env: dict[str, str | None]) -> int:
         try:
             runpy.run_path(path, run_name="__main__")
         except SystemExit as exc:
-            return _exit_code(exc)
+            return exit_status(exc)
         return 0
     finally:
         _drain_output()

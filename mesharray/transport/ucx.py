@@ -304,25 +304,23 @@ class UcxLink:
     def send(self, data) -> None:
         """Send all of ``data`` as one message (blocks until UCX is done with it: a large one until
         the peer receives it; the GIL is released meanwhile)."""
+        self._move(self._native.send, data)
+
+    def recv_into(self, view) -> None:
+        """Fill all of ``view`` (``ConnectionError`` if the peer goes away first, or after
+        :data:`LINK_TIMEOUT` seconds without data)."""
+        self._move(self._native.recv_into, view)
+
+    def _move(self, op, data) -> None:
+        """``op(bytes, timeout)`` (the native link's send or recv_into) on all of ``data``, its errors
+        as a TcpLink's: ``ConnectionError`` naming the peer, a timeout included."""
         view = memoryview(data).cast("B")
         if self._closed:
             raise ConnectionError(f"data link to {self.peer or 'peer'} is closed")
         if view.nbytes:
             try:
-                self._native.send(view, LINK_TIMEOUT)
-            except (ConnectionError, TimeoutError) as exc:  # (a timeout too, as on a TcpLink)
-                raise ConnectionError(f"data link to {self.peer or 'peer'}: {exc}") from None
-
-    def recv_into(self, view) -> None:
-        """Fill all of ``view`` (``ConnectionError`` if the peer goes away first, or after
-        :data:`LINK_TIMEOUT` seconds without data)."""
-        view = memoryview(view).cast("B")
-        if self._closed:
-            raise ConnectionError(f"data link to {self.peer or 'peer'} is closed")
-        if view.nbytes:
-            try:
-                self._native.recv_into(view, LINK_TIMEOUT)
-            except (ConnectionError, TimeoutError) as exc:  # (a timeout too, as on a TcpLink)
+                op(view, LINK_TIMEOUT)
+            except (ConnectionError, TimeoutError) as exc:
                 raise ConnectionError(f"data link to {self.peer or 'peer'}: {exc}") from None
 
     @property
