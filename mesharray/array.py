@@ -32,7 +32,7 @@ from typing import Any, cast
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
-from ._core import Shape, classify_index
+from ._core import Shape
 from .calls import fill
 from .elementwise import (
     BLOCKWISE,
@@ -46,7 +46,8 @@ from .elementwise import (
     signature,
     storage_class,
 )
-from .errors import DimensionError, MeshIndexError, MeshShapeError
+from .errors import DimensionError, MeshShapeError
+from .indexing import is_advanced, is_full_slice, split_key
 from .mesh import MeshTrait, mesh_size
 from .storage import GatheredStorage, Storage, StoredArray, WorkerStorage
 
@@ -484,7 +485,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait, StoredArray):
         """NumPy indexing over mesh axes then local axes; a dict selects mesh dims by name."""
         if isinstance(key, dict):
             return self.slice(**key)
-        mesh_key, local_key = _split_key(key, self._shape.ndim, self.local_ndim, self)
+        mesh_key, local_key = split_key(key, self._shape.ndim, self.local_ndim, self)
         return self._take(mesh_key, local_key)
 
     def slice(self, **dims: Any) -> Any:
@@ -501,7 +502,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait, StoredArray):
         >>> a.slice(procs=slice(None, None, -1), hosts=1).tolist()
         [7, 6, 5, 4]
         """
-        mesh_key, local_key = _split_key(self._named_key(dims), self._shape.ndim, self.local_ndim, self)
+        mesh_key, local_key = split_key(self._named_key(dims), self._shape.ndim, self.local_ndim, self)
         return self._take(mesh_key, local_key)
 
     def _named_key(self, dims: dict) -> tuple:
@@ -535,9 +536,9 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait, StoredArray):
         """
         if isinstance(key, dict):
             key = self._named_key(key)
-        mesh_key, local_key = _split_key(key, self._shape.ndim, self.local_ndim, self)
-        mesh_adv = any(_is_advanced(k) for k in mesh_key)
-        local_adv = [k for k in local_key if _is_advanced(k)]
+        mesh_key, local_key = split_key(key, self._shape.ndim, self.local_ndim, self)
+        mesh_adv = any(is_advanced(k) for k in mesh_key)
+        local_adv = [k for k in local_key if is_advanced(k)]
         local_int = any(isinstance(k, int) for k in local_key)
         if (mesh_adv and (local_int or local_adv)) or (
             local_adv and (len(local_adv) > 1 or local_int or any(isinstance(k, int) for k in mesh_key))
@@ -562,11 +563,11 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait, StoredArray):
         self._storage.setitem(mesh_key + local_key, value)
 
     def _take(self, mesh_key: tuple, local_key: tuple) -> Any:
-        if mesh_key and not all(_is_full_slice(k) for k in mesh_key):
+        if mesh_key and not all(is_full_slice(k) for k in mesh_key):
             shape = self._shape[mesh_key]
         else:
             shape, mesh_key = self._shape, ()
-        if all(_is_full_slice(k) for k in local_key):
+        if all(is_full_slice(k) for k in local_key):
             local_key = ()
         storage = self._storage.take(mesh_key, local_key, shape)
         return _wrap(shape, storage)
@@ -1100,70 +1101,6 @@ def _normalize_axes(axis: Any, a: MeshArray) -> tuple[int, ...] | None:
     if single:
         return (out[0],)
     return tuple(sorted(out))
-
-
-# -- indexing --------------------------------------------------------------------------
-
-
-def _is_full_slice(k: Any) -> bool:
-    return isinstance(k, slice) and k.start is None and k.stop is None and k.step is None
-
-
-def _is_advanced(k: Any) -> bool:
-    return isinstance(k, np.ndarray)
-
-
-def _split_key(key: Any, mesh_ndim: int, local_ndim: int, a: MeshArray) -> tuple[tuple, tuple]:
-    """Split a NumPy index over ``mesh + local`` axes into the mesh part and the local part.
-
-    Classified by the compiled classifier that ``Shape`` indexing uses (the same
-    checks, errors and messages). Array-likes become ndarrays (integer or
-    boolean); ``...`` is expanded, so each part is explicit. ``None`` (and
-    scalar booleans) after the last mesh axis go to the local part.
-    """
-    if isinstance(key, MeshArray) or (isinstance(key, tuple) and any(isinstance(k, MeshArray) for k in key)):
-        parts = key if isinstance(key, tuple) else (key,)
-        key = tuple(_mask_values(k, a) if isinstance(k, MeshArray) else k for k in parts)
-    items, kinds, consumed = classify_index(key, mesh_ndim + local_ndim, "array")
-    items = [np.asarray(k, dtype=np.intp) if kind == "a" else k for k, kind in zip(items, kinds)]
-    ellipsis_at = kinds.index("e") if "e" in kinds else -1
-    fill = [slice(None)] * (mesh_ndim + local_ndim - consumed)
-    if ellipsis_at >= 0:
-        items[ellipsis_at : ellipsis_at + 1] = fill
-    else:
-        items.extend(fill)
-    mesh_key: list[Any] = []
-    local_key: list[Any] = []
-    axis = 0
-    for k in items:
-        width = k.ndim if isinstance(k, np.ndarray) and k.dtype == np.bool_ else (
-            0 if k is None or isinstance(k, (bool, np.bool_)) else 1
-        )
-        if width == 0:
-            (mesh_key if axis < mesh_ndim else local_key).append(k)
-        elif axis + width <= mesh_ndim:
-            mesh_key.append(k)
-        elif axis >= mesh_ndim:
-            local_key.append(k)
-        else:
-            raise MeshIndexError(
-                f"a boolean index of {width} dims at axis {axis} spans both mesh axes "
-                f"(the first {mesh_ndim}) and local axes; index them separately"
-            )
-        axis += width
-    if any(_is_advanced(k) for k in mesh_key) and any(_is_advanced(k) for k in local_key):
-        raise MeshIndexError(
-            "advanced (array) indices on both mesh axes and local axes cannot be combined "
-            "in one index; index the mesh axes and the local axes in two steps"
-        )
-    return tuple(mesh_key), tuple(local_key)
-
-
-def _mask_values(k: MeshArray, a: MeshArray) -> np.ndarray:
-    """A MeshArray used as an index: its values, with its mesh dims put in ``a``'s order."""
-    if set(k._shape.names) == set(a._shape.names) and k._shape.names != a._shape.names:
-        k = k.transpose(*a._shape.names)
-    return k._values()
 
 
 # -- operations whose results become MeshArrays -------------------------------------------
