@@ -321,6 +321,9 @@ cdef class Link:
         finally:
             eng_leave(e)
 
+    # send and recv_into share their steps (the buffer held, the engine entered, the GIL released
+    # around one C call), written out in each: the two differ in buffer flags, C call and error
+    # word, and each reads alone as the C API it wraps
     def send(self, data, double timeout=60.0):
         """Send all of ``data`` as one message (GIL released until UCX is done with it)."""
         cdef Py_buffer view

@@ -378,6 +378,8 @@ class UcxPlane:
 
     Examples
     --------
+    The example of :class:`~.dataplane.TcpPlane`, word for word: the planes are interchangeable.
+
     >>> got = {}
     >>> plane = UcxPlane(b"k" * 32, "127.0.0.1", lambda link, tag: got.setdefault(tag, link))
     >>> link = plane.connect(plane.address, b"hello")
