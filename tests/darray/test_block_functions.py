@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import mesharray as ma
+from tests.support.procs import mesh_fixture
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -14,11 +15,7 @@ F = torch.nn.functional
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def procs():
-    mesh = ma.proc_mesh(hosts=2, procs=2)
-    yield mesh
-    mesh.stop()
+procs = mesh_fixture(hosts=2, procs=2)
 
 
 def _np(x):

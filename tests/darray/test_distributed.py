@@ -11,6 +11,7 @@ import pytest
 import mesharray as ma
 from mesharray.darray import data_context
 from mesharray.errors import ActorDiedError, MeshShapeError
+from tests.support.procs import mesh_fixture
 
 proc_mod = pytest.importorskip("mesharray.proc", reason="needs the runtime (ProcMesh)")
 if not hasattr(proc_mod.ProcMesh, "zeros"):
@@ -19,11 +20,7 @@ if not hasattr(proc_mod.ProcMesh, "zeros"):
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def procs():
-    mesh = ma.proc_mesh(hosts=2, procs=2)
-    yield mesh
-    mesh.stop()
+procs = mesh_fixture(hosts=2, procs=2)
 
 
 def _np(a):

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mesharray as ma
+from tests.support.procs import mesh_fixture
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -22,11 +23,7 @@ PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCh
                  derandomize=True)
 
 
-@pytest.fixture(scope="module")
-def procs():
-    mesh = ma.proc_mesh(hosts=2, procs=3)
-    yield mesh
-    mesh.stop()
+procs = mesh_fixture(hosts=2, procs=3)
 
 
 def _np(x):

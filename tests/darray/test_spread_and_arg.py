@@ -6,15 +6,12 @@ import numpy as np
 import pytest
 
 import mesharray as ma
+from tests.support.procs import mesh_fixture
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def procs():
-    mesh = ma.proc_mesh(hosts=2, procs=3)
-    yield mesh
-    mesh.stop()
+procs = mesh_fixture(hosts=2, procs=3)
 
 
 

@@ -14,6 +14,7 @@ import pytest
 import mesharray as ma
 from mesharray.darray import context as dctx
 from mesharray.darray import data_context
+from tests.support.procs import mesh_fixture
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -21,11 +22,7 @@ F = torch.nn.functional
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture(scope="module")
-def procs():
-    mesh = ma.proc_mesh(procs=2)
-    yield mesh
-    mesh.stop()
+procs = mesh_fixture(procs=2)
 
 
 def _np(x):

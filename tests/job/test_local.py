@@ -17,6 +17,7 @@ from job_util import processes_naming
 
 import mesharray as ma
 from tests.support.actors import JobProbe as Probe
+from tests.support.procs import gone
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="127.0.0.x addresses: Linux")]
@@ -39,14 +40,6 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def _agent_pids(job) -> list[int]:
     return [h["pid"] for hs in job._alloc["hosts"].values() for h in hs]
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
 
 
 REATTACH = """
@@ -110,7 +103,7 @@ def test_a_local_job_outlives_its_script_and_is_found_again(workdir):
         again = json.loads(out.stdout.splitlines()[-1])
         assert again["id"] == job.id and again["ids"] == ["workers-0", "workers-1"]
         assert again["took"] < 5, again
-        assert _agent_pids(ma.job.load(path)) == agents and not any(_gone(p) for p in agents)
+        assert _agent_pids(ma.job.load(path)) == agents and not any(gone(p) for p in agents)
 
         st = _cli("job", "status", cwd=workdir)
         assert st.returncode == 0, st.stderr
@@ -124,7 +117,7 @@ def test_a_local_job_outlives_its_script_and_is_found_again(workdir):
         raise
     killed = _cli("job", "kill", ".mesharray/job.json", cwd=workdir)
     assert killed.returncode == 0, killed.stderr
-    assert all(_gone(p) for p in agents)
+    assert all(gone(p) for p in agents)
     assert not path.exists() and not processes_naming(str(workdir))
     st = _cli("job", "status", cwd=workdir)
     assert st.returncode == 1 and "no job file" in st.stderr
@@ -147,7 +140,7 @@ def test_a_dead_cached_job_is_reported_and_replaced(workdir, caplog):
         said = [r.getMessage() for r in caplog.records if "is dead" in r.getMessage()]
         assert len(said) == 1 and first.id in said[0] and "workers-1" in said[0] and "started" in said[0], said
         assert second.id != first.id and hosts.host_ids == ["workers-0", "workers-1"]
-        assert _gone(pids[0])  # what was left of the dead job was ended
+        assert gone(pids[0])  # what was left of the dead job was ended
         assert json.loads((workdir / "jobs" / "a.json").read_text())["id"] == second.id
     finally:
         second.kill()

@@ -6,8 +6,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
+
+from tests.support.procs import wait_until  # noqa: F401 (the multihost tests import it from here)
 
 SECRET = "multihost-test-secret"
 
@@ -123,12 +124,3 @@ def agents(n: int, first_ip: int = 2, prefix: str = "h", **kw):
     finally:
         for a in started:
             a.stop()
-
-
-def wait_until(cond, timeout: float = 5.0, step: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(step)
-    return cond()

@@ -16,16 +16,9 @@ from mh_agents import SECRET, Agent, agents, wait_until
 import mesharray as ma
 from mesharray.bootstrap import agent as agent_mod
 from tests.support.actors import Where
+from tests.support.procs import gone
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
 
 
 def test_killed_agent_fails_its_ranks_fast_and_spares_the_others():
@@ -43,7 +36,7 @@ def test_killed_agent_fails_its_ranks_fast_and_spares_the_others():
                     w[1, 0].where.call_one().get(timeout=5)
                     time.sleep(0.01)
             assert time.monotonic() - t <= 1.0
-            assert wait_until(lambda: _gone(pids[2]) and _gone(pids[3]), 5)
+            assert wait_until(lambda: gone(pids[2]) and gone(pids[3]), 5)
             # the first host keeps working, views included
             assert w[0].where.call().get(timeout=30).shape == (2,)
             assert float(np.asarray(x[0].sum().fetch())) == 16.0
@@ -100,7 +93,7 @@ def test_dead_controller_processes_are_killed_and_agents_serve_the_next():
             assert len(pids) == 4, line
             ctl.kill()
             ctl.wait(10)
-            assert wait_until(lambda: all(_gone(p) for p in pids), 10), "workers outlived their controller"
+            assert wait_until(lambda: all(gone(p) for p in pids), 10), "workers outlived their controller"
             t = time.monotonic()
             hosts = ma.attach(urls, secret=SECRET, timeout=10)
             procs = hosts.spawn_procs(per_host={"procs": 1})

@@ -14,6 +14,7 @@ from mh_agents import SECRET, agents, wait_until
 import mesharray as ma
 from mesharray.runtime.router import get_router
 from tests.support.actors import Counter, Probe
+from tests.support.procs import gone
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -165,7 +166,7 @@ def test_a_dead_relay_is_the_death_of_its_hosts_ranks():
             fut.get(timeout=10)
         assert time.monotonic() - t <= 1.0
         assert "relay of host e1" in str(ei.value)
-        assert wait_until(lambda: all(_gone(int(q)) for q in pids[1]), 5)  # its ranks went with it
+        assert wait_until(lambda: all(gone(int(q)) for q in pids[1]), 5)  # its ranks went with it
         with pytest.raises(ma.ActorDiedError, match="relay of host e1"):
             p[1, 0].pid.call_one().get(timeout=10)
         assert p[0].pid.call().get(timeout=30).shape == (2,)  # the other host keeps working
@@ -216,9 +217,3 @@ def test_relays_can_be_switched_off(monkeypatch):
         ags.__exit__(None, None, None)
 
 
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import mesharray as ma
+from tests.support.actors import JobProbe
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -25,7 +26,7 @@ HERE = str(Path(__file__).resolve().parent)
 ROOT = str(Path(__file__).resolve().parents[2])
 
 
-class Node(ma.Actor):
+class Node(JobProbe):  # (its Buffer endpoints; where and version are its own)
     @ma.endpoint
     def where(self) -> tuple:
         return os.environ.get("MESHARRAY_HOST_ID"), os.environ.get("SLURM_TEST_VAR"), os.getpid()
@@ -35,17 +36,6 @@ class Node(ma.Actor):
         import slurm_ws_mod  # only in the synced workspace
 
         return slurm_ws_mod.VERSION
-
-    @ma.endpoint
-    def make_buffer(self, n: int) -> ma.Buffer:
-        self.data = np.arange(n, dtype=np.float32)
-        return ma.Buffer(self.data)
-
-    @ma.endpoint
-    def read_buffer(self, buf: ma.Buffer) -> float:
-        dst = np.empty(buf.nbytes // 4, dtype=np.float32)
-        buf.read_into(dst).get(timeout=60)
-        return float(dst.astype(np.float64).sum())
 
 
 def _env() -> dict[str, str]:

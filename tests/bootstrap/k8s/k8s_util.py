@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import socket
-import time
+
+from tests.support.procs import wait_until as _wait_until
 
 
 def free_port() -> int:
@@ -14,12 +15,7 @@ def free_port() -> int:
 
 
 def wait_until(cond, timeout: float = 10.0, step: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(step)
-    return cond()
+    return _wait_until(cond, timeout, step)
 
 
 def api_connections(cluster) -> list:
