@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
@@ -21,6 +20,7 @@ from mh_agents import SECRET, agents
 import mesharray as ma
 from mesharray.runtime.router import get_router
 from tests.support.actors import Counter, Probe
+from tests.support.browser import HEADLESS, chromium
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -82,21 +82,13 @@ def test_a_one_element_sum_over_1024_ranks(big):
     assert per_sum < 30  # (a bound against hangs; bench/bench_scale.py measures it)
 
 
-def _chromium() -> str | None:
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
-
-
 def test_the_web_view_shows_1024_ranks_and_one_in_detail(big):
-    browser = _chromium()
+    browser = chromium()
     if browser is None:
         pytest.skip("no Chromium here (make test installs Debian's `chromium` when it runs as root with apt)")
     procs, _, _ = big
     url = procs.telemetry.serve(port=0)
-    args = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+    args = [browser, *HEADLESS,
             "--virtual-time-budget=5000", "--window-size=1400,1000", "--dump-dom"]
     dom = subprocess.run(args + [url + "#rank-1000"], capture_output=True, text=True, timeout=180).stdout
     cells = re.findall(r'class="rank (idle|busy|unresponsive|dead)[^"]*" data-rank="(\d+)"', dom)

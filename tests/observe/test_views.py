@@ -15,6 +15,7 @@ import pytest
 
 import mesharray as ma
 from tests.support.actors import Busy
+from tests.support.browser import HEADLESS, chromium
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,22 +62,14 @@ def test_the_json_api_and_metrics(served):
     assert set(stacks) == {"0", "1", "2", "3"}
 
 
-def _chromium() -> str | None:
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
-
-
 def test_the_web_view_in_a_headless_browser(served, tmp_path):
-    browser = _chromium()
+    browser = chromium()
     if browser is None:
         pytest.skip("no Chromium here (make test installs Debian's `chromium` when it runs as root with apt)")
     procs, busy, url = served
     fut = busy.slice(procs=3).hang_here_for_a_while.call_one(15.0)  # one rank busy while the page loads
     try:
-        args = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+        args = [browser, *HEADLESS,
                 "--virtual-time-budget=8000", "--window-size=1280,1000"]
         dom = subprocess.run(args + ["--dump-dom", url], capture_output=True, text=True, timeout=90).stdout
         # a click on a cell goes to #rank-N: the page then shows that rank's details
