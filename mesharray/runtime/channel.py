@@ -165,9 +165,13 @@ class Channel:
         f = self.fence
         if f is not None and kind in _COUNTED:
             f.before(self)
-            if self.conn.send(kind, flags, msg_id, target, view, parts, cork):
-                _mark_dirty(self.conn)
-            f.after()
+            ok = False
+            try:
+                if self.conn.send(kind, flags, msg_id, target, view, parts, cork):
+                    _mark_dirty(self.conn)
+                ok = True
+            finally:
+                f.after(ok)
             return
         if self.conn.send(kind, flags, msg_id, target, view, parts, cork):
             _mark_dirty(self.conn)
@@ -242,9 +246,11 @@ class Channel:
         f = self.fence
         if f is not None:
             f.before(self)
+        ok = False
         try:
             if conn.send(kind, flags, mid, target, view, parts, cork):  # ^C
                 _mark_dirty(conn)
+            ok = True
         except _SendErrors:
             pass  # the close handler fails the pending call with the death error
         except BaseException:  # nothing was sent (a frame over the limit), or a Ctrl-C: the caller gets the error
@@ -252,8 +258,9 @@ class Channel:
             if conn.corked_bytes:
                 _mark_dirty(conn)
             raise
-        if f is not None:
-            f.after()
+        finally:
+            if f is not None:
+                f.after(ok)
         err = self.died
         if err is not None:
             c = pending.pop(mid, None)
@@ -290,9 +297,11 @@ class Channel:
         f = self.fence
         if f is not None:
             f.before(self)
+        ok = False
         try:
             if conn.send(kind, flags, 0, target, view, parts, cork):  # ^C
                 _mark_dirty(conn)
+            ok = True
         except _SendErrors as exc:
             # the peer went away and its close handler has not run yet: the same
             # error every later send will get, not a transport detail
@@ -301,8 +310,9 @@ class Channel:
             if conn.corked_bytes:
                 _mark_dirty(conn)
             raise
-        if f is not None:
-            f.after()
+        finally:
+            if f is not None:
+                f.after(ok)
         sent.oneway += 1
 
     # -- reading replies in the caller's thread -----------------------------------
@@ -399,28 +409,40 @@ class Fanout:
             conns[0].poller.park_all(conns, now)  # (before any frame goes: the poller must not read the replies)
             fences = self._fences
             if fences is not None:
-                for f, chan in zip(fences, chans):
-                    f.before(chan)
-            _, frames = pack_calls(kind, _F_REPLY, target, self.vids, parts, self._pendings, cbs, next_id,
-                                   SMALL_FRAME, self._limit)
-            if frames is not None:
-                i = 0
+                held = 0
                 try:
-                    for conn, frame in zip(conns, frames):
-                        try:
-                            if not conn.write_frame(frame):
-                                self._send(conn, kind, target, frame, parts)
-                        except _SendErrors:
-                            pass  # the close handler fails the pending call with the death error
-                        i += 1
-                except BaseException:  # (an interrupt, no thread for the writer): no call left unsent
-                    for frame, pending in zip(frames[i:], self._pendings[i:]):
-                        pending.pop(unpack_header(frame, len(frame))[3], None)
+                    for f, chan in zip(fences, chans):
+                        f.before(chan)
+                        held += 1
+                except BaseException:
+                    for f in fences[:held]:
+                        f.after(False)
                     raise
-                sent.calls += len(frames)
-                if fences is not None:
+            ok = False
+            try:
+                _, frames = pack_calls(kind, _F_REPLY, target, self.vids, parts, self._pendings, cbs, next_id,
+                                       SMALL_FRAME, self._limit)
+                if frames is not None:
+                    i = 0
+                    try:
+                        for conn, frame in zip(conns, frames):
+                            try:
+                                if not conn.write_frame(frame):
+                                    self._send(conn, kind, target, frame, parts)
+                            except _SendErrors:
+                                pass  # the close handler fails the pending call with the death error
+                            i += 1
+                    except BaseException:  # (an interrupt, no thread for the writer): no call left unsent
+                        for frame, pending in zip(frames[i:], self._pendings[i:]):
+                            pending.pop(unpack_header(frame, len(frame))[3], None)
+                        raise
+                    ok = True
+            finally:
+                if fences is not None:  # (counted in the order they went, with the plane's lock held)
                     for f in fences:
-                        f.after()
+                        f.after(ok)
+            if frames is not None:
+                sent.calls += len(frames)
                 if any(map(_died_of, chans)):  # (died before its call was pending: nobody failed it)
                     for chan in chans:
                         if chan.died is not None:

@@ -87,25 +87,36 @@ class _Direct:
         self.rank = rank
 
     def before(self, chan: Channel) -> None:
-        """Before a counted frame on ``chan``: the fence it needs, if relayed frames went out since the last."""
-        plane, r = self.plane, self.rank
-        k = int(plane.rsent[r])
-        if k != plane.rfenced[r]:
-            with plane.lock:
-                k = int(plane.rsent[r])
-                if k != plane.rfenced[r]:
-                    plane.rfenced[r] = k
-                    try:
-                        chan.conn.send(P.FENCE, 0, k, 0, 0)
-                    except ConnectionError:
-                        pass  # dead: the frame's own send says so
+        """Before a counted frame on ``chan``: take the plane's lock (held until :meth:`after`), and send the
+        fence the frame needs if relayed frames went out since the last.
 
-    def after(self) -> None:
-        """After a counted frame went out on the direct channel."""
+        The lock is held over the frame's send: a frame is counted in the order it goes out, and no other
+        thread's relayed frame (sent under the same lock, with its fences) comes between the count and the
+        frame. A caller calls :meth:`after` whatever happens to its send.
+        """
         plane, r = self.plane, self.rank
-        with plane.lock:
-            plane.dsent[r] += 1
-            plane.ddirty[plane.host_of[r]].add(r)
+        plane.lock.acquire()
+        try:
+            k = int(plane.rsent[r])
+            if k != plane.rfenced[r]:
+                plane.rfenced[r] = k
+                try:
+                    chan.conn.send(P.FENCE, 0, k, 0, 0)
+                except ConnectionError:
+                    pass  # dead: the frame's own send says so
+        except BaseException:
+            plane.lock.release()
+            raise
+
+    def after(self, sent: bool = True) -> None:
+        """After the counted frame: count it if it ``sent`` (a frame that could not go is not), release the lock."""
+        plane, r = self.plane, self.rank
+        try:
+            if sent:
+                plane.dsent[r] += 1
+                plane.ddirty[plane.host_of[r]].add(r)
+        finally:
+            plane.lock.release()
 
 
 class _HostPart:
@@ -211,7 +222,7 @@ class HostPlane:
             self.ranks_of[h].append(r)
         self.death_of = death_of
         self.counters = counters
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # (reentrant: a fan-out holds it once per direct channel, see _Direct)
         self.rsent = np.zeros(self.n, dtype=np.int64)
         self.rfenced = np.zeros(self.n, dtype=np.int64)
         self.dsent = [0] * self.n

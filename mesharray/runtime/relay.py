@@ -95,6 +95,7 @@ class Relay:
         self.gathers: dict[int, _Gather] = {}
         self.asks: dict[int, tuple] = {}  # telemetry: msg id -> (_Gather, the controller's msg id)
         self.links: dict[int, Connection] = {}  # telemetry connections, by rank
+        self._links_lock = threading.Lock()
         self.link_rank: dict[Connection, int] = {}
         self._asks_lock = threading.Lock()  # (asks: the poller thread and the main thread's deadlines)
         self.last_seen: dict[int, float] = {}
@@ -187,7 +188,10 @@ class Relay:
             elif target in self.waiting or target in self.ranks:
                 self.waiting.setdefault(target, []).append((P.FENCE, 0, msg_id, 0, 0, ()))
         elif kind == P.INTROSPECT:
-            self._introspect(msg_id, payload)
+            # on a thread of its own: asking the ranks connects to each (a stopped one takes its
+            # timeout), and this thread forwards the host's frames and reads its heartbeats meanwhile
+            threading.Thread(target=self._introspect, args=(msg_id, bytes(payload)), daemon=True,
+                             name="mesharray-relay-telemetry").start()
         elif kind == P.CONFIG:
             cfg = pickle.loads(payload)
             self.interval = float(cfg.get("heartbeat_interval", self.interval))
@@ -264,6 +268,10 @@ class Relay:
         self._ask_done(mid)
 
     def _link(self, rank: int) -> Connection:
+        with self._links_lock:  # (two queries at once: one connection per rank)
+            return self._link_locked(rank)
+
+    def _link_locked(self, rank: int) -> Connection:
         link = self.links.get(rank)
         if link is None or link.closed:
             address = self.addresses.get(rank)

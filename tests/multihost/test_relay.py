@@ -217,3 +217,58 @@ def test_relays_can_be_switched_off(monkeypatch):
         ags.__exit__(None, None, None)
 
 
+
+
+def test_a_call_one_keeps_its_place_while_another_thread_calls_the_same_rank(mesh):
+    # a direct frame is counted in the order it goes out: another thread's direct calls to the rank,
+    # counted in between, must not let a later relayed broadcast overtake this thread's call_one
+    import threading
+
+    procs, _, _ = mesh
+    probes = procs.spawn("probes_threads", Probe)
+    c = procs.spawn("order_threads", Counter)
+    c.recorded.call().get(timeout=30)
+    stop = threading.Event()
+
+    def noise():
+        while not stop.is_set():
+            probes[0, 0].echo.call_one(1).get(timeout=30)
+
+    th = threading.Thread(target=noise)
+    th.start()
+    try:
+        futs = []
+        for i in range(600):
+            c.record.broadcast(2 * i)
+            futs.append(c[0, 0].record.call_one(2 * i + 1))
+            if i % 50 == 0:
+                futs[-1].get(timeout=30)
+        for f in futs:
+            f.get(timeout=60)
+    finally:
+        stop.set()
+        th.join(30)
+    assert c[0, 0].recorded.call_one().get(timeout=30) == list(range(1200))
+
+
+def test_telemetry_asking_a_stopped_rank_does_not_hold_up_its_hosts_calls(mesh):
+    import threading
+
+    procs, _, _ = mesh
+    probes = procs.spawn("probes_telemetry", Probe)
+    pid = probes[0, 1].where.call_one().get(timeout=30)["pid"]
+    procs.telemetry.collect(timeout=3.0)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        procs.telemetry.collect(timeout=1.0)  # unanswered: the relay drops its link, the next query connects anew
+        th = threading.Thread(target=procs.telemetry.collect, kwargs={"timeout": 1.0})
+        th.start()
+        time.sleep(0.3)
+        t = time.monotonic()
+        probes[:, 0].echo.call(2).get(timeout=60)  # ranks 0 and 3: relayed, rank 0's host being asked meanwhile
+        took = time.monotonic() - t
+        th.join(60)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert took < 1.0, took
+    assert wait_until(lambda: procs.stats()["unresponsive_now"] == 0, 10)
