@@ -297,7 +297,7 @@ class Channel:
         f = self.fence
         if f is not None:
             f.before(self)
-        ok = False
+        ok = False  # (the steps of call's send, written out again: this is the per-message path)
         try:
             if conn.send(kind, flags, 0, target, view, parts, cork):  # ^C
                 _mark_dirty(conn)
