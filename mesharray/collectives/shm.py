@@ -263,6 +263,7 @@ class ShmCollective:
         self._path = f"/dev/shm/{name}" if _platform.LINUX_NATIVE else f"shm_open('/{name}')"
         self._mm: mmap.mmap | None = None
         self._arr: np.ndarray | None = None
+        self._joined = False  # set once the join finished (close then marks this member as left)
         # what this member offers; after the join, what the group agreed (None: slots only)
         self.single_copy_min: int | None = None if single_copy_min is None else int(single_copy_min)
         self._scratch: np.ndarray | None = None
@@ -409,6 +410,7 @@ class ShmCollective:
             self._wait(_PID, 1, range(self.size), "join")
             self.sleepy = self.size > 1 and any(atomic_load(self._flag(_PID, j) + 24) for j in range(self.size))
             self.single_copy_min = self._agree_single_copy(offer)
+            self._joined = True
         except BaseException:
             # a failed join leaves nothing behind: no name in /dev/shm, no mapping
             self.close()
@@ -456,6 +458,10 @@ class ShmCollective:
         if self._closed:
             return
         self._closed = True
+        if self._arr is not None and self._joined:
+            # +32 of the pid's line: this member left the group on purpose; a peer that
+            # finds its process gone later names it as having left, not as dead
+            atomic_store(self._flag(_PID, self.rank) + 32, 1)
         self._unlink()
         self._slots = []
         self._scratch = None
@@ -508,15 +514,7 @@ class ShmCollective:
             pending = wait_flags(base, stride, ranks, target, _POLL)
             if pending < 0:
                 return
-            dead = [j for j in range(self.size) if j != self.rank and not _pid_alive(self._pid(j))]
-            if dead:
-                err = ActorDiedError(
-                    ranks=[self.global_ranks[j] for j in dead],
-                    pid=self._pid(dead[0]),
-                    reason=f"died during shared-memory {what} of group {self.name!r}",
-                )
-                self._broken = err
-                raise err
+            self._check_alive(self._all, what)
             if time.monotonic() > deadline:
                 whom = "the other members" if stride == 0 else f"rank {self.global_ranks[pending]}"
                 timeout = TimeoutError(
@@ -545,15 +543,9 @@ class ShmCollective:
                 check = now + 0.1
                 if now >= check_all:  # every member, zombies too (reading /proc/PID/stat of a busy peer is slow)
                     check_all = now + 1.0
-                    dead = [j for j in range(self.size) if j != self.rank and not _pid_alive(self._pid(j))]
+                    self._check_alive(self._all, what)
                 else:  # the members it waits for, with a signal 0
-                    dead = [j for j in (ranks if stride else range(self.size))
-                            if j != self.rank and not _pid_exists(self._pid(j))]
-                if dead:
-                    err = ActorDiedError(ranks=[self.global_ranks[j] for j in dead], pid=self._pid(dead[0]),
-                                         reason=f"died during shared-memory {what} of group {self.name!r}")
-                    self._broken = err
-                    raise err
+                    self._check_alive(ranks if stride else self._all, what, _pid_exists)
                 if now > deadline:
                     whom = "the other members" if stride == 0 else f"rank {self.global_ranks[ranks[0]]}"
                     timeout = TimeoutError(f"shared-memory {what} timed out after {self.timeout} s waiting for "
@@ -565,6 +557,28 @@ class ShmCollective:
 
     def _pid(self, j: int) -> int:
         return atomic_load(self._flag(_PID, j)) or self._peer_pids[j]
+
+    def _check_alive(self, look, what: str, alive=None) -> None:
+        """Raise (and break the group) when a member of ``look`` other than this one is gone.
+
+        A member that closed the group and exited is not dead: it is named as having
+        left (:class:`~mesharray.errors.SupervisionError`); only members whose processes
+        ended without closing are named in the :class:`~mesharray.errors.ActorDiedError`.
+        """
+        alive = alive or _pid_alive
+        gone = [j for j in look if j != self.rank and not alive(self._pid(j))]
+        if not gone:
+            return
+        dead = [j for j in gone if not atomic_load(self._flag(_PID, j) + 32)]
+        err: BaseException
+        if dead:
+            err = ActorDiedError(ranks=[self.global_ranks[j] for j in dead], pid=self._pid(dead[0]),
+                                 reason=f"died during shared-memory {what} of group {self.name!r}")
+        else:
+            err = SupervisionError(f"rank(s) {[self.global_ranks[j] for j in gone]} closed shared-memory "
+                                   f"group {self.name!r} and exited during its {what}")
+        self._broken = err
+        raise err
 
     def _begin(self, what: str) -> int:
         if self._closed:
@@ -837,12 +851,7 @@ class ShmCollective:
             look = [j for j in self._all if j != self.rank]
         else:
             look = [j for j in self._all if j != self.rank and atomic_load(self._hctl + 256 + j * 64) < r]
-        dead = [j for j in look if not _pid_alive(self._pid(j))]
-        if dead:
-            err = ActorDiedError(ranks=[self.global_ranks[j] for j in dead], pid=self._pid(dead[0]),
-                                 reason=f"died during shared-memory reduction of group {self.name!r}")
-            self._broken = err
-            raise err
+        self._check_alive(look, "reduction")
         if time.monotonic() > deadline:
             err2 = TimeoutError(f"shared-memory reduction timed out after {self.timeout} s waiting for the other "
                                 f"members of group {self.name!r}")
@@ -991,11 +1000,8 @@ class ShmCollective:
             self._wait(0, base + nchunks, [0], "reduction", base=self._counter(1))
             if atomic_load(self._counter(2)) == k:
                 self._quiesce(k)
-                dead = [j for j in everyone if j != me and not _pid_alive(self._pid(j))]
-                if dead:
-                    # a peer died while another took chunks from it
-                    raise ActorDiedError(ranks=[self.global_ranks[j] for j in dead], pid=self._pid(dead[0]),
-                                         reason=f"died during shared-memory reduction of group {self.name!r}")
+                # a peer died while another took chunks from it
+                self._check_alive(everyone, "reduction")
                 if failed >= 0:
                     why = (f"rank {self.global_ranks[me]} could not copy to or from rank "
                            f"{self.global_ranks[failed]}: {os.strerror(err)} (errno {err})")

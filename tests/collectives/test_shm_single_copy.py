@@ -206,6 +206,42 @@ def test_peer_killed_mid_operation_fails_survivors_quickly(size):
         assert "broken" in later
 
 
+def _leave_then_die(rank, size, name):
+    from mesharray.collectives.shm import _pid_alive
+    g = ShmCollective(name, rank, size, timeout=30)
+    g.allreduce(np.ones(8))
+    if rank == 0:  # closes the group and exits: it left, it did not die
+        g.close()
+        return ("left",)
+    others = [g._pid(j) for j in range(size) if j != rank]
+    deadline = time.monotonic() + 20
+    if rank == 1 and size == 3:
+        while _pid_alive(others[0]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
+    while any(_pid_alive(p) for p in others) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        g.allreduce(np.ones(8))
+    except SupervisionError as exc:
+        return (type(exc).__name__, getattr(exc, "ranks", None), str(exc))
+    finally:
+        g.close()
+    return ("no error",)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_member_that_closed_and_exited_is_not_named_dead(size):
+    # with 3 members, rank 1 is killed after rank 0 left: only rank 1 died; with 2, nobody died
+    res = run_ranks(_leave_then_die, size, unique_segment_name("test"), expect_exit={1} if size == 3 else None)
+    assert res[0] == ("left",)
+    kind, ranks, msg = res[size - 1]
+    if size == 3:
+        assert (kind, ranks) == ("ActorDiedError", (1,)), msg
+    else:
+        assert kind == "SupervisionError" and "rank(s) [0] closed shared-memory group" in msg, msg
+
+
 def test_single_member_and_argument_checks():
     with ShmCollective(unique_segment_name("test"), 0, 1, single_copy_min=0) as g:
         assert g.single_copy_min is None  # nobody to copy from
