@@ -226,10 +226,10 @@ class Channel:
         this connection before it is written (``Poller.park``), so that the
         poller cannot win the race for the reply (``now``: ``time.monotonic()``
         if the caller has it, for a ``call()`` to many). A dead peer fails ``cb``
-        (never raises).
+        (never raises). ``msg_id``: the frame's id, if the caller took one (:func:`next_id`).
         """
         sent.calls += 1
-        mid = next_id()
+        mid = msg_id or next_id()
         span = SPAN.get() or _current.get(get_ident())
         if span is not None:  # a call made while handling one: the child span's parent (telemetry)
             REC.links.append((time.time_ns(), span[-2], span[-1], _pid(), mid))

@@ -203,6 +203,9 @@ class Controller:
                         self._seen(info, now)
                     else:  # late at the relay: its last heartbeat is the relay's word, not this beat
                         info.last_seen = now - silent
+        elif kind == P.GONE:  # a relay's answer for a dead rank's part of a relayed call (runtime.hosts)
+            if self.plane is not None:
+                self.plane.gone(conn.peer["host"], msg_id, payload)
         elif kind == P.LOG:
             self.counters.log_bytes += len(payload)
             rank: Any = conn.peer.get("rank")

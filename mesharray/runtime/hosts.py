@@ -34,7 +34,10 @@ Failures. A rank's death is the controller's to report (its direct
 connection's end and exit status, as without relays): a relay that finds a
 rank gone answers ``DIED`` for it, and the caller gets the controller's
 :class:`~mesharray.ActorDiedError` for that rank (at once, or when the
-controller learns of the death). A relay that dies takes its host's ranks
+controller learns of the death). When the controller records a death it tells
+the rank's relay (``GONE``), which answers that rank's part of each call in
+flight at once: the reply the rank sent before it went (a rank may reply, then
+exit), else ``DIED``; the call does not wait for the host's other ranks. A relay that dies takes its host's ranks
 with it (they exit when their relay connection ends): the controller declares
 them dead at once, naming the relay (:meth:`HostPlane.relay_lost`).
 """
@@ -160,7 +163,7 @@ class _Plan:
 class _HostCall:
     """The reply callback of one host's part of a relayed call: splits the gathered replies."""
 
-    __slots__ = ("plane", "part", "reply", "many", "mid")
+    __slots__ = ("plane", "part", "reply", "many", "mid", "early")
 
     def __init__(self, plane: HostPlane, part: _HostPart, reply: Callable[[int, int, Any], None],
                  many: Callable[[list[int], Any], None] | None = None, mid: int = 0) -> None:
@@ -169,37 +172,59 @@ class _HostCall:
         self.mid = mid
         self.reply = reply  # reply(position in the message's ranks, status, payload)
         self.many = many  # many(positions, payload): the same OK reply of all of them
+        self.early: set[int] | None = None  # positions answered before the host's reply (GONE)
 
     def __call__(self, status: int, payload: Any) -> None:
         part, reply, plane = self.part, self.reply, self.plane
         index = part.index
         plane.inflight[part.host].pop(self.mid, None)
+        early = self.early
         if status == P.GATHERED:
             c = plane.counters
             view = memoryview(payload)
             many = self.many
             one = P.uniform_gathered(view) if many is not None else None
             if many is not None and one is not None:  # every target answered OK alike (None, mostly): decoded once
+                if early:
+                    index = [i for pos, i in enumerate(index) if pos not in early]
                 if c is not None:
                     c.tally[0] += len(index)
                 many(index, one)
                 return
             entries = P.unpack_gathered(view)
-            if c is not None:
-                tally = c.tally
-                tally[0] += len(entries)
-                tally[1] += sum(1 for e in entries if e[1] != P.OK)
-            for pos, st, pl in entries:
-                if st == P.DIED:
-                    plane.when_dead(part.ranks[pos], index[pos], reply)
-                else:
-                    reply(index[pos], st, pl)
+            if early:
+                entries = [e for e in entries if e[0] not in early]
+            self._deliver(entries)
             return
         # the relay is gone (DIED, its error): every target's own death error, once the controller has it
         mask = part.mask
         for pos, r in enumerate(part.ranks):
-            if mask is None or mask[pos]:
+            if (mask is None or mask[pos]) and not (early and pos in early):
                 plane.when_dead(r, index[pos], reply)
+
+    def _deliver(self, entries: list) -> None:
+        part, reply, plane = self.part, self.reply, self.plane
+        index = part.index
+        c = plane.counters
+        if c is not None:
+            tally = c.tally
+            tally[0] += len(entries)
+            tally[1] += sum(1 for e in entries if e[1] != P.OK)
+        for pos, st, pl in entries:
+            if st == P.DIED:
+                plane.when_dead(part.ranks[pos], index[pos], reply)
+            else:
+                reply(index[pos], st, pl)
+
+    def gone(self, payload: Any) -> None:
+        """A rank's part, ahead of the host's reply (the relay's ``GONE``): delivered now, skipped in that reply."""
+        entries = P.unpack_gathered(memoryview(payload))
+        early = self.early
+        if early is None:
+            early = self.early = set()
+        entries = [e for e in entries if e[0] not in early]
+        early.update(e[0] for e in entries)
+        self._deliver(entries)
 
 
 class HostPlane:
@@ -365,16 +390,29 @@ class HostPlane:
         reply(i, P.DIED, err)
 
     def died(self, rank: int, err: BaseException) -> None:
-        """The controller recorded ``rank``'s death: answer the relayed calls that wait for it."""
+        """The controller recorded ``rank``'s death: answer the relayed calls that wait for it.
+
+        Its host's relay is told (``GONE``): it answers the rank's part of each call in
+        flight at once (:meth:`gone`), with the reply the rank sent before it went if it
+        did, else ``DIED``, so a call neither waits for the host's other ranks nor loses a
+        reply that was on its way.
+        """
+        h = self.host_of[rank]; import sys
         with self.lock:
             waiting = self._waiters.pop(rank, ())
+            if h not in self.lost:
+                try:
+                    self.relays[h].send(P.GONE, 0, 0, rank)
+                except (ConnectionError, ActorDiedError):
+                    pass  # the relay is gone too: relay_lost answers for its ranks
         for i, reply in waiting:
             reply(i, P.DIED, err)
-        for hc in list(self.inflight[self.host_of[rank]].values()):  # (its host's reply comes later)
-            part = hc.part
-            pos = part.pos.get(rank)
-            if pos is not None and (part.mask is None or part.mask[pos]):
-                hc.reply(part.index[pos], P.DIED, err)
+
+    def gone(self, host: int, mid: int, payload: Any) -> None:
+        """Host ``host``'s relay answered a dead rank's part of call ``mid`` (see :meth:`died`)."""
+        hc = self.inflight[host].get(mid)
+        if hc is not None:
+            hc.gone(payload)
 
     def relay_lost(self, host: int, err: BaseException) -> list[int]:
         """Host ``host``'s relay is gone: later messages skip its ranks; returns them (the caller declares them dead)."""

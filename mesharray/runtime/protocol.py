@@ -38,6 +38,12 @@ FENCE       ctl -> worker      msg_id=n: handle no later frame of this connectio
                                of the controller connection were (the other way round)
 BEAT        relay -> ctl       the host's heartbeat: pickled {rank: seconds silent} of
                                the ranks whose heartbeats are late (usually empty)
+GONE        ctl -> relay       target=rank: the controller recorded this rank's death;
+                               the relay answers its part of every relayed call now
+                               and sends it nothing more
+            relay -> ctl       msg_id=call id, target=rank: that part, one per call in
+                               flight (:func:`pack_gathered`, one entry: the reply it
+                               had before the rank went, else ``DIED``)
 ==========  =================  ===================================================
 
 A relay answers a relayed call with one ``REPLY`` whose status is ``GATHERED``
@@ -51,12 +57,12 @@ from array import array
 
 __all__ = [
     "HELLO", "CONFIG", "CALL", "REPLY", "SPAWN", "VIEW", "HEARTBEAT", "LOG", "STOP", "STOP_ACTOR", "INTROSPECT", "DEBUG",
-    "RELAY", "FENCE", "BEAT", "F_REPLY", "OK", "ERR", "DIED", "GATHERED", "encode_method", "decode_method",
+    "RELAY", "FENCE", "BEAT", "GONE", "F_REPLY", "OK", "ERR", "DIED", "GATHERED", "encode_method", "decode_method",
     "pack_targets", "unpack_targets", "pack_gathered", "unpack_gathered", "uniform_gathered",
 ]
 
 HELLO, CONFIG, CALL, REPLY, SPAWN, VIEW, HEARTBEAT, LOG, STOP, STOP_ACTOR, INTROSPECT, DEBUG = range(1, 13)
-RELAY, FENCE, BEAT = 13, 14, 15
+RELAY, FENCE, BEAT, GONE = 13, 14, 15, 16
 
 F_REPLY = 1
 

@@ -87,6 +87,7 @@ class Relay:
         self.host = host
         self.host_id = host_id
         self.workers: dict[int, Connection] = {}
+        self.gone: set[int] = set()  # ranks the controller declared dead (GONE)
         self.rank_of: dict[Connection, int] = {}
         self.addresses: dict[int, str] = {}
         self.waiting: dict[int, list] = {}  # frames for ranks that have not joined yet
@@ -138,6 +139,7 @@ class Relay:
         elif kind == P.HELLO:
             hello = pickle.loads(payload)
             rank = int(hello["rank"])
+            self.gone.discard(rank)  # (a process joining as this rank is a live one)
             self.rank_of[conn] = rank
             self.workers[rank] = conn
             self.defined[conn] = set()
@@ -187,6 +189,8 @@ class Relay:
                 w.send(P.FENCE, 0, msg_id, 0, 0)
             elif target in self.waiting or target in self.ranks:
                 self.waiting.setdefault(target, []).append((P.FENCE, 0, msg_id, 0, 0, ()))
+        elif kind == P.GONE:
+            self._gone(target)
         elif kind == P.INTROSPECT:
             # on a thread of its own: asking the ranks connects to each (a stopped one takes its
             # timeout), and this thread forwards the host's frames and reads its heartbeats meanwhile
@@ -199,6 +203,39 @@ class Relay:
             self.done.set()
         else:
             log.warning("relay: ignoring frame of kind %d from the controller", kind)
+
+    def _gone(self, rank: int) -> None:
+        """The controller recorded ``rank``'s death: answer its part of each call in flight (``GONE``), drop it.
+
+        Its part is the reply it sent before it went, if any (a rank may reply, then exit),
+        else ``DIED``; the controller delivers it at once instead of waiting for the host's
+        other ranks. Frames that come for it later are answered ``DIED``.
+        """
+        self.gone.add(rank)
+        self.waiting.pop(rank, None)
+        conn = self.workers.pop(rank, None)
+        for mid, g in list(self.gathers.items()):
+            pos = g.pos.get(rank)
+            if pos is None:
+                continue
+            entry = next((e for e in g.entries if e[0] == pos), None)
+            if entry is None:
+                entry = (pos, P.DIED, b"")
+                g.entries.append(entry)
+                g.left -= 1
+            try:
+                self.ctl.send(P.GONE, 0, mid, rank, 0, P.pack_gathered([entry], 1))
+            except ConnectionError:
+                self.done.set()
+                return
+            if g.left == 0:
+                del self.gathers[mid]
+                self._answer(mid, g)
+        if conn is not None:
+            self.rank_of.pop(conn, None)
+            self.defined.pop(conn, None)
+            self.last_seen.pop(rank, None)
+            conn.close(join=False)
 
     def _on_ctl_close(self, conn: Connection, exc) -> None:
         self.done.set()
@@ -218,7 +255,7 @@ class Relay:
             f = P.F_REPLY if reply and (mask is None or mask[i]) else 0
             w = workers.get(r)
             if w is None:
-                if r not in self.addresses and r in self.ranks:  # not joined yet: it gets the frame when it does
+                if r not in self.addresses and r in self.ranks and r not in self.gone:  # not joined yet: later
                     self.waiting.setdefault(r, []).append((inner, f, msg_id, target, view, [bytes(body)]))
                 elif g is not None and f:  # gone: the controller says why
                     g.entries.append((i, P.DIED, b""))

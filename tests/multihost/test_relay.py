@@ -153,6 +153,25 @@ def test_a_dead_rank_fails_a_pending_relayed_call_within_the_bound_and_spares_th
         ags.__exit__(None, None, None)
 
 
+def test_a_rank_that_replied_then_exited_keeps_its_reply_in_a_relayed_call():
+    # its reply reached the relay, which waits for the host's other ranks; the controller
+    # records the death meanwhile: the call still gets the reply, not the death
+    ags, hosts, procs = _two_hosts(24, "x")
+    try:
+        p = procs.spawn("p", Probe)
+        pids = np.asarray(p.pid.call().get(timeout=30))
+        got = p.reply_then_exit.call(int(pids[0, 0]), 1.0).get(timeout=30)
+        assert got.tolist() == [["bye", "ok"], ["ok", "ok"]]
+        with pytest.raises(ma.ActorDiedError) as ei:
+            p.pid.call().get(timeout=30)
+        assert ei.value.ranks == (0,)
+        assert p[1].pid.call().get(timeout=30).tolist() == pids[1].tolist()
+    finally:
+        procs.stop()
+        hosts.detach()
+        ags.__exit__(None, None, None)
+
+
 def test_a_dead_relay_is_the_death_of_its_hosts_ranks():
     ags, hosts, procs = _two_hosts(18, "e")
     try:

@@ -156,6 +156,15 @@ class Probe(ma.Actor):
     def die(self, how: str) -> None:
         die(how)
 
+    @ma.endpoint
+    def reply_then_exit(self, pid: int, others_sleep: float) -> str:
+        """The process ``pid`` answers at once and exits 50 ms later; the others answer after ``others_sleep`` s."""
+        if os.getpid() == pid:
+            threading.Timer(0.05, os._exit, (0,)).start()
+            return "bye"
+        time.sleep(others_sleep)
+        return "ok"
+
 
 class AsyncActor(ma.Actor):
     def __init__(self) -> None:
