@@ -414,6 +414,17 @@ def _print_info(data: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- main
 
 
+#: the subcommands that live in a module of their own: name -> (module, its main function)
+_SUBCOMMANDS = {
+    "top": (".observe", "top_main"),
+    "host": (".bootstrap.agent", "main"),
+    "k8s": (".bootstrap.k8s", "main"),
+    "job": (".job.cli", "main"),
+    "torchrun": (".spmd.cli", "main"),
+    "debug": (".observe.debug", "debug_main"),
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m mesharray`` and the ``mesharray`` command.
 
@@ -447,30 +458,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(f"mesharray {mesharray.__version__}")
         return 0
-    if first == "top":
-        from .observe import top_main
-
-        return top_main(args[1:])
-    if first == "host":
-        from .bootstrap.agent import main as host_main
-
-        return host_main(args[1:])
-    if first == "k8s":
-        from .bootstrap.k8s import main as k8s_main
-
-        return k8s_main(args[1:])
-    if first == "job":
-        from .job.cli import main as job_main
-
-        return job_main(args[1:])
-    if first == "torchrun":
-        from .spmd.cli import main as torchrun_main
-
-        return torchrun_main(args[1:])
-    if first == "debug":
-        from .observe.debug import debug_main
-
-        return debug_main(args[1:])
+    if first in _SUBCOMMANDS:  # (imported when used: `python -m mesharray -c` stays light)
+        module, func = _SUBCOMMANDS[first]
+        return getattr(importlib.import_module(module, __package__), func)(args[1:])
     if first == "info":
         extra = args[1:]
         unknown = [a for a in extra if a not in ("--json", "--probe")]

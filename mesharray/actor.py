@@ -238,11 +238,14 @@ def context() -> Context:
 
     Examples
     --------
+    An endpoint that says which actor, process and message slice it runs for:
+
     >>> import mesharray as ma
     >>> class Who(ma.Actor):
     ...     @ma.endpoint
     ...     def where(self):
-    ...         return ma.context().message_rank
+    ...         ctx = ma.context()
+    ...         return ctx.actor_name, ctx.global_rank, ctx.message_rank
     """
     return _current("context()")
 
@@ -266,15 +269,10 @@ def current_rank() -> dict[str, int]:
 def current_size() -> dict[str, int]:
     """Sizes of the slice the current message was sent to (inside an actor).
 
-    Examples
-    --------
-    >>> import mesharray as ma
-    >>> class Sizes(ma.Actor):
-    ...     @ma.endpoint
-    ...     def seen(self):
-    ...         return ma.current_size()
-    >>> procs.spawn("sizes", Sizes).seen.call().get()[0, 0]   # doctest: +SKIP
-    {'hosts': 1, 'procs': 4}
+    An endpoint written as in :func:`current_rank`'s example but returning
+    ``ma.current_size()``, on an actor mesh of 1 host x 4 procs, returns
+    ``{'hosts': 1, 'procs': 4}`` to a call to all of it and ``{'procs': 2}`` to
+    a call to ``actors[0, 1:3]`` (the dims the slice kept, and their sizes).
     """
     return _current("current_size()").message_size
 
@@ -298,13 +296,8 @@ class ActorMesh(MeshTrait):
 
     def __init__(self, name: str, actor_id: int, cls_name: str, endpoints: dict[str, dict[str, bool]],
                  shape: Shape, addresses: Sequence[Any], proc_mesh: Any = None) -> None:
-        self._name = name
-        self._actor_id = actor_id
-        self._cls_name = cls_name
-        self._endpoints = endpoints
-        self._shape = shape
-        self._addresses = addresses
-        self._proc_mesh = proc_mesh
+        self._name, self._actor_id, self._cls_name, self._endpoints = name, actor_id, cls_name, endpoints
+        self._shape, self._addresses, self._proc_mesh = shape, addresses, proc_mesh
 
     @property
     def _mesh_shape(self) -> Shape:

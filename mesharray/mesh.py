@@ -186,11 +186,11 @@ class MeshTrait:
 
         Examples
         --------
-        >>> import mesharray as ma
-        >>> from mesharray.mesh import _ShapeMesh
-        >>> m = _ShapeMesh(ma.Shape({"hosts": 2, "procs": 4}))
-        >>> m.size(), m.size("procs"), m.size(("hosts", "procs"))
-        (8, 4, 8)
+        >>> from mesharray import Shape
+        >>> _ShapeMesh(Shape({"hosts": 2, "procs": 4})).size(), _ShapeMesh(Shape({"hosts": 2, "procs": 4})).size("procs")
+        (8, 4)
+        >>> _ShapeMesh(Shape({"hosts": 2, "procs": 4})).size(("hosts", "procs"))
+        8
         """
         return mesh_size(self._mesh_shape, dims)
 

@@ -212,6 +212,15 @@ def advertised_host(bind: str, advertise: str | None) -> str:
     return route
 
 
+
+def _close_all(things: list, timeout: float = 10.0) -> None:
+    """``close()`` each of ``things`` at once, each in a thread (each may wait for processes to exit)."""
+    threads = [threading.Thread(target=t.close, daemon=True) for t in things]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+
 class _Session:
     """One attached controller: the socket to it, its meshes' processes and the zygotes that fork them."""
 
@@ -380,19 +389,11 @@ class _Session:
 
     def close(self) -> None:
         boots, self.boots = list(self.boots.values()), {}
-        threads = [threading.Thread(target=b.close, daemon=True) for b in boots]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(10)
+        _close_all(boots)
         with self._zlock:
             self.closing = True  # (a zygote started ahead after this is closed at once: see zygote())
             zygotes, self.zygotes = list(self.zygotes.values()), {}
-        threads = [threading.Thread(target=z.close, daemon=True) for z in zygotes]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(10)
+        _close_all(zygotes)
         try:
             self.sock.close()
         except OSError:

@@ -61,11 +61,8 @@ class RingCollective:
                  peers: tuple[str, str] = ("", "")) -> None:
         if size > 1 and (right is None or left is None):
             raise ValueError("a ring of more than one member needs both links")
-        self.rank = rank
-        self.size = size
-        self.right = right
-        self.left = left
-        self.peers = peers
+        self.rank, self.size = rank, size
+        self.right, self.left, self.peers = right, left, peers  # (the links to rank + 1 and rank - 1)
         self._q: queue.Queue = queue.Queue()
         self._err: BaseException | None = None
         self._thread: threading.Thread | None = None

@@ -89,9 +89,7 @@ class Telemetry:
     """
 
     def __init__(self, controller: Controller, labels: dict[int, str], name: str) -> None:
-        self.controller = controller
-        self.labels = labels
-        self.name = name
+        self.controller, self.labels, self.name = controller, labels, name
         self._links: dict[int, _Link] = {}
         self._next: dict[int, dict] = {}
         self.lock = threading.RLock()

@@ -29,13 +29,9 @@ class Context:
     __slots__ = ("actor_name", "actor", "_spawn_shape", "_view", "global_rank", "host", "pid")
 
     def __init__(self, actor_name, actor, spawn_shape, view, global_rank, host, pid) -> None:
-        self.actor_name = actor_name
-        self.actor = actor
+        self.actor_name, self.actor, self.global_rank, self.host, self.pid = actor_name, actor, global_rank, host, pid
         self._spawn_shape = spawn_shape
-        self._view = view
-        self.global_rank = global_rank
-        self.host = host
-        self.pid = pid
+        self._view = view  # (the current message's: the worker sets it before each call)
 
     @property
     def rank(self) -> dict:

@@ -397,7 +397,7 @@ class HostPlane:
         did, else ``DIED``, so a call neither waits for the host's other ranks nor loses a
         reply that was on its way.
         """
-        h = self.host_of[rank]; import sys
+        h = self.host_of[rank]
         with self.lock:
             waiting = self._waiters.pop(rank, ())
             if h not in self.lost:

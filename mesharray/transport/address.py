@@ -12,11 +12,12 @@ suits the caller. The listening side is :mod:`.listener`.
 from __future__ import annotations
 
 import socket
+import time
 
 from . import auth
 from .hostid import memory_domain
 
-__all__ = ["connect", "dual_address", "parse_address"]
+__all__ = ["connect", "dial", "dual_address", "parse_address"]
 
 
 def dual_address(tcp: str, unix: str, domain: str) -> str:
@@ -82,3 +83,19 @@ def connect(address: str, secret: bytes, timeout: float = 10.0) -> socket.socket
         sock.close()
         raise
     return sock
+
+
+def dial(address: str, secret: bytes, timeout: float, retry: bool = True, name: str = "") -> socket.socket:
+    """:func:`connect`, tried again every 20 ms while refused or timed out, until ``timeout`` (a peer still
+    starting); once only without ``retry`` (a peer known to have listened: refused means gone).
+
+    Raises ``ConnectionError`` naming ``name`` (default: ``address``) when it gives up.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return connect(address, secret, max(0.05, deadline - time.monotonic()))
+        except (ConnectionRefusedError, socket.timeout) as exc:
+            if time.monotonic() >= deadline or not retry:
+                raise ConnectionError(f"cannot open a data link to {name or address}: {exc}") from exc
+            time.sleep(0.02)

@@ -45,7 +45,7 @@ from typing import Callable, Protocol
 
 from ..errors import BootstrapError
 from . import auth
-from .address import parse_address
+from .address import dial, parse_address
 from .listener import Listener
 from .sockio import recv_exactly, recv_exactly_into, shut_and_close
 
@@ -183,24 +183,13 @@ class TcpPlane:
         """Open a link to the plane at ``address``, announcing ``tag``."""
         if len(tag) > MAX_TAG:
             raise ValueError(f"tag of {len(tag)} bytes; at most {MAX_TAG}")
-        family, sockaddr = parse_address(address)
-        deadline = time.monotonic() + timeout
-        while True:
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            try:
-                sock.settimeout(max(0.05, deadline - time.monotonic()))
-                sock.connect(sockaddr)
-                auth.client_handshake(sock, self.secret)
-                sock.sendall(_TAG.pack(len(tag)) + tag)
-                return TcpLink(sock, address)
-            except (ConnectionRefusedError, socket.timeout) as exc:
-                sock.close()
-                if time.monotonic() >= deadline:
-                    raise ConnectionError(f"cannot open a data link to {address}: {exc}") from exc
-                time.sleep(0.02)
-            except BaseException:
-                sock.close()
-                raise
+        sock = dial(address, self.secret, timeout)
+        try:
+            sock.sendall(_TAG.pack(len(tag)) + tag)
+        except BaseException:
+            sock.close()
+            raise
+        return TcpLink(sock, address)
 
     def close(self) -> None:
         self._listener.close()

@@ -95,12 +95,11 @@ import secrets
 import socket
 import struct
 import threading
-import time
 import weakref
 from typing import Any, Callable
 
 from . import auth
-from .address import parse_address
+from .address import dial, parse_address
 from .listener import Listener
 from .sockio import recv_exactly
 
@@ -378,18 +377,18 @@ class UcxPlane:
 
     Examples
     --------
-    The example of :class:`~.dataplane.TcpPlane`, word for word: the planes are interchangeable.
+    :class:`~.dataplane.TcpPlane`'s example runs as is with ``UcxPlane`` in its place (the planes are
+    interchangeable); here the accepting side waits on an event instead of polling:
 
-    >>> got = {}
-    >>> plane = UcxPlane(b"k" * 32, "127.0.0.1", lambda link, tag: got.setdefault(tag, link))
-    >>> link = plane.connect(plane.address, b"hello")
-    >>> link.send(b"abc")
-    >>> deadline = time.monotonic() + 5
-    >>> while b"hello" not in got and time.monotonic() < deadline:
-    ...     time.sleep(0.01)
-    >>> buf = bytearray(3)
-    >>> got[b"hello"].recv_into(memoryview(buf)); bytes(buf)
-    b'abc'
+    >>> import threading
+    >>> accepted, got = threading.Event(), {}
+    >>> def on_link(link, tag):
+    ...     got[tag] = link
+    ...     accepted.set()
+    >>> plane = UcxPlane(b"k" * 32, "127.0.0.1", on_link)
+    >>> link = plane.connect(plane.address, b"hello"); link.send(b"abc")
+    >>> accepted.wait(5), got[b"hello"].recv_into(memoryview(buf := bytearray(3))), bytes(buf)
+    (True, None, b'abc')
     >>> link.close(); got[b"hello"].close(); plane.close()
     """
 
@@ -449,34 +448,23 @@ class UcxPlane:
         """
         if len(tag) > MAX_TAG:
             raise ValueError(f"tag of {len(tag)} bytes; at most {MAX_TAG}")
-        family, sockaddr = parse_address(_tcp_address(address))
-        deadline = time.monotonic() + timeout
-        while True:
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            try:
-                sock.settimeout(max(0.05, deadline - time.monotonic()))
-                sock.connect(sockaddr)
-                auth.client_handshake(sock, self.secret)
-                native = self._engine.new_link(secrets.randbits(32))
-                me = self._engine.address
-                sock.sendall(_TAG.pack(len(tag)) + tag + _ADDR.pack(len(me)) + me + _ID.pack(native.recv_id))
-                addr = _recv_msg(sock, _ADDR, MAX_ADDRESS, "worker address")
-                (send_id,) = _ID.unpack(recv_exactly(sock, _ID.size))
-                native.connect(addr, send_id)
-                sock.close()
-                return UcxLink(native, address)
-            except (ConnectionRefusedError, socket.timeout) as exc:
-                sock.close()
-                if time.monotonic() >= deadline or not retry:
-                    raise ConnectionError(f"cannot open a data link to {address}: {exc}") from exc
-                time.sleep(0.02)
-            except EOFError as exc:
-                sock.close()
-                raise ConnectionError(f"cannot open a data link to {address}: the listener closed the "
-                                      f"connection during the handshake") from exc
-            except BaseException:
-                sock.close()
-                raise
+        sock = dial(_tcp_address(address), self.secret, timeout, retry, name=address)
+        try:
+            # the workers' addresses and link ids, over the authenticated socket; then UCP only
+            native = self._engine.new_link(secrets.randbits(32))
+            me = self._engine.address
+            sock.sendall(_TAG.pack(len(tag)) + tag + _ADDR.pack(len(me)) + me + _ID.pack(native.recv_id))
+            addr = _recv_msg(sock, _ADDR, MAX_ADDRESS, "worker address")
+            (send_id,) = _ID.unpack(recv_exactly(sock, _ID.size))
+            native.connect(addr, send_id)
+            return UcxLink(native, address)
+        except EOFError as exc:
+            raise ConnectionError(f"cannot open a data link to {address}: the listener closed the "
+                                  f"connection during the handshake") from exc
+        except socket.timeout as exc:
+            raise ConnectionError(f"cannot open a data link to {address}: {exc} during the handshake") from exc
+        finally:
+            sock.close()
 
     # -- Buffer ---------------------------------------------------------------------
     def register_block(self, slot: int, addr: int, nbytes: int, readonly: bool, token: int, token_word: int,
