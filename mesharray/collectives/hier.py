@@ -17,7 +17,9 @@ group (its members sleep until the host's partial result is in; see
 ``log2(hosts)`` exchanges instead of the ring's ``2 (hosts - 1)`` steps), then
 the leader publishes the result to its host's members, who wake and copy it.
 The agreement on failed inputs (:meth:`HierCollective.allreduce_checked`)
-rides on the same round. The ring and the tree are made when first used, by
+rides on the same round. A leader whose step across hosts fails publishes its
+error instead of the result (:meth:`.shm.ShmCollective.host_fail`): its host's
+members raise it at once rather than at the group's timeout. The ring and the tree are made when first used, by
 every leader at the same point of the group's program.
 
 Results equal NumPy's up to floating-point association: partial sums are
@@ -161,10 +163,15 @@ class HierCollective:
             gbad = [self.rank] if failed else []
             result = None if failed else send.copy()
         if cross:
-            if self.tree is None:
-                assert self._make_tree is not None, "a host leader needs the tree of leaders"
-                self.tree = self._make_tree()
-            result, gbad = self.tree.allreduce(result, gbad, op)
+            try:
+                if self.tree is None:
+                    assert self._make_tree is not None, "a host leader needs the tree of leaders"
+                    self.tree = self._make_tree()
+                result, gbad = self.tree.allreduce(result, gbad, op)
+            except BaseException as exc:
+                if local is not None:  # (the leader: its members wait for its publication)
+                    local.host_fail(exc)
+                raise
         if local is not None and self.is_leader:
             local.host_publish(result, gbad)
         if gbad:

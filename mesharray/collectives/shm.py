@@ -72,6 +72,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import pickle
 import secrets
 import time
 from typing import Any, Sequence
@@ -806,6 +807,11 @@ class ShmCollective:
             self._check_host(r, polls % _HOST_ALL == 0, deadline)
         bad: list[int] = []
         if code == 1:
+            if atomic_load(self._hctl + 192) < 0:  # the leader's cross-host step failed (host_fail)
+                self._last_host = k
+                atomic_store(self._flag(_DONE, self.rank), k)
+                err = self._broken = self._leader_error()
+                raise err
             bad = self._host_failed()
         self._last_host = k
         if code != 2:
@@ -844,6 +850,40 @@ class ShmCollective:
             self._result[:flat.nbytes] = flat
         publish_word(self._hctl + 128, self._hr, self._futex)
         atomic_store(self._flag(_DONE, self.rank), self._seq)
+
+    def host_fail(self, err: BaseException) -> None:
+        """The leader's end of a host round that returned 2 when its step across hosts raised ``err``:
+        the members wake and raise it too, at once (not at the group's timeout); the group is broken.
+
+        The error travels pickled in the result area (its length in the first 8 bytes), the
+        fourth control word set to -1.
+        """
+        data = b""
+        try:
+            data = pickle.dumps(err)
+        except Exception:
+            pass
+        if not data or len(data) + 8 > self.capacity:
+            data = pickle.dumps(SupervisionError(
+                f"the host's leader (rank {self.global_ranks[self.rank]}) failed in its step across hosts: "
+                f"{type(err).__name__}: {err}"[:max(0, self.capacity // 2 - 200)]))
+        res = self._result
+        res[:8] = np.frombuffer(np.int64(len(data)).tobytes(), dtype=np.uint8)
+        res[8:8 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        atomic_store(self._hctl + 192, -1)
+        publish_word(self._hctl + 128, self._hr, self._futex)
+        atomic_store(self._flag(_DONE, self.rank), self._seq)
+        self._broken = err
+
+    def _leader_error(self) -> BaseException:
+        """The error the leader published with :meth:`host_fail`."""
+        res = self._result
+        n = int(np.frombuffer(res[:8].tobytes(), dtype=np.int64)[0])
+        try:
+            err = pickle.loads(res[8:8 + n].tobytes())
+        except Exception as exc:  # pragma: no cover - the leader pickled it itself
+            err = SupervisionError(f"the host's leader failed in its step across hosts (its error: {exc})")
+        return err if isinstance(err, BaseException) else SupervisionError(str(err))
 
     def _check_host(self, r: int, everyone: bool, deadline: float) -> None:
         """A host round's wait ran out: the members it may wait for must be alive (raises when one is not)."""

@@ -1,0 +1,80 @@
+"""Hierarchical collectives across hosts: what a host's members see when their leader's step across hosts fails."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+
+from mesharray.collectives import ShmCollective, unique_segment_name
+from mesharray.collectives.hier import HierCollective
+from mesharray.collectives.tree import TreeCollective
+from mesharray.errors import ActorDiedError
+from mesharray.transport.dataplane import TcpPlane
+from tests.collectives._procs import run_ranks
+
+SECRET = b"s" * 32
+
+
+def _no_ring():
+    raise AssertionError("the small path takes no ring")
+
+
+def _leader_link_breaks(rank, size, names, where):
+    # two "hosts": ranks 0, 1 (leader 0) and 2, 3 (leader 2); rank 2 links to rank 0, then exits
+    host = rank // 2
+    local = ShmCollective(names[host], rank % 2, 2, timeout=20)
+    if rank == 3:
+        local.close()
+        return "idle"
+    if rank == 2:
+        accepted = threading.Event()
+        plane = TcpPlane(SECRET, "127.0.0.1", lambda link, tag: accepted.set())
+        with open(where + ".tmp", "w") as f:
+            f.write(plane.address)
+        os.rename(where + ".tmp", where)
+        accepted.wait(20)
+        time.sleep(0.2)
+        os._exit(0)
+    tree = None
+    if rank == 0:
+        deadline = time.monotonic() + 20
+        while not os.path.exists(where) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        plane = TcpPlane(SECRET, "127.0.0.1", lambda link, tag: None)
+        link = plane.connect(open(where).read(), b"tree")
+        tree = TreeCollective(0, 2, {1: link}, {1: "rank 2"})
+    h = HierCollective((0, 1, 2, 3), rank, ["a", "a", "b", "b"], local, None, make_ring=_no_ring,
+                       make_tree=lambda: tree)
+    t0 = time.monotonic()
+    try:
+        h.allreduce_checked(np.ones(1), np.zeros(1))  # (8 bytes: the small path, a host round and the tree)
+        got: tuple = ("no error",)
+    except ActorDiedError as exc:
+        got = ("ActorDiedError", exc.ranks, time.monotonic() - t0)
+    except BaseException as exc:
+        got = (type(exc).__name__, str(exc), time.monotonic() - t0)
+    if rank == 1:
+        open(where + ".member", "w").close()
+    else:  # the leader lives on, as a worker does, until its member has its answer
+        deadline = time.monotonic() + 30
+        while not os.path.exists(where + ".member") and time.monotonic() < deadline:
+            time.sleep(0.01)
+    local.close()
+    return got
+
+
+def test_a_leader_whose_step_across_hosts_fails_tells_its_hosts_members_at_once(tmp_path):
+    # the leader (rank 0) loses its link to the other host's leader mid-allreduce; its member
+    # (rank 1) waits for the leader's result: it must get the leader's error, not the group's
+    # 20 s timeout
+    names = [unique_segment_name("test"), unique_segment_name("test")]
+    res = run_ranks(_leader_link_breaks, 4, names, str(tmp_path / "address"), expect_exit={2}, timeout=60)
+    kind0, ranks0, took0 = res[0]
+    assert kind0 == "ActorDiedError", res[0]
+    kind1, ranks1, took1 = res[1]
+    assert (kind1, ranks1) == (kind0, ranks0), res[1]
+    assert took1 < 5.0
+    assert res[3] == "idle"
