@@ -23,7 +23,7 @@ With ``--full`` (what bench/README.md's table comes from), in the same run:
 - a 64 MiB float32 ring allreduce between two processes over each plane.
 
 Every UCX process of the run (perftest and planes) uses ``UCX_TLS=tcp,self``
-and 4 MiB TCP segments, so that two host ids on one machine talk over TCP as
+and 512 KiB TCP segments (what ucx_defaults() sets), so that two host ids on one machine talk over TCP as
 two hosts would, never over shared memory. The ratios are what to read (the
 absolute figures move with the machine's load). UCX cases are skipped without
 the plane (``make test-ucx`` or ``pip install 'mesharray[ucx]'``)::
@@ -56,7 +56,7 @@ SECRET = b"bench-data-plane-secret-32-bytes"
 BIG = 64 << 20
 KINDS = ("tcp", "ucx")
 # two host ids on one machine talk as two hosts would: UCX over TCP, never shared memory
-UCX_ENV = {"UCX_TLS": "tcp,self", "UCX_TCP_RX_SEG_SIZE": "4m", "UCX_TCP_TX_SEG_SIZE": "4m",
+UCX_ENV = {"UCX_TLS": "tcp,self", "UCX_TCP_RX_SEG_SIZE": "512k", "UCX_TCP_TX_SEG_SIZE": "512k",
            "UCX_WARN_UNUSED_ENV_VARS": "n"}
 for _k, _v in UCX_ENV.items():
     os.environ.setdefault(_k, _v)
@@ -75,7 +75,7 @@ def make_plane(kind: str, on_link):
         return TcpPlane(SECRET, "127.0.0.1", on_link)
     from mesharray.transport.ucx import UcxPlane
 
-    return UcxPlane(SECRET, "127.0.0.1", on_link)  # (UCX_ENV above: tcp,self, 4 MiB segments)
+    return UcxPlane(SECRET, "127.0.0.1", on_link)  # (UCX_ENV above: tcp,self, 512 KiB segments)
 
 
 # --- the server process -------------------------------------------------------------------

@@ -77,8 +77,8 @@ Configuration
 Before the first engine of the process, :func:`ucx_defaults` sets (only where
 the user has not) ``UCX_TLS=tcp`` when the machine has no RDMA device
 (``/sys/class/infiniband`` empty) — two host ids on one machine must not take
-shared memory, which UCX would pick between processes of one kernel — and 4
-MiB TCP segments (``UCX_TCP_RX_SEG_SIZE`` / ``UCX_TCP_TX_SEG_SIZE``). Importing
+shared memory, which UCX would pick between processes of one kernel — and 512
+KiB TCP segments (``UCX_TCP_RX_SEG_SIZE`` / ``UCX_TCP_TX_SEG_SIZE``). Importing
 this module loads the ``libucx`` wheel's libraries (``libucx.load_library``)
 and the compiled module, never ``ucxx``; importing :mod:`mesharray` does
 neither. Import it before ``mpi4py`` where both are used: Open MPI's pip wheel
@@ -215,7 +215,9 @@ def ucx_defaults(environ=os.environ) -> dict[str, str]:
     """Set the UCX environment defaults this plane is fast with; return what was set.
 
     Only variables the user has not set are written: ``UCX_TLS=tcp`` where the
-    machine has no RDMA device, and 4 MiB TCP segments.
+    machine has no RDMA device, and 512 KiB TCP segments (UCX's default, 64 KiB,
+    and the 4 MiB that suit ucxx both move a 64 MiB rendezvous more slowly:
+    ``bench/README.md``, "TCP segments").
 
     Examples
     --------
@@ -223,9 +225,9 @@ def ucx_defaults(environ=os.environ) -> dict[str, str]:
     >>> sorted(ucx_defaults(env))
     ['UCX_TCP_TX_SEG_SIZE']
     >>> env["UCX_TLS"], env["UCX_TCP_RX_SEG_SIZE"], env["UCX_TCP_TX_SEG_SIZE"]
-    ('rc,sm', '1m', '4m')
+    ('rc,sm', '1m', '512k')
     """
-    want = {"UCX_TCP_RX_SEG_SIZE": "4m", "UCX_TCP_TX_SEG_SIZE": "4m"}
+    want = {"UCX_TCP_RX_SEG_SIZE": "512k", "UCX_TCP_TX_SEG_SIZE": "512k"}
     if not rdma_available():
         want["UCX_TLS"] = "tcp"
     done = {}
