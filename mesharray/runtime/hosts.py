@@ -37,9 +37,11 @@ rank gone answers ``DIED`` for it, and the caller gets the controller's
 controller learns of the death). When the controller records a death it tells
 the rank's relay (``GONE``), which answers that rank's part of each call in
 flight at once: the reply the rank sent before it went (a rank may reply, then
-exit), else ``DIED``; the call does not wait for the host's other ranks. A relay that dies takes its host's ranks
-with it (they exit when their relay connection ends): the controller declares
-them dead at once, naming the relay (:meth:`HostPlane.relay_lost`).
+exit), else ``DIED``; the call does not wait for the host's other ranks (a
+relay that is stopped answers when it resumes). A relay that dies takes its
+host's ranks with it (they exit when their relay connection ends): the
+controller declares them dead at once, naming the relay
+(:meth:`HostPlane.relay_lost`).
 """
 
 from __future__ import annotations

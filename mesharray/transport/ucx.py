@@ -59,8 +59,8 @@ Python:
   offset, size) goes to the owner's worker, whose leader — its native progress
   thread when its Python is busy — checks it and answers with the bytes as one
   tag message (a read), or posts a receive into the block and says go (a
-  write). Over TCP this is as fast as UCX's tag bandwidth; its software RMA is
-  several times slower.
+  write). Over TCP a read is then one tagged rendezvous, where software RMA
+  would need the owner's worker to progress every fragment.
 
 ``MESHARRAY_UCX_RMA`` picks: ``auto`` (the default: RMA where it is native,
 served otherwise), ``get`` (always RMA: what a NIC runs, testable over TCP)
@@ -215,9 +215,9 @@ def ucx_defaults(environ=os.environ) -> dict[str, str]:
     """Set the UCX environment defaults this plane is fast with; return what was set.
 
     Only variables the user has not set are written: ``UCX_TLS=tcp`` where the
-    machine has no RDMA device, and 512 KiB TCP segments (UCX's default, 64 KiB,
-    and the 4 MiB that suit ucxx both move a 64 MiB rendezvous more slowly:
-    ``bench/README.md``, "TCP segments").
+    machine has no RDMA device, and 512 KiB TCP segments (UCX receives each
+    segment of a rendezvous into a buffer of its own and copies it out of it:
+    the segment size is the size of that copy).
 
     Examples
     --------
