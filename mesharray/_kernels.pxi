@@ -64,6 +64,7 @@ cdef extern from "<time.h>" nogil:
         time_t tv_sec
         long tv_nsec
     int clock_gettime(int clk_id, timespec *tp)
+    int nanosleep(const timespec *req, timespec *rem)
     enum: CLOCK_MONOTONIC
 
 cdef extern from *:
@@ -328,6 +329,47 @@ cdef inline double _now() noexcept nogil:
     return ts.tv_sec + ts.tv_nsec * 1e-9
 
 
+# How a waiter that has spun 64 times waits on: it yields its core for the first _spin_s
+# seconds of the wait (a peer that is about to arrive is seen at once), then naps, each nap
+# an eighth of the time waited so far (20 us to 1 ms). A peer that is far behind (a generator
+# waiting for a trainer's whole backward pass) then costs no core, while a wait is lengthened
+# by at most an eighth: on a machine with fewer cores than processes, a spinner that only
+# yields still takes its share of a core from the peers it waits for.
+cdef double _spin_s = 50e-6
+
+
+def set_spin(double seconds):
+    """Set how long a waiter yields before it naps (``MESHARRAY_SPIN_US``); the old value."""
+    global _spin_s
+    old = _spin_s
+    _spin_s = seconds
+    return old
+
+
+cdef inline bint _relax(double* since, double deadline) noexcept nogil:
+    # one pause of a waiter past its first 64 spins; True once ``deadline`` passed
+    cdef double now = _now(), waited, nap
+    cdef timespec ts
+    if since[0] == 0.0:
+        since[0] = now
+    waited = now - since[0]
+    if waited < _spin_s:
+        sched_yield()
+    else:
+        nap = waited * 0.125
+        if nap < 20e-6:
+            nap = 20e-6
+        elif nap > 1e-3:
+            nap = 1e-3
+        if nap > deadline - now:
+            nap = deadline - now
+        if nap > 0:
+            ts.tv_sec = 0
+            ts.tv_nsec = <long>(nap * 1e9)
+            nanosleep(&ts, NULL)
+    return now > deadline
+
+
 def atomic_load(uintptr_t addr):
     """Load the 8-byte integer at ``addr`` with acquire ordering."""
     return _ma_load_acquire(<long long*>addr)
@@ -357,7 +399,7 @@ def wait_flags(uintptr_t base, Py_ssize_t stride, indices, long long target, dou
     cdef Py_ssize_t n = len(indices), k, spins = 0
     cdef Py_ssize_t* idx = <Py_ssize_t*>malloc((n if n > 0 else 1) * sizeof(Py_ssize_t))
     cdef Py_ssize_t pending = -1
-    cdef double deadline
+    cdef double deadline, since = 0.0
     if idx == NULL:
         raise MemoryError()
     try:
@@ -371,12 +413,10 @@ def wait_flags(uintptr_t base, Py_ssize_t stride, indices, long long target, dou
                     k += 1
                     continue
                 spins += 1
-                if spins > 64:
-                    # give a core to the peer we wait for (ranks may outnumber cores)
-                    sched_yield()
-                    if (spins & 255) == 0 and _now() > deadline:
-                        pending = idx[k]
-                        break
+                # then give the core to the peer we wait for (ranks may outnumber cores)
+                if spins > 64 and _relax(&since, deadline):
+                    pending = idx[k]
+                    break
         return pending
     finally:
         free(idx)
@@ -581,16 +621,14 @@ cdef inline Py_ssize_t _wait_all(uintptr_t base, Py_ssize_t n, long long target,
     # the flags base + j*64 of j in 0..n-1: -1 once all reached target, else the first
     # index still short after ``seconds`` (the caller checks that member is alive)
     cdef Py_ssize_t j = 0, spins = 0
-    cdef double deadline = _now() + seconds
+    cdef double deadline = _now() + seconds, since = 0.0
     while j < n:
         if _ma_load_acquire(<long long*>(base + j * 64)) >= target:
             j += 1
             continue
         spins += 1
-        if spins > 64:
-            sched_yield()
-            if (spins & 255) == 0 and _now() > deadline:
-                return j
+        if spins > 64 and _relax(&since, deadline):
+            return j
     return -1
 
 

@@ -89,6 +89,7 @@ from .._core import (
     publish_word,
     reduce_addresses,
     reduce_remote,
+    set_spin,
     small_round,
     vm_copy,
     wait_flags,
@@ -96,6 +97,9 @@ from .._core import (
 from ..errors import ActorDiedError, MeshArrayError, SupervisionError
 from ..transport import cma
 from ._args import as_contiguous, check_out, scatter_part_shape
+
+# how long a waiter yields its core before it naps (_core.set_spin)
+set_spin(float(os.environ.get("MESHARRAY_SPIN_US", "50")) * 1e-6)
 
 __all__ = ["ShmCollective", "unique_segment_name", "REDUCE_OPS", "SINGLE_COPY_MIN", "SINGLE_COPY_MIN_SHARED_CORES"]
 

@@ -185,6 +185,8 @@ class DataContext:
         self._undefs: list[int] = []  # captured steps whose programs the ranks may drop
         self._unsynced = 0  # instructions queued since the last wait on every rank (MAX_PENDING)
         self.layouts: dict = {}  # elementwise result layouts by operand layouts
+        #: the small move queued last, as (what it shares with moves it may merge with, its wire form)
+        self.last_move: tuple | None = None
 
     @property
     def stopped(self) -> bool:
@@ -295,10 +297,12 @@ class DataContext:
         """
         self.post_wire(ranks, I.encode(program))
 
-    def post_wire(self, ranks: list, wire: tuple | list, n: int = 0) -> None:
+    def post_wire(self, ranks: list, wire: tuple | list, n: int = 0, bound: bool = True) -> None:
         """:meth:`post` of instructions already in their wire form: one (a tuple: a recipe's, see
         :mod:`.dispatch`) or a list; ``n``: the ops they stand for where more than one each (a captured
-        step's replay), as the bound of queued ops counts them."""
+        step's replay), as the bound of queued ops counts them; ``bound`` False: the caller applies
+        the bound (:meth:`keep_bound`) once it has queued the other parts of the op (a move's
+        receivers wait for its senders)."""
         if type(wire) is tuple:
             wire = [wire]
         if _TRACE is not None:
@@ -317,8 +321,24 @@ class DataContext:
             self._unsynced += n or len(wire)
             if self._buffered >= BATCH_OPS:
                 self.flush()
+        if bound:
+            self.keep_bound()
+
+    def keep_bound(self) -> None:
+        """Wait for the ranks once more than ``MESHARRAY_MAX_PENDING`` ops are queued (:meth:`_catch_up`)."""
         if self._unsynced > MAX_PENDING:
             self._catch_up()
+
+    def ends_with(self, ranks: list, wire: tuple) -> bool:
+        """Whether the command buffer's last instruction is ``wire`` (the object), queued for ``ranks``."""
+        buf = self._buf
+        return bool(buf) and buf[-1][1][-1] is wire and buf[-1][0] == ranks
+
+    def replace_last(self, ranks: list, old: tuple, new: tuple) -> None:
+        """Replace the buffer's last instruction ``old`` (see :meth:`ends_with`) by ``new``."""
+        if not self.ends_with(ranks, old):
+            raise AssertionError(f"the command buffer no longer ends with {old[0]!r}")
+        self._buf[-1][1][-1] = new
 
     def _catch_up(self) -> None:
         """More than ``MESHARRAY_MAX_PENDING`` ops queued since every rank last answered: wait for the

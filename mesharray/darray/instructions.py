@@ -235,6 +235,19 @@ class Move(NamedTuple):
     token: str
 
 
+class Moves(NamedTuple):
+    """Consecutive :class:`Move` s (wire tuples) that share their groups, participants and token, merged
+    by the controller: their blocks of at most :data:`INLINE_MOVE` bytes each travel in one broadcast
+    per group (a model's weights sent to another mesh each step)."""
+
+    moves: list
+
+
+#: the largest block (bytes) a move on one host sends inside its header's broadcast; moves of such
+#: blocks to the same ranks are merged (:class:`Moves`)
+INLINE_MOVE = 64 << 10
+
+
 class Planned(NamedTuple):
     """A :class:`Collective` whose fields other than ``out`` and ``src`` travel as ``plan``:
     ``pickle.dumps((op, groups, backend, dtype, torch_init, pids, hosts))``, made once per
@@ -283,7 +296,7 @@ class Free(NamedTuple):
 
 
 Instruction = Union[New, Put, Elementwise, Apply, Reduce, AsType, Reshape, GetItem, Copy, Collective,
-                    Planned, Move, SetItem, Fetch, Free]
+                    Planned, Move, Moves, SetItem, Fetch, Free]
 
 #: the instruction types whose failure is kept as the failure of their ``out`` block
 MAKES_BLOCK = (New, Put, Elementwise, Apply, Reduce, AsType, Reshape, GetItem, Copy)
@@ -292,7 +305,8 @@ MAKES_BLOCK = (New, Put, Elementwise, Apply, Reduce, AsType, Reshape, GetItem, C
 CODES: dict[type, str] = {
     BlockRef: "b", PerRank: "r", Value: "v",
     New: "new", Put: "put", Elementwise: "ew", Apply: "apply", Reduce: "reduce", AsType: "astype",
-    Reshape: "reshape", GetItem: "getitem", Copy: "copy", Collective: "coll", Planned: "plan", Move: "move", SetItem: "setitem",
+    Reshape: "reshape", GetItem: "getitem", Copy: "copy", Collective: "coll", Planned: "plan", Move: "move", Moves: "moves",
+    SetItem: "setitem",
     Fetch: "fetch", Free: "free",
 }
 _BY_CODE: dict[str, Any] = {code: cls for cls, code in CODES.items()}

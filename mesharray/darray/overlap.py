@@ -48,7 +48,7 @@ __all__ = ["COUNTS", "Overlap", "prepare"]
 BUCKET_BYTES = int(os.environ.get("MESHARRAY_BUCKET_BYTES", str(1 << 20)))
 _OPS = ("sum", "mean")
 #: instructions a look-ahead stops at (see prepare)
-_BARRIERS = frozenset(("effect", "coll", "move", "check", "def", "replay"))
+_BARRIERS = frozenset(("effect", "coll", "move", "moves", "check", "def", "replay"))
 
 #: what this process bucketed: backward passes, buckets sent, gradients in them
 COUNTS = {"backwards": 0, "buckets": 0, "grads": 0}

@@ -11,6 +11,8 @@ worker to worker (:func:`move_blocks`: a :class:`~.instructions.Move`).
 
 from __future__ import annotations
 
+import math
+from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
@@ -20,7 +22,7 @@ import mesharray.darray.instructions as I
 from .._core import Shape, reduction_plan
 from ..errors import MeshShapeError
 from .autograd import MeshNode, mark_leaf
-from .context import DataContext
+from .context import DataContext, tracing
 from .dispatch import layout_of
 
 __all__ = ["groups_of", "move_blocks", "placed", "placement", "per_rank"]
@@ -80,13 +82,9 @@ def move_blocks(src: Any, src_ranks: np.ndarray, ctx: DataContext, dst_ranks: np
                  hosts if spans else None, same, token)
     senders = sorted({g[0] for g in groups} | set(copies))
     receivers = sorted({d - off for g in groups for d in g[1:]})
-    if same:
-        sctx.send(sorted(set(senders) | set(receivers)), [ins])
-    else:
-        if senders:
-            sctx.send(senders, [ins])
-        if receivers:
-            ctx.send(receivers, [ins])
+    posts = [(sctx, sorted(set(senders) | set(receivers)))] if same else \
+        [(c, rs) for c, rs in ((sctx, senders), (ctx, receivers)) if rs]
+    _post_move(posts, ins, spans)
     res = type(src)(ctx, out, np.asarray(dst_ranks, dtype=np.int64).reshape(np.shape(dst_ranks)),
                     src._local, src._dtype, src.engine, None, src.collective)
     if same and src.rg and receivers:
@@ -99,6 +97,37 @@ def move_blocks(src: Any, src_ranks: np.ndarray, ctx: DataContext, dst_ranks: np
     elif same and src.rg:
         res.rg, res.deps = True, src.deps
     return res
+
+
+def _post_move(posts: list, ins: I.Move, spans: bool) -> None:
+    """Queue move ``ins`` for each ``(context, ranks)`` of ``posts``, merged into the move queued last
+    (an :class:`~.instructions.Moves`) where it can be: every one of those buffers still ends with that
+    move, for the same ranks, the two share groups, participants and token, and the blocks are small
+    and on one host (the workers then send them in one broadcast). The decision is made here, once,
+    so that every participant runs the same sequence of moves."""
+    wire = I.encode([ins])[0]
+    small = not spans and math.prod(ins.shape) * np.dtype(ins.dtype).itemsize <= I.INLINE_MOVE
+    ctxs = [c for c, _ in posts]
+    with ExitStack() as stack:
+        for c in ctxs:
+            stack.enter_context(c._lock)
+        key = (ins.groups, ins.copies, ins.ids, ins.pids, ins.mpi, ins.token) if small and not tracing() else None
+        last = [c.last_move for c in ctxs]
+        if key is not None and last[0] is not None and all(x is last[0] for x in last) and last[0][0] == key \
+                and all(c.ends_with(rs, last[0][1]) for c, rs in posts):
+            prev = last[0][1]
+            wire = ("moves", (prev[1] if prev[0] == "moves" else [prev]) + [wire])
+            for c, rs in posts:
+                c.replace_last(rs, prev, wire)
+        else:
+            for c, rs in posts:
+                c.post_wire(rs, wire, bound=False)
+        mark = None if key is None else (key, wire)  # (one object: the same move queued in every buffer)
+        for c in ctxs:
+            c.last_move = mark
+    # (only now: a wait for the senders needs the receivers' part queued too)
+    for c in ctxs:
+        c.keep_bound()
 
 
 def placed(what: str, plan: Any, dist: list, per_element: bool) -> tuple:

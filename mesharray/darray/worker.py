@@ -590,6 +590,88 @@ def _move_group(members: tuple[int, ...], me: int, ins: I.Move, token: str) -> t
     return (eng.from_numpy(res) if eng.name != "numpy" else res), eng
 
 
+def _small(items: list[I.Move], g: Any) -> bool:
+    """Whether ``items`` (moves of one group) travel as :func:`_move_small`: small blocks on one host."""
+    return isinstance(g, ShmCollective) and sum(_nbytes(m) for m in items) + 8 * len(items) <= min(
+        I.INLINE_MOVE * len(items), g.capacity)
+
+
+def _nbytes(m: I.Move) -> int:
+    return math.prod(m.shape) * np.dtype(m.dtype).itemsize
+
+
+def _move_small(members: tuple[int, ...], me: int, items: list[I.Move], token: str) -> list | None:
+    """Send (``me`` first in ``members``) or receive the small blocks of moves ``items`` in one broadcast;
+    the received blocks, each a ``(block, engine)`` or the exception that stands for it.
+
+    The sender puts a status word per block (1: it follows; 0: the sender's
+    block failed, its own error stays with it; -1: sending failed, a message
+    follows) and the blocks themselves into one broadcast through the group's
+    shared memory, and goes on at once: nobody reads its memory afterwards,
+    so no closing barrier (the next op of the group waits until the receivers
+    copied this one out). Moves of one step to the same ranks (the weights of
+    a model) are merged by the controller into one instruction, so they cost
+    one such broadcast.
+    """
+    root = members[0]
+    ri = tuple(sorted(members)).index(root)
+    g = _move_group_of(tuple(sorted(members)), me, items[0])
+    n = len(items)
+    sizes = [_nbytes(m) for m in items]
+    wire = np.zeros(8 * n + sum(sizes), dtype=np.uint8)
+    status = wire[:8 * n].view(np.int64)
+    errors: list = [None] * n
+    if me == root:
+        off = 8 * n
+        for j, m in enumerate(items):
+            try:
+                block, eng = STORE.get(m.src), STORE.engine(m.src)
+            except BaseException as exc:
+                errors[j] = exc
+            else:
+                try:
+                    host = np.asarray(eng.host_view(block), order="C")
+                    if host.dtype != np.dtype(m.dtype):
+                        host = host.astype(m.dtype)
+                    if host.shape != tuple(m.shape):
+                        raise MeshArrayError(f"block {m.src} has local shape {host.shape}; the move expected "
+                                             f"{tuple(m.shape)}")
+                    wire[off:off + sizes[j]] = host.reshape(-1).view(np.uint8)
+                    status[j] = 1
+                except BaseException as exc:
+                    errors[j] = exc
+                    status[j] = -1
+            off += sizes[j]
+    g.broadcast(wire, root=ri)
+    texts = {}
+    for j in range(n):
+        if status[j] == -1:  # (every participant sees the same status words: the same broadcasts follow)
+            msg = np.zeros(1024, dtype=np.uint8)
+            if errors[j] is not None:
+                text = f"{type(errors[j]).__name__}: {errors[j]}".encode()[:1024]
+                msg[:len(text)] = np.frombuffer(text, dtype=np.uint8)
+            g.broadcast(msg, root=ri)
+            texts[j] = msg.tobytes().rstrip(bytes(1)).decode(errors="replace")
+    if me == root:
+        return None
+    ids = items[0].ids or {}
+    src_rank = next((r for (_t, r), i in ids.items() if i == root), root)
+    src_tok = next((t for (t, _r), i in ids.items() if i == root), None)
+    got: list = []
+    off = 8 * n
+    for j, m in enumerate(items):
+        if status[j] == 1:
+            eng = get_engine(m.engine)
+            res = wire[off:off + sizes[j]].view(np.dtype(m.dtype)).reshape(tuple(m.shape))
+            got.append(((eng.from_numpy(res) if eng.name != "numpy" else res), eng))
+        elif status[j] == -1:
+            got.append(MeshArrayError(f"rank {src_rank} could not send its block: {texts[j]}"))
+        else:
+            got.append(InputFailed([src_rank], m.src, src_tok if src_tok != token else None))
+        off += sizes[j]
+    return got
+
+
 def _name_op(exc: BaseException, ins: Any, me: int) -> None:
     """Say in ``exc`` which op failed (once: ops that use the failed block raise the same exception)."""
     notes = getattr(exc, "__notes__", ())
@@ -714,6 +796,8 @@ class DataActor(Actor):
                     self._collective(me, ins)
                 elif t is I.Move:
                     self._move(me, ins)
+                elif t is I.Moves:
+                    self._move(me, [I.decode(m) for m in ins.moves])
                 elif t is I.SetItem:
                     try:
                         _setitem(ins, me)
@@ -875,29 +959,52 @@ class DataActor(Actor):
                 st[1] = (grp, ins.op, dtype, get_engine("numpy"), grp.small_bytes, kdt)
         return None
 
-    def _move(self, me: int, ins: I.Move) -> None:
-        """This process's part of a move: its sends and its receive, in the move's order."""
-        me = ins.ids.get((self.token, me), me) if ins.ids else me
-        if me in ins.copies or any(me in g[1:] for g in ins.groups):
+    def _move(self, me: int, ins: I.Move | list[I.Move]) -> None:
+        """This process's part of a move, or of moves the controller merged (a list sharing their groups):
+        its sends and its receive, in the move's order."""
+        items = ins if isinstance(ins, list) else [ins]
+        first = items[0]
+        me = first.ids.get((self.token, me), me) if first.ids else me
+        if me in first.copies or any(me in g[1:] for g in first.groups):
             # (only a process making ``out`` may touch that id: a sender in another
             # process mesh has ids of its own, maybe the same number)
-            STORE.blocks.pop(ins.out, None)
-        if me in ins.copies:
-            try:
-                STORE.put(ins.out, _clone(STORE.get(ins.src)), STORE.engine(ins.src))
-            except BaseException as exc:
-                STORE.fail(ins.out, exc)
-        for g in ins.groups:
+            for m in items:
+                STORE.blocks.pop(m.out, None)
+        if me in first.copies:
+            for m in items:
+                try:
+                    STORE.put(m.out, _clone(STORE.get(m.src)), STORE.engine(m.src))
+                except BaseException as exc:
+                    STORE.fail(m.out, exc)
+        for g in first.groups:
             if me not in g:
                 continue
+            members = tuple(g)
             try:
-                got = _move_group(tuple(g), me, ins, self.token)
+                small = _small(items, _move_group_of(tuple(sorted(members)), me, first))
+                if small:
+                    got = _move_small(members, me, items, self.token)
             except BaseException as exc:
                 if me != g[0]:  # a sender makes no block: its own failure stays with its src
-                    STORE.fail(ins.out, exc)
+                    for m in items:
+                        STORE.fail(m.out, exc)
                 continue
-            if got is not None:
-                STORE.put(ins.out, *got)
+            if small:
+                for m, one in zip(items, got or ()):
+                    if isinstance(one, BaseException):
+                        STORE.fail(m.out, one)
+                    else:
+                        STORE.put(m.out, *one)
+                continue
+            for m in items:
+                try:
+                    one = _move_group(members, me, m, self.token)
+                except BaseException as exc:
+                    if me != g[0]:
+                        STORE.fail(m.out, exc)
+                    continue
+                if one is not None:
+                    STORE.put(m.out, *one)
 
     def _group(self, members: tuple[int, ...], me: int, ins: I.Collective, eng: Engine | None) -> Any:
         g = STORE.groups.get((members, ins.backend))

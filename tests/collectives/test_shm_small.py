@@ -197,3 +197,24 @@ def test_one_member_group_and_argument_errors():
         small_round(0, 1, 0, 1, 0, 0, 0, [0], 0, "complex128", "sum", False, 0, 0.0, bad[:1])
     with pytest.raises(ValueError, match="rank 2, 1 slots and 2 status bytes do not fit a group of size 2"):
         small_round(0, 2, 2, 1, 0, 0, 0, [0], 0, "float64", "sum", False, 0, 0.0, bad)
+
+
+def test_a_long_wait_naps_and_a_late_peer_is_still_seen_at_once():
+    """A member waiting for a peer far behind (a generator waiting for a trainer's backward pass) gives
+    up its core after a short spin; the peer's flag is still seen within a nap (at most 1 ms late)."""
+    from mesharray._core import atomic_store, wait_flags
+
+    flags = np.zeros(8, dtype=np.int64)
+    t_cpu, t0 = time.thread_time(), time.perf_counter()
+    assert wait_flags(flags.ctypes.data, 8, [0], 1, 0.5) == 0  # nobody came: the first index still short
+    assert time.perf_counter() - t0 >= 0.5
+    assert time.thread_time() - t_cpu < 0.2  # (a spinning wait costs the whole 0.5 s)
+    import threading
+
+    late = threading.Timer(0.2, atomic_store, (flags.ctypes.data, 1))
+    late.start()
+    t0 = time.perf_counter()
+    assert wait_flags(flags.ctypes.data, 8, [0], 1, 5.0) == -1
+    took = time.perf_counter() - t0
+    late.join()
+    assert 0.19 <= took < 0.3, took

@@ -12,6 +12,7 @@ import pytest
 
 import mesharray as ma
 import mesharray.darray.instructions as I
+from mesharray.darray import data_context
 from mesharray.darray.storage import distributed
 from mesharray.errors import ActorDiedError, MeshShapeError
 
@@ -171,6 +172,50 @@ def test_failed_block_moves_its_failure(two):
         (a.ones(2) + failed).to_mesh(b).fetch()
     # both meshes keep working
     np.testing.assert_array_equal(_np(a.ones(2).to_mesh(b)), np.ones((1, 2, 2)))
+
+
+def test_small_moves_in_a_row_travel_as_one_and_keep_each_failure(two):
+    """Small blocks moved to the same ranks one after another (a model's weights sent each step) go as
+    one instruction, one broadcast per sender; each array keeps its own values, or its own failure."""
+    a, b = two
+    sent = []
+    ctxs = [data_context(m) for m in (a, b)]
+    for ctx in ctxs:
+        def spy(ranks, wire, real=ctx._broadcast):
+            sent.append([w[0] for w in wire if w[0] in ("move", "moves")] + [len(w[1]) for w in wire if w[0] == "moves"])
+            return real(ranks, wire)
+        ctx._broadcast = spy
+    try:
+        ws = [a.arange(5, dtype="float32") * (i + 1) + a.rank_array(dtype="float32") for i in range(3)]
+        failed = _failing(a)
+        a.sync()
+        sent.clear()
+        moved = [w.to_mesh(b) for w in ws[:2]] + [failed.to_mesh(b)] + [ws[2].to_mesh(b)]
+        b.sync()
+        a.sync()
+        assert sent == [["moves", 4], ["moves", 4]]  # the receivers' message and the senders'
+    finally:
+        for ctx in ctxs:
+            del ctx._broadcast
+    for i in (0, 1):
+        np.testing.assert_array_equal(_np(moved[i]), _np(ws[i]))
+    np.testing.assert_array_equal(_np(moved[3]), _np(ws[2]))
+    with pytest.raises(ma.ActorError, match="the sender's block failed") as info:
+        moved[2].fetch()
+    assert isinstance(info.value.exception, ZeroDivisionError)
+    # a large block between small ones is not merged; every value still arrives
+    big = a.ones(1 << 16, dtype="float32") * a.rank_array(dtype="float32")
+    got = [x.to_mesh(b) for x in (ws[0], big, ws[1], ws[2])]
+    np.testing.assert_array_equal(_np(got[1].sum(axis=-1)), [[0.0, float(1 << 16)]])
+    for x, y in zip((ws[0], ws[1], ws[2]), (got[0], got[2], got[3])):
+        np.testing.assert_array_equal(_np(y), _np(x))
+
+
+def test_small_rolls_within_a_mesh_merge_and_roll(grid):
+    xs = [grid.arange(3) + grid.rank_array() * 10 + i for i in range(3)]
+    rolled = [x.roll(1, axis=0) for x in xs]
+    for x, r in zip(xs, rolled):
+        np.testing.assert_array_equal(_np(r), np.roll(_np(x), 1, axis=0))
 
 
 def _sleep(x):
