@@ -17,6 +17,7 @@ Operands are told apart with ``isinstance(x, StoredArray)`` (the base of
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Any
@@ -224,24 +225,33 @@ def mesh_alignment(a: StoredArray, names: tuple[str, ...], sizes: tuple[int, ...
 
     By name when every mesh dim of ``a`` is one of ``names``, else positionally
     from the right; size-1 and missing dims broadcast (``MeshArray.to_mesh``).
+    The result is read-only (worked out once per pair of mesh shapes).
     """
-    src, ssz = tuple(a._shape.names), tuple(a._shape.sizes)
+    pos = _alignment(tuple(a._shape.names), tuple(a._shape.sizes), tuple(names), tuple(sizes))
+    if isinstance(pos, str):
+        raise MeshShapeError(f"cannot place an array with mesh dims {_fmt_mesh(a)} on a mesh with dims "
+                             f"{dict(zip(names, sizes))}: {pos}")
+    return pos
+
+
+@functools.lru_cache(maxsize=256)
+def _alignment(src: tuple, ssz: tuple, names: tuple, sizes: tuple) -> np.ndarray | str:
+    """:func:`mesh_alignment` of mesh dims ``src``/``ssz``: the positions, or why there are none."""
     pos = np.arange(math.prod(ssz), dtype=np.int64).reshape(ssz)
-    want = dict(zip(names, sizes))
-    if all(n in want for n in src):
+    if all(n in names for n in src):
         present = [n for n in names if n in src]
         pos = pos.transpose([src.index(n) for n in present])
         pos = pos.reshape(tuple(ssz[src.index(n)] if n in src else 1 for n in names))
     elif len(src) <= len(names):
         pos = pos.reshape((1,) * (len(names) - len(src)) + ssz)
     else:
-        raise MeshShapeError(f"cannot place an array with mesh dims {_fmt_mesh(a)} on a mesh with dims {want}: "
-                             f"it has more dims, and not all of its dim names are the mesh's")
+        return "it has more dims, and not all of its dim names are the mesh's"
     for n, have, need in zip(names, pos.shape, sizes):
         if have not in (1, need):
-            raise MeshShapeError(f"cannot place an array with mesh dims {_fmt_mesh(a)} on a mesh with dims {want}: "
-                                 f"dim {n!r} has size {have} here and {need} there (only size 1 broadcasts)")
-    return np.ascontiguousarray(np.broadcast_to(pos, sizes))
+            return f"dim {n!r} has size {have} here and {need} there (only size 1 broadcasts)"
+    out = np.ascontiguousarray(np.broadcast_to(pos, sizes))
+    out.setflags(write=False)
+    return out
 
 
 def storage_class(operands: Any) -> Any:

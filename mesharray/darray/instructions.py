@@ -33,6 +33,7 @@ __all__ = [
     "decode",
     "encode",
     "map_ids",
+    "block_ids",
     "remap",
     "AsType",
     "BlockRef",
@@ -344,6 +345,25 @@ _IDS = {"new": (1,), "put": (1,), "ew": (1,), "apply": (1,), "reduce": (1, 2), "
         "setitem": (1,)}
 _OPERAND_AT = {"ew": 3, "apply": 3, "setitem": 3, "put": 2}
 _LISTS = {"free": 1, "check": 1}
+
+
+def block_ids(ins: tuple) -> list:
+    """Every block id ``ins`` names (its fields by code: :data:`_IDS`), as :func:`map_ids` visits them."""
+    code = ins[0]
+    if code == "effect":
+        return block_ids(ins[1])
+    out = [ins[i] for i in _IDS.get(code, ())]
+    k = _OPERAND_AT.get(code)
+    if k is not None:
+        v = ins[k]
+        if type(v) is list:
+            out += [o[1] for o in v if o[0] == "b"]
+        elif type(v) is tuple and v and v[0] == "b":
+            out.append(v[1])
+    k = _LISTS.get(code)
+    if k is not None:
+        out += ins[k]
+    return out
 
 
 def map_ids(ins: tuple, f: Callable[[Any], Any]) -> tuple:

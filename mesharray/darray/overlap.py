@@ -40,7 +40,7 @@ import numpy as np
 from ..engines import get_engine
 from ..errors import MeshArrayError
 from .autograd import grad_of
-from .instructions import InputFailed, map_ids
+from .instructions import InputFailed, block_ids
 
 __all__ = ["COUNTS", "Overlap", "prepare"]
 
@@ -206,7 +206,9 @@ def prepare(program: list, i: int, get: Callable[[int], Any], group_of: Callable
             # a wait's check: gradients may change or be read after it, so nothing beyond is bucketed
             break
         if code != "free":  # (frees of the gradients come last: they are freed after the buckets stored them)
-            map_ids(ins, lambda b: touched.__setitem__(b, touched.get(b, 0) + 1) if type(b) is int else None)
+            for b in block_ids(ins):
+                if type(b) is int:
+                    touched[b] = touched.get(b, 0) + 1
         if code == "apply" and ins[2] is grad_of and len(ins[3]) == 1 and ins[3][0][0] == "b":
             made_at[ins[1]] = j
         elif code == "plan" and not ins[4] and ins[2] in made_at and len(ins) > 5 and ins[5]:

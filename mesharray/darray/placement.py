@@ -12,7 +12,6 @@ worker to worker (:func:`move_blocks`: a :class:`~.instructions.Move`).
 from __future__ import annotations
 
 import math
-from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
@@ -49,14 +48,49 @@ def move_blocks(src: Any, src_ranks: np.ndarray, ctx: DataContext, dst_ranks: np
     its own group (a block wanted by many ranks fans out once); a rank that
     already holds its block copies it. The controller sends only the plan.
     """
-    flat_s = np.asarray(src_ranks, dtype=np.int64).reshape(-1).tolist()
-    flat_d = np.asarray(dst_ranks, dtype=np.int64).reshape(-1).tolist()
-    if len(set(flat_d)) != len(flat_d):
-        raise MeshShapeError(f"a move needs one position per destination rank; ranks {flat_d} repeat")
     sctx = src.ctx
-    same = ctx is sctx
     sctx.check_live()
     ctx.check_live()
+    src_ranks = np.asarray(src_ranks, dtype=np.int64)
+    dst_ranks = np.asarray(dst_ranks, dtype=np.int64)
+    key = ("move", id(ctx), src_ranks.tobytes(), dst_ranks.shape, dst_ranks.tobytes())
+    plan = sctx.layouts.get(key)
+    if plan is None:
+        if len(sctx.layouts) > 256:
+            sctx.layouts.clear()
+        plan = sctx.layouts[key] = _move_plan(sctx, ctx, src_ranks, dst_ranks)
+    fields, spans, posts, receivers, pairs, dst = plan
+    out = ctx.new_id()
+    ins = I.Move(out, src.bid, *fields[:3], src._local, src._dtype.str, src.engine, *fields[3:])
+    _post_move(posts, ins, spans)
+    res = type(src)(ctx, out, dst, src._local, src._dtype, src.engine, None, src.collective)
+    same = ctx is sctx
+    if same and src.rg and receivers:
+        # autograd through the move (see .autograd): each moved block a leaf on its receiver,
+        # whose gradient goes back to its sender; copies stay in their rank's own graph
+        node = MeshNode("move", src, pairs=list(pairs))
+        node.result(res, layout_of(res))
+        sctx.send(receivers, [I.Apply(out, mark_leaf, [I.BlockRef(out)])])
+        res.rg, res.deps = True, src.deps + (node,)
+    elif same and src.rg:
+        res.rg, res.deps = True, src.deps
+    return res
+
+
+#: the most moves merged into one instruction (their blocks, at most INLINE_MOVE bytes each, share a
+#: broadcast through the group's shared memory, 4 MiB)
+MERGE_MOVES = 32
+
+
+def _move_plan(sctx: DataContext, ctx: DataContext, src_ranks: np.ndarray, dst_ranks: np.ndarray) -> tuple:
+    """What a move from ``sctx``'s ranks ``src_ranks`` to ``ctx``'s ``dst_ranks`` sends, whichever blocks
+    it moves (kept per layout in ``sctx.layouts``): ``(fields, spans, posts, receivers, pairs, dst)``,
+    ``fields`` the :class:`~.instructions.Move` fields other than the block's."""
+    flat_s = src_ranks.reshape(-1).tolist()
+    flat_d = dst_ranks.reshape(-1).tolist()
+    if len(set(flat_d)) != len(flat_d):
+        raise MeshShapeError(f"a move needs one position per destination rank; ranks {flat_d} repeat")
+    same = ctx is sctx
     off = 0 if same else sctx.shape.size
     ids: dict = {}
     if not same:
@@ -76,27 +110,15 @@ def move_blocks(src: Any, src_ranks: np.ndarray, ctx: DataContext, dst_ranks: np
         pids[d + off] = ctx.pid(d)
         hosts[d + off] = ctx.host(d)
     spans = len({h[0] for h in hosts.values()}) > 1
-    out = ctx.new_id()
     token = sctx.token + "m" if same else f"{sctx.token}{ctx.token}"
-    ins = I.Move(out, src.bid, groups, copies, ids, src._local, src._dtype.str, src.engine, pids,
-                 hosts if spans else None, same, token)
     senders = sorted({g[0] for g in groups} | set(copies))
     receivers = sorted({d - off for g in groups for d in g[1:]})
     posts = [(sctx, sorted(set(senders) | set(receivers)))] if same else \
         [(c, rs) for c, rs in ((sctx, senders), (ctx, receivers)) if rs]
-    _post_move(posts, ins, spans)
-    res = type(src)(ctx, out, np.asarray(dst_ranks, dtype=np.int64).reshape(np.shape(dst_ranks)),
-                    src._local, src._dtype, src.engine, None, src.collective)
-    if same and src.rg and receivers:
-        # autograd through the move (see .autograd): each moved block a leaf on its receiver,
-        # whose gradient goes back to its sender; copies stay in their rank's own graph
-        node = MeshNode("move", src, pairs=[(s, d) for s, d in zip(flat_s, flat_d) if s != d])
-        node.result(res, layout_of(res))
-        sctx.send(receivers, [I.Apply(out, mark_leaf, [I.BlockRef(out)])])
-        res.rg, res.deps = True, src.deps + (node,)
-    elif same and src.rg:
-        res.rg, res.deps = True, src.deps
-    return res
+    dst = dst_ranks.copy()
+    dst.setflags(write=False)
+    pairs = tuple((s, d) for s, d in zip(flat_s, flat_d) if s != d)
+    return (groups, copies, ids, pids, hosts if spans else None, same, token), spans, posts, receivers, pairs, dst
 
 
 def _post_move(posts: list, ins: I.Move, spans: bool) -> None:
@@ -108,14 +130,15 @@ def _post_move(posts: list, ins: I.Move, spans: bool) -> None:
     wire = I.encode([ins])[0]
     small = not spans and math.prod(ins.shape) * np.dtype(ins.dtype).itemsize <= I.INLINE_MOVE
     ctxs = [c for c, _ in posts]
-    with ExitStack() as stack:
-        for c in ctxs:
-            stack.enter_context(c._lock)
+    for c in ctxs:  # (both buffers change together, or neither)
+        c._lock.acquire()
+    try:
         key = (ins.groups, ins.copies, ins.ids, ins.pids, ins.mpi, ins.token) if small and not tracing() else None
-        last = [c.last_move for c in ctxs]
-        if key is not None and last[0] is not None and all(x is last[0] for x in last) and last[0][0] == key \
-                and all(c.ends_with(rs, last[0][1]) for c, rs in posts):
-            prev = last[0][1]
+        last = ctxs[0].last_move
+        if key is not None and last is not None and last[0] == key and all(c.last_move is last for c in ctxs) \
+                and (last[1][0] == "move" or len(last[1][1]) < MERGE_MOVES) \
+                and all(c.ends_with(rs, last[1]) for c, rs in posts):
+            prev = last[1]
             wire = ("moves", (prev[1] if prev[0] == "moves" else [prev]) + [wire])
             for c, rs in posts:
                 c.replace_last(rs, prev, wire)
@@ -125,6 +148,9 @@ def _post_move(posts: list, ins: I.Move, spans: bool) -> None:
         mark = None if key is None else (key, wire)  # (one object: the same move queued in every buffer)
         for c in ctxs:
             c.last_move = mark
+    finally:
+        for c in ctxs:
+            c._lock.release()
     # (only now: a wait for the senders needs the receivers' part queued too)
     for c in ctxs:
         c.keep_bound()
