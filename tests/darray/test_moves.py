@@ -12,6 +12,7 @@ import pytest
 
 import mesharray as ma
 import mesharray.darray.instructions as I
+from mesharray.darray import context as context_module
 from mesharray.darray import data_context
 from mesharray.darray.storage import distributed
 from mesharray.errors import ActorDiedError, MeshShapeError
@@ -174,10 +175,13 @@ def test_failed_block_moves_its_failure(two):
     np.testing.assert_array_equal(_np(a.ones(2).to_mesh(b)), np.ones((1, 2, 2)))
 
 
-def test_small_moves_in_a_row_travel_as_one_and_keep_each_failure(two):
+def test_small_moves_in_a_row_travel_as_one_and_keep_each_failure(two, monkeypatch):
     """Small blocks moved to the same ranks one after another (a model's weights sent each step) go as
     one instruction, one broadcast per sender; each array keeps its own values, or its own failure."""
     a, b = two
+    # (no idle flush between the moves, however slow this machine is: a flushed move merges with none)
+    monkeypatch.setattr(context_module, "FLUSH_IDLE", 30.0)
+    monkeypatch.setattr(context_module, "FLUSH_AGE", 30.0)
     sent = []
     ctxs = [data_context(m) for m in (a, b)]
     for ctx in ctxs:
