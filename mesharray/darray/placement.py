@@ -61,7 +61,8 @@ def move_blocks(src: Any, src_ranks: np.ndarray, ctx: DataContext, dst_ranks: np
         plan = sctx.layouts[key] = _move_plan(sctx, ctx, src_ranks, dst_ranks)
     fields, spans, posts, receivers, pairs, dst = plan
     out = ctx.new_id()
-    ins = I.Move(out, src.bid, *fields[:3], src._local, src._dtype.str, src.engine, *fields[3:])
+    groups, copies, ids, pids, hosts, mpi, token = fields
+    ins = I.Move(out, src.bid, groups, copies, ids, src._local, src._dtype.str, src.engine, pids, hosts, mpi, token)
     _post_move(posts, ins, spans)
     res = type(src)(ctx, out, dst, src._local, src._dtype, src.engine, None, src.collective)
     same = ctx is sctx
