@@ -35,6 +35,11 @@ def _healthy(procs, probes) -> None:
 
 @pytest.fixture(scope="module")
 def guarded(procs):
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        # (pytest started in the background, `cmd &` or nohup: SIGINT is ignored, and the
+        # controller rightly leaves it so; these tests send one, so they take Python's default)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        interrupt.install()
     assert interrupt.installed(), "the controller puts the Ctrl-C guard in place"
     return procs
 
