@@ -53,8 +53,8 @@ group still agrees that nothing is reduced.
 
 Waiting spins, then yields the core for ``MESHARRAY_SPIN_US`` (ranks may
 outnumber cores), then naps an eighth of the time waited so far (a peer far
-behind costs no core; ``_core.set_spin``), and returns to Python every few milliseconds to check that the peers it waits for are
-alive: a dead peer fails the operation on every survivor with
+behind costs no core; ``_core.set_spin``), and returns to Python every few
+milliseconds to check that the peers it waits for are alive: a dead peer fails the operation on every survivor with
 :class:`~mesharray.errors.ActorDiedError` instead of hanging it.
 
 A group whose members outnumber the cores (any member's view of its own
