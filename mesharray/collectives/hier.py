@@ -103,10 +103,8 @@ class HierCollective:
         kop, mean = split_mean(op, send.dtype)
         if self.local is not None:
             part = self.local.reduce(send, out=out if self.is_leader else None, op=kop, root=0)
-        else:
-            part = out
-            if out is not send:
-                np.copyto(out, send)
+        else:  # (alone on its host: the ring reads ``send`` where it lies and writes ``out``)
+            part = send
         if self.is_leader:
             assert part is not None
             self._ring().allreduce(part, out=out, op=kop)

@@ -13,7 +13,10 @@ steps are *pipelined in chunks* (:data:`CHUNK`): a chunk is reduced as soon as
 it arrives and handed to the sending thread at once, so the send of step
 ``s + 1`` overlaps the receive of step ``s`` and the link never idles while a
 whole segment is reduced. Each member moves ``2 (size - 1) / size`` of the
-message each way — for two hosts, the whole message once each way.
+message each way — for two hosts, the whole message once each way. The
+member's own data is read where it lies: its segment is sent from ``send``
+and each received chunk is reduced with ``send``'s into ``out``, so ``send``
+is never copied into ``out`` first.
 
 Sends run in one thread per group (blocking sends release the GIL); receives
 and reductions in the caller's. A peer that goes away fails the operation
@@ -21,8 +24,9 @@ with :class:`~mesharray.errors.ActorDiedError` naming it, never a hang.
 
 Over the UCX plane (links with a ``ring_run`` method: :mod:`mesharray.transport.ucx`)
 the whole loop runs in compiled code instead: the same steps, chunks and order
-are written as a table ``(address, nbytes, flags)`` that one C call executes
-(posting sends and receives, reducing each chunk as it lands, forwarding it),
+are written as a table ``(address, nbytes, flags, source)`` that one C call
+executes (posting sends and receives, reducing each fragment as it lands in
+UCX's receive segment, forwarding each chunk),
 without the GIL and without a thread hand-off per chunk. Reductions of the
 dtypes of ``ucx.RING_DTYPES`` (floats and integers of 1 to 8 bytes, native byte
 order) run there; others take the Python loop.
@@ -135,32 +139,39 @@ class RingCollective:
         ufunc = UFUNCS.get(kop)
         if ufunc is None:
             raise ValueError(f"unknown reduction op {op!r}; expected one of {(*UFUNCS, 'mean')}")
-        if out is not send:
+        if self.size == 1:
+            if out is not send:
+                np.copyto(out, send)
+        elif out is send or not np.may_share_memory(out, send):
+            # fused: the own segment is sent from ``send``, each received one reduced from ``send`` into
+            # ``out``, so ``send`` is never copied into ``out`` first (one pass over the message less)
+            self._allreduce(out.reshape(-1), ufunc, send.reshape(-1))
+        else:  # (partly overlapping: copy first, then reduce in place)
             np.copyto(out, send)
-        if self.size > 1:
-            self._allreduce(out.reshape(-1), ufunc)
+            self._allreduce(out.reshape(-1), ufunc, out.reshape(-1))
         if mean:
             np.divide(out, self.size, out=out)
         return out
 
-    def _run_native(self, rows: list[tuple[int, int, int]], dtype: str = "u1", op: str = "sum") -> None:
-        steps = np.array(rows, dtype=np.uint64).reshape(-1, 3)
+    def _run_native(self, rows: list[tuple[int, int, int, int]], dtype: str = "u1", op: str = "sum") -> None:
+        steps = np.array(rows, dtype=np.uint64).reshape(-1, 4)
         try:
             self.right.ring_run(self.left, steps, dtype, op, CHUNK)  # type: ignore[union-attr]
         except (ConnectionError, OSError) as exc:
             raise self._died("exchanging with", f"{self.peers[0]}/{self.peers[1]}".strip("/"), exc) from exc
         self.native_runs += 1
 
-    def _allreduce(self, flat: np.ndarray, ufunc: np.ufunc) -> None:
+    def _allreduce(self, flat: np.ndarray, ufunc: np.ufunc, own: np.ndarray) -> None:
+        """Reduce into ``flat`` over the ring, this member's contribution read from ``own`` (``flat`` or unaliased)."""
         L, i = self.size, self.rank
         code = flat.dtype.str[1:]
         if self._native and flat.dtype.isnative and code in _native_dtypes(self.right):
             op = next(k for k, v in UFUNCS.items() if v is ufunc)
-            self._run_native(self._allreduce_plan(flat), code, op)
+            self._run_native(self._allreduce_plan(flat, own), code, op)
             return
         seg = self._segments(flat.size)
         step = max(1, CHUNK // max(1, flat.itemsize))
-        raw = flat.view(np.uint8).data
+        raw, src = flat.view(np.uint8).data, own.view(np.uint8).data
         isz = flat.itemsize
         tmp = np.empty(min(step, max(e - s for s, e in seg)), dtype=flat.dtype)
         tmp_b = tmp.view(np.uint8).data
@@ -171,7 +182,7 @@ class RingCollective:
                 yield a, min(a + step, e)
 
         for a, b in chunks(i):  # the first step sends this member's own segment as it is
-            self._send(raw[a * isz:b * isz])
+            self._send(src[a * isz:b * isz])
         received = [((i - 1 - s) % L, True) for s in range(L - 1)] + [((i - s) % L, False) for s in range(L - 1)]
         try:
             for k, (j, reduce) in enumerate(received):
@@ -180,7 +191,7 @@ class RingCollective:
                     n = b - a
                     if reduce:
                         self._recv(tmp_b[:n * isz])
-                        ufunc(flat[a:b], tmp[:n], out=flat[a:b])
+                        ufunc(own[a:b], tmp[:n], out=flat[a:b])
                     else:
                         self._recv(raw[a * isz:b * isz])
                     if not last:
@@ -188,21 +199,27 @@ class RingCollective:
         finally:
             self._finish()
 
-    def _allreduce_plan(self, flat: np.ndarray) -> list[tuple[int, int, int]]:
-        """The steps of :meth:`_allreduce`, in its order, as ``(address, nbytes, flags)`` rows."""
+    def _allreduce_plan(self, flat: np.ndarray, own: np.ndarray) -> list[tuple[int, int, int, int]]:
+        """The steps of :meth:`_allreduce`, in its order, as ``(address, nbytes, flags, source)`` rows.
+
+        A step that sends reads ``source``; a reducing receive writes ``source ⊕ received`` to
+        ``address``; other steps have ``source == address``.
+        """
         L, i = self.size, self.rank
         seg = self._segments(flat.size)
         isz = flat.itemsize
         step = max(1, CHUNK // max(1, isz))
         base = buffer_address(flat, True)[0] if flat.size else 0
+        obase = base if own is flat else (buffer_address(own, False)[0] if own.size else 0)
         rows = []
         s, e = seg[i]
-        rows += [(base + a * isz, (min(a + step, e) - a) * isz, _SEND) for a in range(s, e, step)]
+        rows += [(base + a * isz, (min(a + step, e) - a) * isz, _SEND, obase + a * isz) for a in range(s, e, step)]
         received = [((i - 1 - k) % L, True) for k in range(L - 1)] + [((i - k) % L, False) for k in range(L - 1)]
         for k, (j, reduce) in enumerate(received):
             flags = _RECV | (_REDUCE if reduce else 0) | (0 if k == len(received) - 1 else _FORWARD)
             s, e = seg[j]
-            rows += [(base + a * isz, (min(a + step, e) - a) * isz, flags) for a in range(s, e, step)]
+            rows += [(base + a * isz, (min(a + step, e) - a) * isz, flags, (obase if reduce else base) + a * isz)
+                     for a in range(s, e, step)]
         return rows
 
     def broadcast(self, buf: Any, root: int = 0) -> np.ndarray:
@@ -217,7 +234,8 @@ class RingCollective:
         if self._native:
             base = buffer_address(raw, self.rank != root)[0] if raw.nbytes else 0  # (the root only reads)
             flags = _SEND if self.rank == root else (_RECV | (0 if self.rank == last else _FORWARD))
-            self._run_native([(base + a, min(CHUNK, raw.nbytes - a), flags) for a in range(0, raw.nbytes, CHUNK)])
+            self._run_native([(base + a, min(CHUNK, raw.nbytes - a), flags, base + a)
+                              for a in range(0, raw.nbytes, CHUNK)])
             return buf
         try:
             for a in range(0, raw.nbytes, CHUNK):
@@ -236,9 +254,10 @@ class RingCollective:
         if L == 1:
             return
         if self._native:
-            def row(j: int, flags: int) -> list[tuple[int, int, int]]:
+            def row(j: int, flags: int) -> list[tuple[int, int, int, int]]:
                 n = memoryview(parts[j]).nbytes
-                return [(buffer_address(parts[j], True)[0], n, flags)] if n else []
+                a = buffer_address(parts[j], True)[0]
+                return [(a, n, flags, a)] if n else []
             rows = row(i, _SEND)
             for s in range(L - 1):
                 rows += row((i - 1 - s) % L, _RECV | (_FORWARD if s < L - 2 else 0))

@@ -38,6 +38,7 @@ cdef extern from "_ucp_engine.h" nogil:
         uint64_t addr
         uint64_t nbytes
         uint64_t flags
+        uint64_t src
     int MA_ERRLEN
     int MA_OK, MA_DROPPED, MA_ECONN, MA_ETIMEOUT, MA_ECLOSED, MA_EINVAL, MA_ENOMEM
     int eng_enter(ma_engine *e)
@@ -417,18 +418,20 @@ cdef class Link:
 
 def ring_run(Link right, Link left, const uint64_t[:, ::1] steps, int dtype, int op, size_t chunk,
              double timeout=60.0):
-    """Run a ring plan in C: ``steps`` rows ``(address, nbytes, flags)`` (``STEP_*`` flags).
+    """Run a ring plan in C: ``steps`` rows ``(address, nbytes, flags, source)`` (``STEP_*`` flags).
 
-    Sends go on ``right``, receives come on ``left`` in order; a ``STEP_REDUCE`` receive lands in
-    a scratch chunk (at most ``chunk`` bytes) reduced into the step's memory with ``op`` over
-    ``dtype`` (codes of :data:`DTYPES`, :data:`OPS`); ``STEP_FORWARD`` sends the step's memory
-    on once it is complete. The caller keeps the memory alive and unchanged until this returns.
+    Sends go on ``right``, receives come on ``left`` in order. A ``STEP_SEND`` step sends
+    ``nbytes`` read at ``source``; a ``STEP_REDUCE`` receive (at most ``chunk`` bytes) writes
+    ``source ⊕ received`` to ``address`` with ``op`` over ``dtype`` (codes of :data:`DTYPES`,
+    :data:`OPS`; ``source`` may be ``address``); other receives land at ``address``;
+    ``STEP_FORWARD`` sends ``address`` on once the step is complete. The caller keeps the memory
+    alive and unchanged until this returns.
     """
     cdef char err[256]
     cdef int rc
     cdef size_t n = steps.shape[0]
-    if steps.shape[1] != 3:
-        raise ValueError(f"steps must have 3 columns, got {steps.shape[1]}")
+    if steps.shape[1] != 4:
+        raise ValueError(f"steps must have 4 columns, got {steps.shape[1]}")
     if right.engine is not left.engine:
         raise ValueError("the ring's links must belong to one plane")
     if not 0 <= dtype < 10 or not 0 <= op < 4:

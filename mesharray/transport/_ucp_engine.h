@@ -1548,32 +1548,35 @@ out:
 
 /* ------------------------------------------------------------------ the ring's send/receive loop */
 typedef struct {
-    uint64_t addr, nbytes, flags;
+    uint64_t addr, nbytes, flags, src; /* src: what a send reads; a reduce writes src ⊕ received to addr */
 } ma_step;
 
 enum { ST_SEND = 1, ST_RECV = 2, ST_REDUCE = 4, ST_FORWARD = 8 };
 enum { DT_F32, DT_F64, DT_I8, DT_I16, DT_I32, DT_I64, DT_U8, DT_U16, DT_U32, DT_U64 };
 enum { OP_SUM, OP_PROD, OP_MIN, OP_MAX };
 
+/* d[i] = a[i] op s[i] (a may be d; s need not be aligned: a fragment as it lies in UCX's segment) */
 #define MA_REDUCE_INT(T, U)                                                                    \
-    static void ma_reduce_##T(T *d, const T *s, size_t n, int op) {                            \
+    typedef T T##_una __attribute__((aligned(1)));                                             \
+    static void ma_reduce_##T(T *d, const T *a, const T##_una *s, size_t n, int op) {          \
         size_t i;                                                                              \
         switch (op) {                                                                          \
-        case OP_SUM: for (i = 0; i < n; i++) d[i] = (T)((U)d[i] + (U)s[i]); break;             \
-        case OP_PROD: for (i = 0; i < n; i++) d[i] = (T)((U)d[i] * (U)s[i]); break;            \
-        case OP_MIN: for (i = 0; i < n; i++) d[i] = s[i] < d[i] ? s[i] : d[i]; break;          \
-        default: for (i = 0; i < n; i++) d[i] = s[i] > d[i] ? s[i] : d[i]; break;              \
+        case OP_SUM: for (i = 0; i < n; i++) d[i] = (T)((U)a[i] + (U)s[i]); break;             \
+        case OP_PROD: for (i = 0; i < n; i++) d[i] = (T)((U)a[i] * (U)s[i]); break;            \
+        case OP_MIN: for (i = 0; i < n; i++) d[i] = s[i] < a[i] ? s[i] : a[i]; break;          \
+        default: for (i = 0; i < n; i++) d[i] = s[i] > a[i] ? s[i] : a[i]; break;              \
         }                                                                                      \
     }
 /* floats: min/max propagate NaN as NumPy's minimum/maximum do */
 #define MA_REDUCE_FLT(T)                                                                       \
-    static void ma_reduce_##T(T *d, const T *s, size_t n, int op) {                            \
+    typedef T T##_una __attribute__((aligned(1)));                                             \
+    static void ma_reduce_##T(T *d, const T *a, const T##_una *s, size_t n, int op) {          \
         size_t i;                                                                              \
         switch (op) {                                                                          \
-        case OP_SUM: for (i = 0; i < n; i++) d[i] = d[i] + s[i]; break;                        \
-        case OP_PROD: for (i = 0; i < n; i++) d[i] = d[i] * s[i]; break;                       \
-        case OP_MIN: for (i = 0; i < n; i++) d[i] = (d[i] < s[i] || d[i] != d[i]) ? d[i] : s[i]; break; \
-        default: for (i = 0; i < n; i++) d[i] = (d[i] > s[i] || d[i] != d[i]) ? d[i] : s[i]; break;     \
+        case OP_SUM: for (i = 0; i < n; i++) d[i] = a[i] + s[i]; break;                        \
+        case OP_PROD: for (i = 0; i < n; i++) d[i] = a[i] * s[i]; break;                       \
+        case OP_MIN: for (i = 0; i < n; i++) d[i] = (a[i] < s[i] || a[i] != a[i]) ? a[i] : s[i]; break; \
+        default: for (i = 0; i < n; i++) d[i] = (a[i] > s[i] || a[i] != a[i]) ? a[i] : s[i]; break;     \
         }                                                                                      \
     }
 typedef signed char ma_i8;
@@ -1597,43 +1600,121 @@ MA_REDUCE_INT(ma_u64, ma_u64)
 
 static const size_t MA_DT_SIZE[] = {4, 8, 1, 2, 4, 8, 1, 2, 4, 8};
 
-static void ma_reduce(int dt, void *d, const void *s, size_t nbytes, int op) {
+/* d = a op s over nbytes of dtype dt (a may be d) */
+static void ma_reduce(int dt, void *d, const void *a, const void *s, size_t nbytes, int op) {
     size_t n = nbytes / MA_DT_SIZE[dt];
     switch (dt) {
-    case DT_F32: ma_reduce_float((float *)d, (const float *)s, n, op); break;
-    case DT_F64: ma_reduce_double((double *)d, (const double *)s, n, op); break;
-    case DT_I8: ma_reduce_ma_i8((ma_i8 *)d, (const ma_i8 *)s, n, op); break;
-    case DT_I16: ma_reduce_ma_i16((ma_i16 *)d, (const ma_i16 *)s, n, op); break;
-    case DT_I32: ma_reduce_ma_i32((ma_i32 *)d, (const ma_i32 *)s, n, op); break;
-    case DT_I64: ma_reduce_ma_i64((ma_i64 *)d, (const ma_i64 *)s, n, op); break;
-    case DT_U8: ma_reduce_ma_u8((ma_u8 *)d, (const ma_u8 *)s, n, op); break;
-    case DT_U16: ma_reduce_ma_u16((ma_u16 *)d, (const ma_u16 *)s, n, op); break;
-    case DT_U32: ma_reduce_ma_u32((ma_u32 *)d, (const ma_u32 *)s, n, op); break;
-    default: ma_reduce_ma_u64((ma_u64 *)d, (const ma_u64 *)s, n, op); break;
+    case DT_F32: ma_reduce_float((float *)d, (const float *)a, (const float_una *)s, n, op); break;
+    case DT_F64: ma_reduce_double((double *)d, (const double *)a, (const double_una *)s, n, op); break;
+    case DT_I8: ma_reduce_ma_i8((ma_i8 *)d, (const ma_i8 *)a, (const ma_i8_una *)s, n, op); break;
+    case DT_I16: ma_reduce_ma_i16((ma_i16 *)d, (const ma_i16 *)a, (const ma_i16_una *)s, n, op); break;
+    case DT_I32: ma_reduce_ma_i32((ma_i32 *)d, (const ma_i32 *)a, (const ma_i32_una *)s, n, op); break;
+    case DT_I64: ma_reduce_ma_i64((ma_i64 *)d, (const ma_i64 *)a, (const ma_i64_una *)s, n, op); break;
+    case DT_U8: ma_reduce_ma_u8((ma_u8 *)d, (const ma_u8 *)a, (const ma_u8_una *)s, n, op); break;
+    case DT_U16: ma_reduce_ma_u16((ma_u16 *)d, (const ma_u16 *)a, (const ma_u16_una *)s, n, op); break;
+    case DT_U32: ma_reduce_ma_u32((ma_u32 *)d, (const ma_u32 *)a, (const ma_u32_una *)s, n, op); break;
+    default: ma_reduce_ma_u64((ma_u64 *)d, (const ma_u64 *)a, (const ma_u64_una *)s, n, op); break;
     }
 }
 
 #define MA_RING_WINDOW 8
 
+/* A reducing receive unpacks through a generic datatype: UCX hands each fragment, as it lies in its own
+ * receive segment, to ring_unpack, which reduces it straight into the step's memory. The fragment is
+ * never copied into a scratch chunk first (the kernels read it unaligned). Elements a fragment boundary
+ * cuts in two go to the window's scratch chunk at the same offset and are reduced from there when the
+ * receive completes. */
+typedef struct ring_state ring_state;
 typedef struct {
+    ring_state *r;
+    size_t i;                   /* the step */
+    char *tmp;                  /* the window's scratch chunk */
+    size_t nedges, cap;
+    size_t *edges;              /* elements cut by a fragment boundary (reduced from tmp at the end) */
+} ring_unpack;
+
+struct ring_state {
     ma_link *right, *left;
     const ma_step *steps;
     size_t n;
     int dt, op;
     ma_op *sends;       /* one per step (used by the steps that send) */
     ma_op *recvs;       /* one per step (used by the steps that receive) */
+    ring_unpack *ups;   /* one per step (used by the reducing receives) */
     size_t *ridx;       /* indices of the receiving steps, in order */
     size_t nrecv, head, posted, nsend, sends_done;
     char *tmp[MA_RING_WINDOW];
     int failed;
     int64_t last;       /* when something last completed */
     ucs_status_t why;
-} ring_state;
+};
+
+static void *ring_dt_start_pack(void *ctx, const void *buf, size_t count) {
+    (void)ctx, (void)count;
+    return (void *)buf;
+}
+static void *ring_dt_start_unpack(void *ctx, void *buf, size_t count) {
+    (void)ctx, (void)count;
+    ring_unpack *u = (ring_unpack *)buf;
+    u->nedges = 0;
+    return buf;
+}
+static size_t ring_dt_packed_size(void *state) {
+    ring_unpack *u = (ring_unpack *)state;
+    return u->r->steps[u->i].nbytes;
+}
+static size_t ring_dt_pack(void *state, size_t off, void *dest, size_t max) {
+    (void)state, (void)off, (void)dest, (void)max;
+    return 0; /* (never sent with this datatype) */
+}
+static void ring_dt_finish(void *state) { (void)state; }
+
+static ucs_status_t ring_dt_unpack(void *state, size_t off, const void *src, size_t len) {
+    ring_unpack *u = (ring_unpack *)state;
+    const ma_step *s = &u->r->steps[u->i];
+    size_t esz = MA_DT_SIZE[u->r->dt], end = off + len;
+    if (end > s->nbytes) return UCS_ERR_MESSAGE_TRUNCATED;
+    if (len == 0) return UCS_OK;
+    char *d = (char *)(uintptr_t)s->addr;
+    const char *a = (const char *)(uintptr_t)s->src;
+    size_t e0 = (off + esz - 1) / esz, e1 = end / esz; /* the elements wholly inside [off, end) */
+    if (e0 < e1)
+        ma_reduce(u->r->dt, d + e0 * esz, a + e0 * esz, (const char *)src + (e0 * esz - off), (e1 - e0) * esz,
+                  u->r->op);
+    if (e0 >= e1 || off % esz || end % esz) {
+        /* cut elements: their bytes wait in tmp; the fragment holding an element's first byte lists it */
+        size_t first = off / esz, last = (end - 1) / esz;
+        for (size_t k = first; k <= last; k++) {
+            if (k >= e0 && k < e1) continue;
+            size_t lo = k * esz > off ? k * esz : off, hi = (k + 1) * esz < end ? (k + 1) * esz : end;
+            memcpy(u->tmp + lo, (const char *)src + (lo - off), hi - lo);
+            if (k * esz < off) continue;
+            if (u->nedges == u->cap) {
+                size_t cap = u->cap ? 2 * u->cap : 16;
+                size_t *more = (size_t *)realloc(u->edges, cap * sizeof(size_t));
+                if (more == NULL) return UCS_ERR_NO_MEMORY;
+                u->edges = more;
+                u->cap = cap;
+            }
+            u->edges[u->nedges++] = k;
+        }
+    }
+    return UCS_OK;
+}
+
+static const ucp_generic_dt_ops_t ring_dt_ops = {ring_dt_start_pack, ring_dt_start_unpack, ring_dt_packed_size,
+                                                 ring_dt_pack, ring_dt_unpack, ring_dt_finish};
+static ucp_datatype_t ring_dt;
+static int ring_dt_ok = -1; /* -1 not made yet, 0 failed (contiguous receives then), 1 made */
+static pthread_once_t ring_dt_once = PTHREAD_ONCE_INIT;
+static void ring_dt_make(void) { ring_dt_ok = ucp_dt_create_generic(&ring_dt_ops, NULL, &ring_dt) == UCS_OK; }
 
 static void ring_post_send(ring_state *r, size_t i) {
     ucp_request_param_t p;
     ma_param_send(&p, &r->sends[i]);
-    ma_op_start(&r->sends[i], ucp_tag_send_nbx(r->right->ep, (void *)(uintptr_t)r->steps[i].addr,
+    const ma_step *s = &r->steps[i];
+    void *from = (void *)(uintptr_t)((s->flags & ST_SEND) ? s->src : s->addr); /* (a forward sends the result) */
+    ma_op_start(&r->sends[i], ucp_tag_send_nbx(r->right->ep, from,
                                                r->steps[i].nbytes, MA_TAG(r->right->send_id, 0, K_RING), &p));
     r->nsend++;
 }
@@ -1642,10 +1723,21 @@ static void ring_post_recvs(ring_state *r) {
     while (r->posted < r->nrecv && r->posted - r->head < MA_RING_WINDOW) {
         size_t i = r->ridx[r->posted];
         const ma_step *s = &r->steps[i];
-        void *dst = (s->flags & ST_REDUCE) ? r->tmp[r->posted % MA_RING_WINDOW] : (void *)(uintptr_t)s->addr;
         ucp_request_param_t p;
         ma_param_recv(&p, &r->recvs[i]);
-        ma_op_start(&r->recvs[i], ucp_tag_recv_nbx(r->left->eng->worker, dst, s->nbytes,
+        void *dst = (void *)(uintptr_t)s->addr;
+        size_t count = s->nbytes;
+        if (s->flags & ST_REDUCE) {
+            ring_unpack *u = &r->ups[i];
+            u->r = r;
+            u->i = i;
+            u->tmp = r->tmp[r->posted % MA_RING_WINDOW];
+            p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+            p.datatype = ring_dt;
+            dst = u;
+            count = 1;
+        }
+        ma_op_start(&r->recvs[i], ucp_tag_recv_nbx(r->left->eng->worker, dst, count,
                                                    MA_TAG(r->left->recv_id, 0, K_RING), MA_MASK_ALL, &p));
         r->posted++;
     }
@@ -1665,8 +1757,16 @@ static int ring_step(void *arg) {
             r->why = r->recvs[i].status;
             return 1;
         }
-        if (s->flags & ST_REDUCE)
-            ma_reduce(r->dt, (void *)(uintptr_t)s->addr, r->tmp[r->head % MA_RING_WINDOW], s->nbytes, r->op);
+        if (s->flags & ST_REDUCE) {
+            /* the elements cut by fragment boundaries, whole in the scratch chunk by now */
+            ring_unpack *u = &r->ups[i];
+            size_t esz = MA_DT_SIZE[r->dt];
+            for (size_t k = 0; k < u->nedges; k++) {
+                size_t o = u->edges[k] * esz;
+                ma_reduce(r->dt, (char *)(uintptr_t)s->addr + o, (const char *)(uintptr_t)s->src + o, u->tmp + o,
+                          esz, r->op);
+            }
+        }
         if (s->flags & ST_FORWARD) ring_post_send(r, i);
         r->head++;
         moved = 1;
@@ -1712,8 +1812,15 @@ static int ma_ring_run(ma_link *right, ma_link *left, const ma_step *steps, size
     r.sends = (ma_op *)calloc(n ? n : 1, sizeof(ma_op));
     r.recvs = (ma_op *)calloc(n ? n : 1, sizeof(ma_op));
     r.ridx = (size_t *)calloc(n ? n : 1, sizeof(size_t));
+    r.ups = (ring_unpack *)calloc(n ? n : 1, sizeof(ring_unpack));
     int rc = MA_OK;
-    if (r.sends == NULL || r.recvs == NULL || r.ridx == NULL) {
+    pthread_once(&ring_dt_once, ring_dt_make);
+    if (!ring_dt_ok) {
+        snprintf(err, MA_ERRLEN, "ucp_dt_create_generic failed: the ring's reducing datatype");
+        rc = MA_ENOMEM;
+        goto out;
+    }
+    if (r.sends == NULL || r.recvs == NULL || r.ridx == NULL || r.ups == NULL) {
         rc = MA_ENOMEM;
         goto out;
     }
@@ -1785,6 +1892,9 @@ out:
     free(r.sends);
     free(r.recvs);
     free(r.ridx);
+    if (r.ups != NULL)
+        for (size_t i = 0; i < n; i++) free(r.ups[i].edges);
+    free(r.ups);
     return rc;
 }
 

@@ -353,7 +353,7 @@ class UcxLink:
 def ring_run(right: UcxLink, left: UcxLink, steps, dtype: str, op: str, chunk: int) -> None:
     """Run a ring collective's plan in C (``_ucp.ring_run``): no Python, no GIL, per chunk.
 
-    ``steps`` is a ``(n, 3)`` uint64 array of ``(address, nbytes, flags)``; ``dtype`` a
+    ``steps`` is a ``(n, 4)`` uint64 array of ``(address, nbytes, flags, source)``; ``dtype`` a
     NumPy ``dtype.str`` without the byte order (``"f4"``), ``op`` one of ``sum``,
     ``prod``, ``min``, ``max``.
     """

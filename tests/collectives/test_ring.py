@@ -78,6 +78,23 @@ def test_allreduce_in_place_and_repeated(ring):
         assert (b == total).all()
 
 
+def test_allreduce_into_another_array_leaves_the_input_and_overlaps_are_safe(ring):
+    n = len(ring)
+    sends = [np.arange(10_000, dtype=np.float32) + i for i in range(n)]
+    kept = [x.copy() for x in sends]
+    outs = [np.full(10_000, np.nan, dtype=np.float32) for _ in range(n)]
+    _run_all(ring, lambda m, i: m.allreduce(sends[i], out=outs[i]))
+    want = sum(kept)
+    for i in range(n):
+        np.testing.assert_array_equal(outs[i], want)
+        np.testing.assert_array_equal(sends[i], kept[i])  # the input is read, never written
+    # ``out`` a shifted view of the same memory as ``send``: the result is still the sum of the inputs
+    bufs = [np.concatenate([np.arange(10_000, dtype=np.float64) + i, np.zeros(3)]) for i in range(n)]
+    _run_all(ring, lambda m, i: m.allreduce(bufs[i][:10_000], out=bufs[i][3:]))
+    for b in bufs:
+        np.testing.assert_array_equal(b[3:], sum(np.arange(10_000, dtype=np.float64) + i for i in range(n)))
+
+
 def test_broadcast_and_allgather(ring):
     n = len(ring)
     bufs = [np.full(9999, i, dtype=np.float32) for i in range(n)]

@@ -165,11 +165,15 @@ def _ring_member(out, cmds, secret, rank, dtype, op, n):
     left = rdv.take(b"ring/%d" % (1 - rank), timeout=30)
     ring = RingCollective(rank, 2, right, left)
     x = (np.arange(n) % 97 + rank * 3 + 1).astype(dtype)
-    res = ring.allreduce(x, op=op)
+    x0 = x.copy()
+    res = ring.allreduce(x, op=op)  # into a fresh array: reduced from ``x``, never copied into the result first
+    assert (x == x0).all(), "the allreduce changed its input"
+    y = x.copy()
+    ring.allreduce(y, out=y, op=op)  # in place
     b = x.copy()
     ring.broadcast(b, root=1)
     g = ring.allgather(x[:1000])
-    out.put(("result", (res.tobytes(), b.tobytes(), g.tobytes(), ring.native_runs)))
+    out.put(("result", (res.tobytes(), y.tobytes(), b.tobytes(), g.tobytes(), ring.native_runs)))
     cmds.get(timeout=60)
     ring.close()
     plane.close()
@@ -744,11 +748,32 @@ def test_ring_allreduce_runs_in_c_between_processes(children, dtype, op):
     xs = [(np.arange(n) % 97 + r * 3 + 1).astype(dtype) for r in (0, 1)]
     want = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}[op](*xs)
     for c in (a, b):
-        raw, bcast, gathered, native = c.expect("result")
+        raw, in_place, bcast, gathered, native = c.expect("result")
         np.testing.assert_array_equal(np.frombuffer(raw, dtype=dtype), want)
+        np.testing.assert_array_equal(np.frombuffer(in_place, dtype=dtype), want)
         np.testing.assert_array_equal(np.frombuffer(bcast, dtype=dtype), xs[1])
         np.testing.assert_array_equal(np.frombuffer(gathered, dtype=dtype).reshape(2, 1000), [xs[0][:1000], xs[1][:1000]])
-        assert native == 3  # allreduce, broadcast and allgather, all in the compiled loop
+        assert native == 4  # both allreduces, broadcast and allgather, all in the compiled loop
+        c.cmds.put("done")
+
+
+@pytest.mark.parametrize("seg", ["10007", "4099"])
+def test_ring_reduces_fragments_that_cut_elements(children, monkeypatch, seg):
+    # UCX hands a reducing receive its fragments as they lie in its segments; with odd segment sizes
+    # the fragments cut float64 elements in two and start at addresses not aligned for them
+    monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", seg)
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", seg)
+    n = 200_003
+    a, b = children("ring", SECRET, 0, "float64", "sum", n), children("ring", SECRET, 1, "float64", "sum", n)
+    addr_a, addr_b = a.expect("address"), b.expect("address")
+    a.cmds.put(addr_b)
+    b.cmds.put(addr_a)
+    want = sum((np.arange(n) % 97 + r * 3 + 1).astype("float64") for r in (0, 1))
+    for c in (a, b):
+        raw, in_place, _, _, native = c.expect("result")
+        np.testing.assert_array_equal(np.frombuffer(raw, dtype="float64"), want)
+        np.testing.assert_array_equal(np.frombuffer(in_place, dtype="float64"), want)
+        assert native == 4
         c.cmds.put("done")
 
 
@@ -759,9 +784,10 @@ def test_ring_falls_back_to_python_for_other_dtypes(children):
     b.cmds.put(addr_a)
     xs = [(np.arange(5000) % 97 + r * 3 + 1).astype("complex64") for r in (0, 1)]
     for c in (a, b):
-        raw, _, _, native = c.expect("result")
+        raw, in_place, _, _, native = c.expect("result")
         np.testing.assert_array_equal(np.frombuffer(raw, dtype="complex64"), xs[0] + xs[1])
-        assert native == 2  # the reduction took the Python loop; broadcast and allgather move bytes in C
+        np.testing.assert_array_equal(np.frombuffer(in_place, dtype="complex64"), xs[0] + xs[1])
+        assert native == 2  # the reductions took the Python loop; broadcast and allgather move bytes in C
         c.cmds.put("done")
 
 
