@@ -22,7 +22,7 @@ import traceback
 import numpy as np
 import pytest
 
-from mesharray.errors import AuthenticationError
+from mesharray.errors import ActorDiedError, AuthenticationError
 from mesharray.transport import auth
 from mesharray.transport.dataplane import MAX_TAG, Rendezvous, ucx_status
 
@@ -179,6 +179,23 @@ def _ring_member(out, cmds, secret, rank, dtype, op, n):
     plane.close()
 
 
+def _ring_looper(out, cmds, secret, address):
+    """Member 1 of a 2-ring with the test process: 16 MiB float32 allreduces until it is killed."""
+    from mesharray.collectives.ring import RingCollective
+
+    rdv = Rendezvous()
+    plane = ucx.UcxPlane(secret, "127.0.0.1", rdv.put)
+    out.put(("address", plane.address))
+    right = plane.connect(address, b"ring/1", timeout=30)
+    left = rdv.take(b"ring/0", timeout=30)
+    ring = RingCollective(1, 2, right, left)
+    x = np.ones(4 << 20, np.float32)
+    ring.allreduce(x)
+    out.put(("looping", os.getpid()))
+    while True:
+        ring.allreduce(x)
+
+
 def _buffer_owner(out, cmds, secret, nbytes):
     """A process of host id "owner-host" with a UCX process plane: owns a ``Buffer``, sends its pickle."""
     import pickle
@@ -243,7 +260,7 @@ def _buffer_reader(out, cmds, secret, data, nbytes):
 
 _ROLES = {"buffer-owner": _buffer_owner, "buffer-reader": _buffer_reader, "duplex": _serve_duplex,
           "tags": _serve_tags, "hold": _connect_and_hold, "owner": _owner,
-          "reader": _reader, "ring": _ring_member}
+          "reader": _reader, "ring": _ring_member, "ring-looper": _ring_looper}
 
 
 class Child:
@@ -775,6 +792,36 @@ def test_ring_reduces_fragments_that_cut_elements(children, monkeypatch, seg):
         np.testing.assert_array_equal(np.frombuffer(in_place, dtype="float64"), want)
         assert native == 4
         c.cmds.put("done")
+
+
+def test_a_member_killed_mid_allreduce_fails_the_compiled_ring_quickly(children, plane):
+    from mesharray.collectives.ring import RingCollective
+
+    child = children("ring-looper", SECRET, plane.address)
+    right = plane.connect(child.expect("address"), b"ring/0", timeout=30)
+    ring = RingCollective(0, 2, right, plane.rendezvous.take(b"ring/1", timeout=30))
+    x, result = np.ones(4 << 20, np.float32), {}
+
+    def loop():
+        try:
+            while True:
+                ring.allreduce(x)
+        except Exception as exc:
+            result["exc"], result["at"] = exc, time.monotonic()
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    pid = child.expect("looping")
+    time.sleep(0.2)  # (reducing receives in flight: fragments unpacked into the result as they land)
+    killed = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    t.join(30)
+    assert not t.is_alive(), "the ring hung after its peer died"
+    assert isinstance(result["exc"], ActorDiedError), result
+    assert "ring collective member 0/2" in str(result["exc"])
+    assert result["at"] - killed < 5
+    assert ring.native_runs >= 1
+    ring.close()
 
 
 def test_ring_falls_back_to_python_for_other_dtypes(children):
