@@ -107,6 +107,15 @@ class Overlap:
         self.missing = [len(b) for b in self.buckets]
         self.next = 0  # the next bucket to send
         self.futures: list[tuple[list[_Entry], Any]] = []  # (bucket, Future, or the call to make here)
+        self.params: list[tuple[Any, _Entry]] = []  # (the parameter, its entry)
+
+    def watch(self, t: Any, e: _Entry) -> None:
+        """Follow parameter ``t``'s gradient: a hook sends each bucket once its gradients are all in. With
+        one bucket there is no hook: it is reduced at :meth:`finish` whatever a hook would say."""
+        self.params.append((t, e))
+        if len(self.buckets) > 1:
+            self.by_tensor[id(t)] = e
+            self.hooks.append(t.register_post_accumulate_grad_hook(self.on_grad))
 
     def on_grad(self, t: Any) -> None:
         e = self.by_tensor.get(id(t))
@@ -146,12 +155,19 @@ class Overlap:
 
     def finish(self, store: Any, error: BaseException | None) -> set[int]:
         """After the backward (``error``: its failure, if any): send the buckets not sent yet (as failed ones
-        on this rank: some gradient never came), store each bucketed ``g`` and ``m``, or their failures;
+        on this rank where a gradient is missing), store each bucketed ``g`` and ``m``, or their failures;
         the instruction indices now done."""
         for h in self.hooks:
             h.remove()
+        if error is None:
+            # a gradient no hook saw is the parameter's ``.grad`` as the program would read it: one this
+            # backward did not reach may hold an earlier backward's (torch accumulates until zeroed)
+            for t, e in self.params:
+                if e.grad is None and t.grad is not None:
+                    e.grad = t.grad
+                    self.missing[e.bucket] -= 1
         while self.next < len(self.buckets):
-            self._send(self.next, True)
+            self._send(self.next, self.missing[self.next] > 0)
             self.next += 1
         eng = self.engine
         done: set[int] = set()
@@ -238,8 +254,7 @@ def prepare(program: list, i: int, get: Callable[[int], Any], group_of: Callable
             if ov.engine is None:
                 ov.engine = engine_of(e.w)
             if getattr(t, "requires_grad", False) and getattr(t, "is_leaf", False):
-                ov.by_tensor[id(t)] = e
-                ov.hooks.append(t.register_post_accumulate_grad_hook(ov.on_grad))
+                ov.watch(t, e)
         except BaseException:
             pass
     if ov.engine is None:

@@ -312,6 +312,26 @@ def test_buckets_leave_a_backward_through_mesh_ops_to_the_program(procs):
         assert np.allclose(got[0, 0], t.grad.numpy().mean(axis=1)[0])
 
 
+@pytest.mark.parametrize("bucket_bytes", [None, "64"], ids=["one bucket", "a bucket per gradient"])
+def test_a_parameter_the_backward_misses_keeps_its_earlier_gradient_in_the_buckets(bucket_bytes, monkeypatch):
+    # torch keeps a gradient until it is zeroed: a second backward that does not reach w2 leaves w2.grad
+    # as the first made it, and its reduction (bucketed with w1's) reads that, as op by op it would
+    monkeypatch.setattr(dctx, "FLUSH_IDLE", 30.0)  # (one program: the backward, then the reductions)
+    monkeypatch.setattr(dctx, "FLUSH_AGE", 30.0)
+    env = {} if bucket_bytes is None else {"MESHARRAY_BUCKET_BYTES": bucket_bytes}
+    W1, W2 = np.arange(6, dtype="float32").reshape(1, 2, 3), np.full((1, 2, 3), 0.5, "float32")
+    with ma.proc_mesh(procs=2, env=env) as p:
+        w1 = p.from_numpy(W1, engine="torch").requires_grad_()
+        w2 = p.from_numpy(W2, engine="torch").requires_grad_()
+        ((w1 * w1).sum(axis=-1) + (w2 * w2).sum(axis=-1)).backward()
+        (w1 * 3.0).sum(axis=-1).backward()  # (w2 not reached)
+        m1, m2 = (w.grad.mean(axis="procs", keepdims=True) for w in (w1, w2))
+        assert np.allclose(_np(m1)[0, 0], (2 * W1 + 3).mean(axis=1)[0])
+        assert np.allclose(_np(m2)[0, 0], (2 * W2).mean(axis=1)[0])
+        counts = p.spawn("buckets", _Buckets).counts.call().get(timeout=30)[0, 0]
+        assert counts["grads"] >= 2  # (both reductions went in buckets)
+
+
 def test_a_second_backward_through_a_node_counts_only_its_own_gradient(four):
     w = _leaf(four)
     s = (w * w).sum(axis="procs")
