@@ -144,7 +144,11 @@ class Overlap:
         hosts = [np.asarray(self.engine.host_view(e.grad), dtype=self.dtype).reshape(-1) for e in bucket]
         buf = np.concatenate(hosts) if len(hosts) > 1 else hosts[0].copy()
         out = np.empty_like(buf)
-        missing = self.group.allreduce_checked(buf, out=out, op=self.op)
+        g = self.group
+        if buf.nbytes <= getattr(g, "small_bytes", -1):  # (one compiled round; peers on either path meet)
+            missing = g.small_allreduce_checked(buf, out, self.op)
+        else:
+            missing = g.allreduce_checked(buf, out=out, op=self.op)
         if missing:
             return missing
         parts, off = [], 0
