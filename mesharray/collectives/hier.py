@@ -107,7 +107,12 @@ class HierCollective:
             part = send
         if self.is_leader:
             assert part is not None
-            self._ring().allreduce(part, out=out, op=kop)
+            try:
+                self._ring().allreduce(part, out=out, op=kop)
+            except BaseException as exc:
+                if self.local is not None:  # (its members wait for its broadcast of the result)
+                    self.local.host_fail(exc)
+                raise
         self._local_bcast(out)
         if mean:
             np.divide(out, self.size, out=out)

@@ -521,6 +521,7 @@ class ShmCollective:
             if pending < 0:
                 return
             self._check_alive(self._all, what)
+            self._check_leader()
             if time.monotonic() > deadline:
                 whom = "the other members" if stride == 0 else f"rank {self.global_ranks[pending]}"
                 timeout = TimeoutError(
@@ -552,6 +553,7 @@ class ShmCollective:
                     self._check_alive(self._all, what)
                 else:  # the members it waits for, with a signal 0
                     self._check_alive(ranks if stride else self._all, what, _pid_exists)
+                self._check_leader()
                 if now > deadline:
                     whom = "the other members" if stride == 0 else f"rank {self.global_ranks[ranks[0]]}"
                     timeout = TimeoutError(f"shared-memory {what} timed out after {self.timeout} s waiting for "
@@ -859,6 +861,8 @@ class ShmCollective:
     def host_fail(self, err: BaseException) -> None:
         """The leader's end of a host round that returned 2 when its step across hosts raised ``err``:
         the members wake and raise it too, at once (not at the group's timeout); the group is broken.
+        Also after a large allreduce's ring failed: members waiting for the leader's broadcast of
+        the result find it at their next check of the peers' lives (:meth:`_check_leader`).
 
         The error travels pickled in the result area (its length in the first 8 bytes), the
         fourth control word set to -1.
@@ -879,6 +883,14 @@ class ShmCollective:
         publish_word(self._hctl + 128, self._hr, self._futex)
         atomic_store(self._flag(_DONE, self.rank), self._seq)
         self._broken = err
+
+    def _check_leader(self) -> None:
+        """Raise the error the host's leader published with :meth:`host_fail`, if it did: a member
+        waiting in a later round of the same operation (the broadcast of a large allreduce's result
+        after the leader's ring failed) stops at once, not at the group's timeout."""
+        if atomic_load(self._hctl + 192) < 0:
+            err = self._broken = self._leader_error()
+            raise err
 
     def _leader_error(self) -> BaseException:
         """The error the leader published with :meth:`host_fail`."""

@@ -7,9 +7,11 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from mesharray.collectives import ShmCollective, unique_segment_name
 from mesharray.collectives.hier import HierCollective
+from mesharray.collectives.ring import RingCollective
 from mesharray.collectives.tree import TreeCollective
 from mesharray.errors import ActorDiedError
 from mesharray.transport.dataplane import TcpPlane
@@ -22,7 +24,7 @@ def _no_ring():
     raise AssertionError("the small path takes no ring")
 
 
-def _leader_link_breaks(rank, size, names, where):
+def _leader_link_breaks(rank, size, names, where, n):
     # two "hosts": ranks 0, 1 (leader 0) and 2, 3 (leader 2); rank 2 links to rank 0, then exits
     host = rank // 2
     local = ShmCollective(names[host], rank % 2, 2, timeout=20)
@@ -38,7 +40,7 @@ def _leader_link_breaks(rank, size, names, where):
         accepted.wait(20)
         time.sleep(0.2)
         os._exit(0)
-    tree = None
+    tree = ring = None
     if rank == 0:
         deadline = time.monotonic() + 20
         while not os.path.exists(where) and time.monotonic() < deadline:
@@ -46,11 +48,15 @@ def _leader_link_breaks(rank, size, names, where):
         plane = TcpPlane(SECRET, "127.0.0.1", lambda link, tag: None)
         link = plane.connect(open(where).read(), b"tree")
         tree = TreeCollective(0, 2, {1: link}, {1: "rank 2"})
-    h = HierCollective((0, 1, 2, 3), rank, ["a", "a", "b", "b"], local, None, make_ring=_no_ring,
-                       make_tree=lambda: tree)
+        ring = RingCollective(0, 2, link, link, ("rank 2", "rank 2"))
+    h = HierCollective((0, 1, 2, 3), rank, ["a", "a", "b", "b"], local, None,
+                       make_ring=_no_ring if n == 1 else (lambda: ring), make_tree=lambda: tree)
     t0 = time.monotonic()
     try:
-        h.allreduce_checked(np.ones(1), np.zeros(1))  # (8 bytes: the small path, a host round and the tree)
+        if n == 1:  # 8 bytes: the small path, a host round and the tree
+            h.allreduce_checked(np.ones(n), np.zeros(n))
+        else:  # 1 MiB: a reduce to the leader, its ring across hosts, its broadcast of the result
+            h.allreduce(np.ones(n), np.zeros(n))
         got: tuple = ("no error",)
     except ActorDiedError as exc:
         got = ("ActorDiedError", exc.ranks, time.monotonic() - t0)
@@ -66,12 +72,13 @@ def _leader_link_breaks(rank, size, names, where):
     return got
 
 
-def test_a_leader_whose_step_across_hosts_fails_tells_its_hosts_members_at_once(tmp_path):
+@pytest.mark.parametrize("n", [1, 1 << 17], ids=["small: tree", "large: ring"])
+def test_a_leader_whose_step_across_hosts_fails_tells_its_hosts_members_at_once(tmp_path, n):
     # the leader (rank 0) loses its link to the other host's leader mid-allreduce; its member
     # (rank 1) waits for the leader's result: it must get the leader's error, not the group's
     # 20 s timeout
     names = [unique_segment_name("test"), unique_segment_name("test")]
-    res = run_ranks(_leader_link_breaks, 4, names, str(tmp_path / "address"), expect_exit={2}, timeout=60)
+    res = run_ranks(_leader_link_breaks, 4, names, str(tmp_path / "address"), n, expect_exit={2}, timeout=60)
     kind0, ranks0, took0 = res[0]
     assert kind0 == "ActorDiedError", res[0]
     kind1, ranks1, took1 = res[1]
