@@ -23,8 +23,12 @@ they made; the program then skips those two instructions.
 
 Every member of a group runs the same program, its hooks fire in the same
 order (the same graph), so the buckets and their all-reduces match, as the
-collectives of a program do. A gradient no hook saw (not reached by this
-backward) is left to the instructions themselves, on every rank alike.
+collectives of a program do. A gradient no hook saw is, at ``finish``, the
+parameter's ``.grad`` as the instructions would have read it (an earlier
+backward's, when this one did not reach the parameter; none: the bucket fails
+on this rank). When every gradient fits one bucket no hook is registered at
+all: that bucket is reduced at ``finish`` whatever the hooks would say, with
+the group's compiled small round when it is small enough.
 """
 
 from __future__ import annotations
