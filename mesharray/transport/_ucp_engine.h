@@ -1705,7 +1705,7 @@ static ucs_status_t ring_dt_unpack(void *state, size_t off, const void *src, siz
 static const ucp_generic_dt_ops_t ring_dt_ops = {ring_dt_start_pack, ring_dt_start_unpack, ring_dt_packed_size,
                                                  ring_dt_pack, ring_dt_unpack, ring_dt_finish};
 static ucp_datatype_t ring_dt;
-static int ring_dt_ok = -1; /* -1 not made yet, 0 failed (contiguous receives then), 1 made */
+static int ring_dt_ok = -1; /* -1 not made yet, 0 failed (a ring that reduces then fails), 1 made */
 static pthread_once_t ring_dt_once = PTHREAD_ONCE_INIT;
 static void ring_dt_make(void) { ring_dt_ok = ucp_dt_create_generic(&ring_dt_ops, NULL, &ring_dt) == UCS_OK; }
 
@@ -1815,11 +1815,6 @@ static int ma_ring_run(ma_link *right, ma_link *left, const ma_step *steps, size
     r.ups = (ring_unpack *)calloc(n ? n : 1, sizeof(ring_unpack));
     int rc = MA_OK;
     pthread_once(&ring_dt_once, ring_dt_make);
-    if (!ring_dt_ok) {
-        snprintf(err, MA_ERRLEN, "ucp_dt_create_generic failed: the ring's reducing datatype");
-        rc = MA_ENOMEM;
-        goto out;
-    }
     if (r.sends == NULL || r.recvs == NULL || r.ridx == NULL || r.ups == NULL) {
         rc = MA_ENOMEM;
         goto out;
@@ -1840,6 +1835,17 @@ static int ma_ring_run(ma_link *right, ma_link *left, const ma_step *steps, size
             if ((steps[i].flags & ST_REDUCE) && steps[i].nbytes > chunk) {
                 snprintf(err, MA_ERRLEN, "ring step of %llu bytes exceeds the chunk of %zu",
                          (unsigned long long)steps[i].nbytes, chunk);
+                rc = MA_EINVAL;
+                goto out;
+            }
+            if ((steps[i].flags & ST_REDUCE) && !ring_dt_ok) {
+                snprintf(err, MA_ERRLEN, "ucp_dt_create_generic failed: the ring's reducing datatype");
+                rc = MA_ENOMEM;
+                goto out;
+            }
+            if ((steps[i].flags & ST_REDUCE) && steps[i].nbytes % MA_DT_SIZE[dt]) {
+                snprintf(err, MA_ERRLEN, "reducing ring step of %llu bytes is not whole elements of %zu bytes",
+                         (unsigned long long)steps[i].nbytes, MA_DT_SIZE[dt]);
                 rc = MA_EINVAL;
                 goto out;
             }

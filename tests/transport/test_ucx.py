@@ -824,6 +824,21 @@ def test_a_member_killed_mid_allreduce_fails_the_compiled_ring_quickly(children,
     ring.close()
 
 
+def test_a_ring_plan_the_c_loop_cannot_run_is_refused_before_anything_moves(plane):
+    right = plane.connect(plane.address, b"self", timeout=30)  # (a ring of one plane: the checks come first)
+    left = plane.rendezvous.take(b"self", timeout=30)
+    x = np.zeros(8, np.float32)
+    recv = ucx._ucp.STEP_RECV | ucx._ucp.STEP_REDUCE
+    for nbytes, chunk, match in [(6, 1 << 20, "not whole elements of 4 bytes"), (32, 16, "exceeds the chunk of 16")]:
+        steps = np.array([[x.ctypes.data, nbytes, recv, x.ctypes.data]], dtype=np.uint64)
+        with pytest.raises(ValueError, match=match):
+            ucx.ring_run(right, left, steps, "f4", "sum", chunk)
+    with pytest.raises(ValueError, match="4 columns"):
+        ucx.ring_run(right, left, np.zeros((1, 3), np.uint64), "f4", "sum", 1 << 20)
+    right.close()
+    left.close()
+
+
 def test_ring_falls_back_to_python_for_other_dtypes(children):
     a, b = children("ring", SECRET, 0, "complex64", "sum", 5000), children("ring", SECRET, 1, "complex64", "sum", 5000)
     addr_a, addr_b = a.expect("address"), b.expect("address")
