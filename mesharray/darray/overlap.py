@@ -149,8 +149,9 @@ class Overlap:
         buf = np.concatenate(hosts) if len(hosts) > 1 else hosts[0].copy()
         out = np.empty_like(buf)
         g = self.group
-        if buf.nbytes <= getattr(g, "small_bytes", -1):  # (one compiled round; peers on either path meet)
-            missing = g.small_allreduce_checked(buf, out, self.op)
+        small = getattr(g, "small_allreduce_checked", None)  # (a shared-memory group's; not one across hosts)
+        if small is not None and buf.nbytes <= g.small_bytes:  # (one compiled round; peers on either path meet)
+            missing = small(buf, out, self.op)
         else:
             missing = g.allreduce_checked(buf, out=out, op=self.op)
         if missing:

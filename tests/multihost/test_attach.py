@@ -119,6 +119,23 @@ def test_torch_cpu_engine_reduces_across_hosts(cluster):
     assert float(x.mean().fetch()) == pytest.approx(2.5)
 
 
+def test_a_training_step_reduces_its_gradients_across_hosts(cluster):
+    # the backward's gradients go in a bucket reduced over both hosts (a group across hosts), as torch
+    # would have them on the gathered data
+    torch = pytest.importorskip("torch", reason="the torch engine needs torch (pip install 'mesharray[torch]')")
+    _, procs = cluster
+    W = np.arange(6, dtype="float32").reshape(1, 1, 2, 3) / 5
+    X = np.arange(4 * 5 * 2, dtype="float32").reshape(2, 2, 5, 2) / 9
+    xs = procs.from_numpy(X, engine="torch")
+    for _ in range(2):
+        w = procs.from_numpy(np.broadcast_to(W, (2, 2, 2, 3)).copy(), engine="torch").requires_grad_()
+        torch.mean(torch.tanh(torch.matmul(xs, w)) ** 2).backward()
+        got = np.asarray(w.grad.mean(axis=("hosts", "procs"), keepdims=True).fetch())
+    t = torch.tensor(W[0, 0], requires_grad=True)
+    sum(torch.mean(torch.tanh(torch.tensor(X[h, p]) @ t) ** 2) for h in range(2) for p in range(2)).backward()
+    np.testing.assert_allclose(got[0, 0], t.grad.numpy() / 4, rtol=1e-5, atol=1e-7)
+
+
 def test_large_reduction_across_hosts(cluster):
     _, procs = cluster
     x = procs.ones((1 << 21,), dtype="float32") * (procs.rank_array() + 1)  # 8 MiB per rank
