@@ -131,7 +131,8 @@ def _post_move(posts: list, ins: I.Move, spans: bool) -> None:
     wire = I.encode([ins])[0]
     small = not spans and math.prod(ins.shape) * np.dtype(ins.dtype).itemsize <= I.INLINE_MOVE
     ctxs = [c for c, _ in posts]
-    for c in ctxs:  # (both buffers change together, or neither)
+    locked = sorted(ctxs, key=id)  # (both buffers change together, or neither; always locked in one
+    for c in locked:  # order, so that a move the other way in another thread cannot deadlock with this one)
         c._lock.acquire()
     try:
         key = (ins.groups, ins.copies, ins.ids, ins.pids, ins.mpi, ins.token) if small and not tracing() else None
@@ -150,7 +151,7 @@ def _post_move(posts: list, ins: I.Move, spans: bool) -> None:
         for c in ctxs:
             c.last_move = mark
     finally:
-        for c in ctxs:
+        for c in reversed(locked):
             c._lock.release()
     # (only now: a wait for the senders needs the receivers' part queued too)
     for c in ctxs:

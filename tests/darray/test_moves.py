@@ -278,3 +278,34 @@ def test_apply_runs_on_its_mesh_and_moves_operands_there(two, grid):
     np.testing.assert_array_equal(_np(grid[0].apply(np.subtract, x[0], x[1])), _np(x[0]) - _np(x[1]))
     with pytest.raises(MeshShapeError, match="the mesh layout it runs on"):
         a.apply(np.add, u, grid.rank_array())
+
+
+N_MOVES = 3000  # (at 300 the old lock order deadlocked only sometimes; at 3000 in the first run)
+
+
+def test_moves_both_ways_from_two_threads_do_not_deadlock(two):
+    """A move queues on both meshes' buffers at once (so that it can merge with the move before it):
+    one thread moving a -> b while another moves b -> a must not hold one buffer each and wait."""
+    import threading
+
+    a, b = two
+    xa, xb = a.ones((4,), dtype="float32"), b.ones((4,), dtype="float32") * 2
+    errors: list = []
+
+    def mover(x, to):
+        try:
+            for _ in range(N_MOVES):
+                x.to_mesh(to)
+        except BaseException as exc:  # (reported below)
+            errors.append(exc)
+
+    ts = [threading.Thread(target=mover, args=(xa, b), daemon=True),
+          threading.Thread(target=mover, args=(xb, a), daemon=True)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(20)
+    assert not any(t.is_alive() for t in ts), "two threads moving in opposite directions deadlocked"
+    assert not errors, errors
+    np.testing.assert_array_equal(_np(xa.to_mesh(b)), np.ones((1, 2, 4)))
+    np.testing.assert_array_equal(_np(xb.to_mesh(a)), np.full((1, 2, 4), 2.0))
