@@ -592,8 +592,19 @@ def _move_group(members: tuple[int, ...], me: int, ins: I.Move, token: str) -> t
 
 def _small(items: list[I.Move], g: Any) -> bool:
     """Whether ``items`` (moves of one group) travel as :func:`_move_small`: small blocks on one host."""
-    return isinstance(g, ShmCollective) and sum(_nbytes(m) for m in items) + 8 * len(items) <= min(
-        I.INLINE_MOVE * len(items), g.capacity)
+    return isinstance(g, ShmCollective) and all(_nbytes(m) <= I.INLINE_MOVE for m in items) and \
+        _small_layout([_nbytes(m) for m in items])[1] <= g.capacity
+
+
+def _small_layout(sizes: list[int]) -> tuple[list[int], int]:
+    """Where each block starts in :func:`_move_small`'s broadcast (after a status word each, every block
+    at a multiple of 64 bytes, so that a received block is aligned for any dtype), and its length."""
+    offs, off = [], 8 * len(sizes)
+    for n in sizes:
+        off = -(-off // 64) * 64
+        offs.append(off)
+        off += n
+    return offs, off
 
 
 def _nbytes(m: I.Move) -> int:
@@ -618,12 +629,14 @@ def _move_small(members: tuple[int, ...], me: int, items: list[I.Move], token: s
     g = _move_group_of(tuple(sorted(members)), me, items[0])
     n = len(items)
     sizes = [_nbytes(m) for m in items]
-    wire = np.zeros(8 * n + sum(sizes), dtype=np.uint8)
+    offs, total = _small_layout(sizes)
+    wire = np.zeros(total + 64, dtype=np.uint8)  # (its start moved to a multiple of 64 bytes below)
+    wire = wire[-wire.ctypes.data % 64:][:total]
     status = wire[:8 * n].view(np.int64)
     errors: list = [None] * n
     if me == root:
-        off = 8 * n
         for j, m in enumerate(items):
+            off = offs[j]
             try:
                 block, eng = STORE.get(m.src), STORE.engine(m.src)
             except BaseException as exc:
@@ -641,7 +654,6 @@ def _move_small(members: tuple[int, ...], me: int, items: list[I.Move], token: s
                 except BaseException as exc:
                     errors[j] = exc
                     status[j] = -1
-            off += sizes[j]
     g.broadcast(wire, root=ri)
     texts = {}
     for j in range(n):
@@ -658,8 +670,8 @@ def _move_small(members: tuple[int, ...], me: int, items: list[I.Move], token: s
     src_rank = next((r for (_t, r), i in ids.items() if i == root), root)
     src_tok = next((t for (t, _r), i in ids.items() if i == root), None)
     got: list = []
-    off = 8 * n
     for j, m in enumerate(items):
+        off = offs[j]
         if status[j] == 1:
             eng = get_engine(m.engine)
             res = wire[off:off + sizes[j]].view(np.dtype(m.dtype)).reshape(tuple(m.shape))
@@ -668,7 +680,6 @@ def _move_small(members: tuple[int, ...], me: int, items: list[I.Move], token: s
             got.append(MeshArrayError(f"rank {src_rank} could not send its block: {texts[j]}"))
         else:
             got.append(InputFailed([src_rank], m.src, src_tok if src_tok != token else None))
-        off += sizes[j]
     return got
 
 

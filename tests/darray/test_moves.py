@@ -215,6 +215,22 @@ def test_small_moves_in_a_row_travel_as_one_and_keep_each_failure(two, monkeypat
         np.testing.assert_array_equal(_np(y), _np(x))
 
 
+def test_small_moves_of_mixed_dtypes_merge_and_keep_their_values(two, monkeypatch):
+    # blocks of 3, 1 and 5 bytes and 8-byte elements share one broadcast, each at its own aligned place
+    a, b = two
+    monkeypatch.setattr(context_module, "FLUSH_IDLE", 30.0)
+    monkeypatch.setattr(context_module, "FLUSH_AGE", 30.0)
+    xs = [a.arange(3, dtype="int8"), a.full((1,), 7, dtype="uint8"), a.arange(5, dtype="float16") / 4,
+          a.arange(3, dtype="float64") + a.rank_array(dtype="float64") / 3,
+          a.arange(2, dtype="float32", engine="torch") * 2]
+    moved = [x.to_mesh(b) for x in xs]
+    for x, y in zip(xs, moved):
+        got, want = _np(y), _np(x)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(_np(moved[3] * 3 + moved[4].sum(axis=-1)), _np(xs[3] * 3 + 2.0))
+
+
 def test_small_rolls_within_a_mesh_merge_and_roll(grid):
     xs = [grid.arange(3) + grid.rank_array() * 10 + i for i in range(3)]
     rolled = [x.roll(1, axis=0) for x in xs]
