@@ -33,7 +33,6 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
-import select
 import signal
 import struct
 import subprocess
@@ -55,6 +54,10 @@ _LEN = struct.Struct("<I")
 #: theirs (``mesharray.darray`` its worker side), so that the workers share them instead of
 #: each importing them at its first distributed-array operation
 PRELOAD: list[str] = []
+
+#: seconds a zygote waits for a relay it forked to say its address (it connects to its
+#: controller first); past that the mesh's workers on this host start without it
+RELAY_START_TIMEOUT = 30.0
 
 
 def _write_msg(fd: int, obj) -> None:
@@ -401,6 +404,7 @@ def _zygote_main() -> None:
     meshes: dict[str, dict] = {}  # mesh -> its settings
     children: dict[int, tuple[str, int]] = {}  # pid -> (mesh, rank); a relay's rank is -1
     closing: dict[str, float] = {}  # mesh -> when its processes that are left get SIGKILL
+    starting: dict[int, list] = {}  # a starting relay's pipe -> [mesh, what it wrote so far, deadline]
     rfd, wfd = os.pipe()
     os.set_blocking(rfd, False)
     os.set_blocking(wfd, False)
@@ -459,30 +463,51 @@ def _zygote_main() -> None:
         os._exit(0)
 
     def start_relay(name: str, mesh: dict) -> None:
+        # Forked now; its address comes back on a pipe that the loop watches with the rest, so a
+        # relay slow to reach its controller holds back only its own mesh's forks (queued in
+        # "starting" until the address or the deadline), never another mesh's forks or the exits
         r, w = os.pipe()
         rcfg = dict(mesh["relay"], secret=mesh["secret"])
         pid = child(run_relay, rcfg, w)
         os.close(w)
         children[pid] = (name, -1)
         report(("forked", name, -1, pid))
-        line = b""
-        deadline = time.monotonic() + 30.0
+        os.set_blocking(r, False)
+        mesh["starting"] = []
+        starting[r] = [name, b"", time.monotonic() + RELAY_START_TIMEOUT]
+        sel.register(r, selectors.EVENT_READ, "relay")
+
+    def relay_read(r: int) -> None:
+        entry = starting[r]
         try:
-            while not line.endswith(b"\n") and time.monotonic() < deadline:
-                ready, _, _ = select.select([r], [], [], max(0.0, deadline - time.monotonic()))
-                if not ready:
-                    break
-                chunk = os.read(r, 4096)
-                if not chunk:
-                    break
-                line += chunk
-        finally:
-            os.close(r)
+            chunk = os.read(r, 4096)
+        except BlockingIOError:
+            return
+        entry[1] += chunk
+        if chunk and not entry[1].endswith(b"\n"):
+            return
+        relay_started(r)
+
+    def relay_started(r: int) -> None:
+        """The relay on pipe ``r`` wrote its address (or an error, or nothing in time): fork what waited for it."""
+        name, line, _ = starting.pop(r)
+        sel.unregister(r)
+        os.close(r)
+        mesh = meshes.get(name)
+        if mesh is None:
+            return
         text = line.decode(errors="replace").strip()
         if text and not text.startswith("!"):
             mesh["relay_address"] = text
         else:
             report(("error", name, f"the relay of this host did not start: {text[1:] or 'no address given'}"))
+        for rank in mesh.pop("starting", ()):
+            fork_one(name, mesh, rank)
+
+    def fork_one(name: str, mesh: dict, rank: int) -> None:
+        pid = child(run_one, mesh, rank)
+        children[pid] = (name, rank)
+        report(("forked", name, rank, pid))
 
     def kill_mesh(name: str) -> None:
         for pid, (m, _) in list(children.items()):
@@ -493,14 +518,21 @@ def _zygote_main() -> None:
                     pass
         closing.pop(name, None)
         meshes.pop(name, None)
+        for r, entry in list(starting.items()):
+            if entry[0] == name:
+                relay_started(r)  # (the mesh is gone: nothing is forked)
 
     try:
         while True:
             timeout = None
-            if closing:
-                timeout = max(0.0, min(closing.values()) - time.monotonic())
+            ends = [*closing.values(), *(e[2] for e in starting.values())]
+            if ends:
+                timeout = max(0.0, min(ends) - time.monotonic())
             for key, _ in sel.select(timeout):
-                if key.data == "chld":
+                if key.data == "relay":
+                    if key.fd in starting:
+                        relay_read(key.fd)
+                elif key.data == "chld":
                     try:
                         while os.read(rfd, 512):
                             pass
@@ -518,14 +550,17 @@ def _zygote_main() -> None:
                             start_relay(msg[1], meshes[msg[1]])
                     elif msg[0] == "fork":
                         mesh = meshes.get(msg[1])
-                        for rank in msg[2] if mesh is not None else ():
-                            pid = child(run_one, mesh, rank)
-                            children[pid] = (msg[1], rank)
-                            report(("forked", msg[1], rank, pid))
+                        if mesh is not None and "starting" in mesh:  # (its relay's address first)
+                            mesh["starting"].extend(msg[2])
+                        else:
+                            for rank in msg[2] if mesh is not None else ():
+                                fork_one(msg[1], mesh, rank)
                     elif msg[0] == "close":
                         # the controller already asked them to stop: what is left after a grace is killed
                         closing[msg[1]] = time.monotonic() + 0.5
             now = time.monotonic()
+            for r in [r for r, e in starting.items() if now >= e[2]]:
+                relay_started(r)
             for name, t in list(closing.items()):
                 if now >= t or not any(m == name for m, _ in children.values()):
                     kill_mesh(name)

@@ -291,3 +291,42 @@ def test_telemetry_asking_a_stopped_rank_does_not_hold_up_its_hosts_calls(mesh):
         os.kill(pid, signal.SIGCONT)
     assert took < 1.0, took
     assert wait_until(lambda: procs.stats()["unresponsive_now"] == 0, 10)
+
+
+def test_a_relay_slow_to_start_holds_back_only_its_own_meshes_workers():
+    """A zygote serves several meshes: while one mesh's relay is still reaching its controller (here
+    one that never answers), the zygote forks another mesh's workers and reports its exits at once."""
+    import socket
+
+    from mesharray.bootstrap.local import LocalBootstrap, Zygote
+    from mesharray.runtime.controller import Controller
+
+    silent = socket.socket()  # accepts connections (the kernel's backlog) and never authenticates
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    zyg = Zygote()
+    reports: list = []
+    stuck = ctl = other = None
+    try:
+        stuck = LocalBootstrap(None, 1, address=f"tcp:127.0.0.1:{silent.getsockname()[1]}", secret=SECRET,
+                               ranks=[0], zygote=zyg, on_report=reports.append,
+                               relay={"controller": f"tcp:127.0.0.1:{silent.getsockname()[1]}", "ranks": [0],
+                                      "host": 0, "host_id": "slow"})
+        assert wait_until(lambda: any(m[:2] == ("forked", -1) for m in reports), 10)  # its relay runs
+        t = time.monotonic()
+        ctl = Controller(name="other")
+        other = LocalBootstrap(ctl, 2, zygote=zyg)
+        ctl.adopt(2, timeout=8)
+        assert time.monotonic() - t < 3.0  # (it waited for the relay's handshake to time out: 5 s)
+        pid = other.pids[1]
+        os.kill(pid, signal.SIGKILL)
+        assert other.exit_status(1, timeout=3.0) is not None  # the zygote reaps and reports meanwhile
+        assert not any(m[0] == "forked" and m[1] == 0 for m in reports)  # its own worker waits for it
+    finally:
+        if ctl is not None:
+            ctl.stop(timeout=1.0)
+        for b in (other, stuck):
+            if b is not None:
+                b.close(timeout=2.0)
+        zyg.close()
+        silent.close()
