@@ -178,6 +178,7 @@ class DataContext:
         self._hosts = {r: (domains.setdefault(d, d), a) for r, (d, a) in zip(root.mesh_shape, root.host_info)}
         self._multi_host = len({h[0] for h in self._hosts.values()}) > 1
         self.plans: dict = {}  # DistributedStorage.reduce's plans by layout and request
+        self.calls: set[int] = set()  # keys of the recipes' functions the ranks were given (dispatch.ApplyRecipe)
         # the command buffer: (ranks, wire instructions) in the order the ops were issued
         self._buf: list[tuple[list, list]] = []
         self._buffered = 0

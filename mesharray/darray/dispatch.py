@@ -27,6 +27,7 @@ import numpy as np
 
 from ..array import MeshArray
 from .autograd import union
+from .context import tracing
 
 __all__ = ["ApplyRecipe", "UfuncRecipe", "layout_key", "layout_of", "result_of", "plain_scalar"]
 
@@ -89,15 +90,30 @@ class _Result:
         return MeshArray.from_storage(self.shape if shape is None else shape, st)
 
 
+#: how many recipes' functions a context's ranks keep before it tells them to drop them all
+MAX_CALLS = 8192
+_next_call = itertools.count(1).__next__
+
+
 class ApplyRecipe:
     """``call(*blocks)`` on each rank of the result (a torch function, method or attribute).
 
     ``inplace``: the index of the operand whose blocks the call changes in place
     (``x.requires_grad_()``): its own block id is the instruction's, and the
     call returns that operand.
+
+    The function (a :class:`~.blockfn.BlockCall`: a torch function or method and
+    its templated arguments) is pickled once per process mesh, not once per op:
+    the first call sends ``("defcall", key, fn)`` before ``("call", out, key,
+    operands)``, later calls only the key, and each rank's data actor keeps the
+    function by its key (pickling a torch function or method by reference
+    costs more than the rest of a small op's instruction, on both sides). A
+    context that gave its ranks :data:`MAX_CALLS` keys has them drop all
+    (``uncall``) and gives them anew as they are used. A captured step
+    (:mod:`.function`) records the function itself: its program stands alone.
     """
 
-    __slots__ = ("call", "result", "inplace", "ranks", "rg")
+    __slots__ = ("call", "result", "inplace", "ranks", "rg", "key")
 
     def __init__(self, call: Any, result: _Result | None, ranks: list, inplace: int | None = None,
                  rg: bool = False) -> None:
@@ -106,6 +122,23 @@ class ApplyRecipe:
         self.ranks = ranks
         self.inplace = inplace
         self.rg = rg  # (in place: whether the operand requires grad after the call)
+        self.key = _next_call()
+
+    def _post(self, ctx: Any, bid: int, ops: list) -> None:
+        if tracing():
+            ctx.post_wire(self.ranks, ("apply", bid, self.call, ops))
+            return
+        key = self.key
+        with ctx._lock:  # (another thread's op must not find the key given before its defcall is queued)
+            if key in ctx.calls:
+                ctx.post_wire(self.ranks, ("call", bid, key, ops), bound=False)
+            else:
+                if len(ctx.calls) >= MAX_CALLS:
+                    ctx.calls.clear()
+                    ctx.post_wire(list(ctx.shape), ("uncall",), bound=False)
+                ctx.post_wire(self.ranks, [("defcall", key, self.call), ("call", bid, key, ops)], 1, bound=False)
+                ctx.calls.add(key)
+        ctx.keep_bound()  # (without the lock: it may wait for the ranks)
 
     def __call__(self, leaves: list) -> Any:
         sts = [x.storage for x in leaves]
@@ -114,7 +147,7 @@ class ApplyRecipe:
         ops = [("b", s.bid) for s in sts]
         if self.inplace is not None:
             x = sts[self.inplace]
-            ctx.post_wire(self.ranks, ("apply", x.bid, self.call, ops))
+            self._post(ctx, x.bid, ops)
             if self.rg:  # (x.requires_grad_(): x now requires grad)
                 x.rg, x.deps = True, union(*[s.deps for s in sts])
             else:
@@ -123,7 +156,7 @@ class ApplyRecipe:
         res = self.result
         assert res is not None
         bid = ctx.new_id()
-        ctx.post_wire(self.ranks, ("apply", bid, self.call, ops))
+        self._post(ctx, bid, ops)
         return res.make(ctx, bid, None, sts)
 
 

@@ -45,8 +45,10 @@ __all__ = ["BlockStore", "DataActor", "InputFailed", "STORE", "local_block", "me
 COLLECTIVE_OP = {"sum": "sum", "prod": "prod", "min": "min", "max": "max", "mean": "mean",
                  "any": "max", "all": "min"}
 
-#: the codes of a captured step's definition and replays (expanded before a program runs)
-_CAPTURED = frozenset(("def", "replay", "undef"))
+#: the codes expanded before a program runs: a captured step's definition and replays, and a
+#: recipe's call by its key (``("call", out, key, operands)``, defined once per rank by
+#: ``("defcall", key, fn)``: see :class:`mesharray.darray.dispatch.ApplyRecipe`)
+_CAPTURED = frozenset(("def", "replay", "undef", "call", "defcall", "uncall"))
 
 #: Planned instructions' plans, by their bytes: [the Collective's fields after out and src,
 #: (group, op, dtype, engine) once the plan is known to run in shared memory]
@@ -319,6 +321,13 @@ def _stored(out, r, eng) -> None:
     STORE.engines[out] = eng
     if STORE.failed:
         STORE.failed.pop(out, None)
+
+
+def _missing_call(key: int) -> Callable[..., Any]:
+    """What a ``call`` of a key this rank was never given runs: it raises, naming the key (a bug, not a user error)."""
+    def missing(*_: Any) -> Any:
+        raise MeshArrayError(f"recipe call {key} is not defined on this rank (its defcall never came)")
+    return missing
 
 
 def _fast_apply(raw: tuple, me: int) -> bool:
@@ -700,6 +709,7 @@ class DataActor(Actor):
         self.token = token
         self.rank: int | None = None
         self.funcs: dict[int, tuple[list, list]] = {}  # captured steps by id: (program, temporaries)
+        self.calls: dict[int, Any] = {}  # recipes' functions by key (``defcall``)
         #: the first failure of an effect (backward()) since this rank's last wait: raised there
         self.unreported: BaseException | None = None
 
@@ -883,11 +893,20 @@ class DataActor(Actor):
 
     def _expand(self, program: list) -> list:
         """``program`` with each captured step's replay replaced by the step's instructions, its ids
-        filled in and its temporaries freed at its end; definitions kept (by id) for later replays."""
+        filled in and its temporaries freed at its end; definitions kept (by id) for later replays;
+        each ``call`` an ``apply`` of the function its key names (kept by ``defcall``)."""
         out: list = []
+        calls = self.calls
         for raw in program:
             code = raw[0]
-            if code == "def":
+            if code == "call":
+                fn = calls.get(raw[2])
+                out.append(("apply", raw[1], _missing_call(raw[2]) if fn is None else fn, raw[3]))
+            elif code == "defcall":
+                calls[raw[1]] = raw[2]
+            elif code == "uncall":
+                calls.clear()
+            elif code == "def":
                 _, fid, prog, temps = raw
                 self.funcs[fid] = (prog, temps)
             elif code == "undef":

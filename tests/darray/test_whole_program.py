@@ -399,3 +399,82 @@ def test_a_worker_keeps_no_backward_effects_for_ranks_never_waited_on(procs):
     procs.sync()
     assert not hasattr(data_context(procs), "_effects")
     assert len(data_context(procs)._refs) <= len(before) + 4
+
+
+# --- a recipe's function travels once -------------------------------------------------------
+
+
+def _pickled_calls(monkeypatch):
+    """The BlockCalls pickled from now on (each the function of an op sent in full)."""
+    from mesharray.darray.blockfn import BlockCall
+
+    seen: list = []
+    orig = BlockCall.__reduce__
+    monkeypatch.setattr(BlockCall, "__reduce__", lambda self: (seen.append(self), orig(self))[1])
+    return seen
+
+
+def test_a_loop_of_torch_ops_sends_each_function_once(procs, monkeypatch):
+    x, y, ps = _problem()
+    xs, ys = procs.from_numpy(x[None], engine="torch"), procs.from_numpy(y[None], engine="torch")
+    ws = [_replicated(procs, p) for p in ps]
+    for _ in range(2):  # (the first call of each signature plans it; the second makes its recipe)
+        ws = _step(xs, ys, *ws)
+    _np(ws[0])
+    seen = _pickled_calls(monkeypatch)
+    for _ in range(3):
+        ws = _step(xs, ys, *ws)
+    got = [_np(w)[0, 0] for w in ws]
+    # the recipes' functions went the first time (defcall), then only by key: what is pickled
+    # after that is each step's backward (an effect, sent as it is)
+    names = [getattr(c.func, "__name__", "") for c in seen]
+    assert names.count("backward") == 3
+    assert len(names) - names.count("backward") <= 12, names  # each recipe's function at most once
+    assert all(np.allclose(g, w, atol=1e-5) for g, w in zip(got, _reference(5)))
+
+
+def test_ranks_that_drop_the_recipes_functions_are_given_them_again(procs, monkeypatch):
+    from mesharray.darray import dispatch
+
+    monkeypatch.setattr(dispatch, "MAX_CALLS", 3)  # (every few new functions: uncall, then defcall again)
+    ctx = data_context(procs)
+    x, y, ps = _problem()
+    # (a batch of 7, not 8: new signatures, so new recipes, whatever ran on this mesh before)
+    xs, ys = procs.from_numpy(x[None, :, :7], engine="torch"), procs.from_numpy(y[None, :, :7], engine="torch")
+    ws = [_replicated(procs, p) for p in ps]
+    for _ in range(5):  # (recipes from the second step on, each dropped and given again)
+        ws = _step(xs, ys, *ws)
+    assert len(ctx.calls) <= 3
+    got = [_np(w)[0, 0] for w in ws]
+    want = [torch.tensor(p, requires_grad=True) for p in ps]
+    for _ in range(5):
+        grads = [torch.autograd.grad(torch.mean((_mlp(torch.tensor(x[i, :7]), *want) - torch.tensor(y[i, :7])) ** 2),
+                                     want) for i in range(2)]
+        want = [(w - 0.1 * (g0 + g1) / 2).detach().requires_grad_() for w, g0, g1 in zip(want, *grads)]
+    assert all(np.allclose(g, w.detach().numpy(), atol=1e-5) for g, w in zip(got, want))
+
+
+def test_ops_from_two_threads_find_every_function_they_use_defined(procs):
+    import threading
+
+    a = procs.from_numpy(np.ones((1, 2, 5), "float32"), engine="torch")
+    want = torch.ones(5)
+    for _ in range(200):
+        want = torch.tanh(torch.relu(want)) + 0.5
+    errors: list = []
+
+    def loop(k: int) -> None:
+        try:
+            y = a
+            for _ in range(200):  # (both threads make the same recipes: one defines, both use)
+                y = torch.tanh(torch.relu(y)) + 0.5
+            assert np.allclose(_np(y), want.numpy()), k
+        except BaseException as exc:
+            errors.append(exc)
+
+    ts = [threading.Thread(target=loop, args=(k,)) for k in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors, errors
