@@ -67,13 +67,16 @@ class HierCollective:
         self.rank = members.index(me)
         self.size = len(members)
         self.domains = domains
-        order: list = []
-        for d in domains:
-            if d not in order:
-                order.append(d)
+        at: dict = {}  # domain -> its host's index (one pass: every member of 1,024 makes this)
         #: member indices of each host, hosts in order of first appearance
-        self.hosts = [[j for j, d in enumerate(domains) if d == h] for h in order]
-        self.host = order.index(domains[self.rank])
+        self.hosts: list[list[int]] = []
+        for j, d in enumerate(domains):
+            k = at.get(d)
+            if k is None:
+                k = at[d] = len(self.hosts)
+                self.hosts.append([])
+            self.hosts[k].append(j)
+        self.host = at[domains[self.rank]]
         self.local_members = self.hosts[self.host]
         self.is_leader = self.local_members[0] == self.rank
         self.local = local

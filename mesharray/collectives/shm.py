@@ -260,6 +260,10 @@ class ShmCollective:
         self._hr = 0  # host rounds so far (the same count on every member)
         #: this member's peers outnumber its CPUs: its waits sleep rather than spin (_wait_sleeping)
         self._crowded = self.size > _platform.usable_cpus()
+        #: the longest nap of a member waiting for the group's creation (the segment, the join): many
+        #: members on few CPUs (a host of 64 ranks on 2) nap longer, or their looks take the CPUs the
+        #: members they wait for need (the joins of 16 such hosts took seconds with 1-2 ms naps)
+        self._join_nap = min(0.05, 0.002 * max(1.0, self.size / _platform.usable_cpus()))
         self._last_host = 0  # the sequence number of this member's last host round
         self.sleepy = False  # small allreduces are host rounds (agreed at the join)
         self._chunks = 0  # chunks of single-copy reductions so far: where the counters start
@@ -281,6 +285,7 @@ class ShmCollective:
     def _open(self) -> None:
         deadline = time.monotonic() + self.timeout
         looks = 0
+        nap = 0.0005
         if self.rank == 0:
             try:
                 fd = _platform.shm_open(self.name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -339,7 +344,8 @@ class ShmCollective:
                         f"shared-memory segment {self.name!r} did not appear within {self.timeout} s "
                         f"(rank 0 of the group never created it)"
                     )
-                time.sleep(0.001)
+                time.sleep(nap)
+                nap = min(nap * 2, self._join_nap)
         self._mm = mm
         self._arr = np.frombuffer(mm, dtype=np.uint8)
         self._base = int(self._arr.ctypes.data)
@@ -362,7 +368,8 @@ class ShmCollective:
                 if time.monotonic() > deadline:
                     self.close()
                     raise TimeoutError(f"shared-memory segment {self.name!r} was never initialised by rank 0")
-                time.sleep(0.0005)
+                time.sleep(nap)
+                nap = min(nap * 2, self._join_nap)
         self._faulted = False  # our slot and our share of the result area pre-faulted (see _prefault)
 
     def _prefault(self) -> None:
@@ -413,7 +420,7 @@ class ShmCollective:
         atomic_store(line + 24, 1 if self.size > _platform.usable_cpus() else 0)
         atomic_store(line, os.getpid())
         try:
-            self._wait(_PID, 1, range(self.size), "join")
+            self._wait(_PID, 1, range(self.size), "join", nap=self._join_nap)
             self.sleepy = self.size > 1 and any(atomic_load(self._flag(_PID, j) + 24) for j in range(self.size))
             self.single_copy_min = self._agree_single_copy(offer)
             self._joined = True
@@ -446,7 +453,7 @@ class ShmCollective:
         line = self._flag(_CMA, self.rank)
         atomic_store(line + 8, 1 if ok else 2)
         atomic_store(line, 1)
-        self._wait(_CMA, 1, range(self.size), "join")
+        self._wait(_CMA, 1, range(self.size), "join", nap=self._join_nap)
         if all(atomic_load(self._flag(_CMA, j) + 8) == 1 for j in range(self.size)):
             return max(offers)
         return None
@@ -498,10 +505,11 @@ class ShmCollective:
 
     # --- synchronisation ---------------------------------------------------------------
 
-    def _wait(self, kind: int, target: int, ranks, what: str, base: int = 0) -> None:
+    def _wait(self, kind: int, target: int, ranks, what: str, base: int = 0, nap: float = 0.002) -> None:
         """Wait until flag ``kind`` of every rank in ``ranks`` is ``>= target``, checking the peers' lives.
 
-        With ``base``, wait for the one word at that address instead (``ranks`` is ``[0]``).
+        With ``base``, wait for the one word at that address instead (``ranks`` is ``[0]``); ``nap``:
+        the longest sleep between looks of a crowded member (:meth:`_wait_sleeping`).
         """
         stride = _LINE
         if base:
@@ -509,7 +517,7 @@ class ShmCollective:
         else:
             base = self._flag(kind, 0)
         if self._crowded:
-            self._wait_sleeping(base, stride, list(ranks), target, what)
+            self._wait_sleeping(base, stride, list(ranks), target, what, nap)
             return
         pending = wait_flags(base, stride, ranks, target, _POLL)
         if pending < 0:
@@ -532,9 +540,10 @@ class ShmCollective:
                 raise timeout
             ranks = ranks[ranks.index(pending):]
 
-    def _wait_sleeping(self, base: int, stride: int, ranks: list, target: int, what: str) -> None:
+    def _wait_sleeping(self, base: int, stride: int, ranks: list, target: int, what: str,
+                       nap: float = 0.002) -> None:
         """:meth:`_wait` for a member whose peers outnumber its cores: it looks, then sleeps (0.1 ms,
-        doubling up to 2 ms), instead of spinning and yielding in a core its peers need; it checks
+        doubling up to ``nap``: 2 ms, longer while the group is made), instead of spinning and yielding in a core its peers need; it checks
         that the members it waits for exist every 0.1 s, and that every member lives (not a zombie)
         every second."""
         now = time.monotonic()
@@ -561,7 +570,7 @@ class ShmCollective:
                     self._broken = timeout
                     raise timeout
             time.sleep(pause)
-            pause = min(pause * 2, 0.002)
+            pause = min(pause * 2, nap)
 
     def _pid(self, j: int) -> int:
         return atomic_load(self._flag(_PID, j)) or self._peer_pids[j]
@@ -903,12 +912,18 @@ class ShmCollective:
         return err if isinstance(err, BaseException) else SupervisionError(str(err))
 
     def _check_host(self, r: int, everyone: bool, deadline: float) -> None:
-        """A host round's wait ran out: the members it may wait for must be alive (raises when one is not)."""
+        """A host round's wait ran out: the members it may wait for must be alive (raises when one is not).
+
+        Each time, the members not arrived yet must exist (a signal 0 each); every
+        ``_HOST_ALL``-th time (``everyone``), every member must be alive and no zombie
+        (``/proc/PID/stat``: tens of microseconds a member, too much for every sleeper of
+        a host of many ranks twenty times a second).
+        """
         if everyone:
-            look = [j for j in self._all if j != self.rank]
+            self._check_alive([j for j in self._all if j != self.rank], "reduction")
         else:
             look = [j for j in self._all if j != self.rank and atomic_load(self._hctl + 256 + j * 64) < r]
-        self._check_alive(look, "reduction")
+            self._check_alive(look, "reduction", _pid_exists)
         if time.monotonic() > deadline:
             err2 = TimeoutError(f"shared-memory reduction timed out after {self.timeout} s waiting for the other "
                                 f"members of group {self.name!r}")

@@ -27,7 +27,10 @@ class _IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+try:  # (the symbols of the process: no find_library, which runs ldconfig in a subprocess at import)
+    _libc = ctypes.CDLL(None, use_errno=True)
+except (OSError, TypeError):  # pragma: no cover - a platform without dlopen(NULL)
+    _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _vm_readv = getattr(_libc, "process_vm_readv", None)
 _vm_writev = getattr(_libc, "process_vm_writev", None)
 for _fn in (_vm_readv, _vm_writev):
@@ -52,7 +55,7 @@ def allow_attach() -> None:
         return
     _allowed = True
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0)
+        _libc.prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0)
     except (AttributeError, OSError):  # pragma: no cover - non-Linux
         pass
 
