@@ -550,10 +550,12 @@ def _zygote_main() -> None:
                             start_relay(msg[1], meshes[msg[1]])
                     elif msg[0] == "fork":
                         mesh = meshes.get(msg[1])
-                        if mesh is not None and "starting" in mesh:  # (its relay's address first)
+                        if mesh is None:
+                            pass
+                        elif "starting" in mesh:  # (its relay's address first)
                             mesh["starting"].extend(msg[2])
                         else:
-                            for rank in msg[2] if mesh is not None else ():
+                            for rank in msg[2]:
                                 fork_one(msg[1], mesh, rank)
                     elif msg[0] == "close":
                         # the controller already asked them to stop: what is left after a grace is killed
