@@ -54,6 +54,9 @@ _OPS = ("sum", "mean")
 #: instructions a look-ahead stops at (see prepare)
 _BARRIERS = frozenset(("effect", "coll", "move", "moves", "check", "def", "replay"))
 
+#: the fields of the reductions' plans, by their bytes (a step's reductions share one plan)
+_PLAN_FIELDS: dict[bytes, tuple] = {}
+
 #: what this process bucketed: backward passes, buckets sent, gradients in them
 COUNTS = {"backwards": 0, "buckets": 0, "grads": 0}
 
@@ -222,20 +225,20 @@ def prepare(program: list, i: int, get: Callable[[int], Any], group_of: Callable
     made_at: dict[int, int] = {}
     entries: list[_Entry] = []
     plan = None
-    touched: dict[int, int] = {}  # block id -> instructions that name it (a gradient must be named by two only)
-    for j in range(i + 1, len(program)):
+    first_apply: dict[int, int] = {}  # block id -> the first apply in place on it (or making it)
+    end = len(program)
+    for j in range(i + 1, end):
         ins = program[j]
         code = ins[0]
         if code in _BARRIERS:
             # another backward (an effect), a backward through mesh ops (effects, collectives, moves),
             # a wait's check: gradients may change or be read after it, so nothing beyond is bucketed
+            end = j
             break
-        if code != "free":  # (frees of the gradients come last: they are freed after the buckets stored them)
-            for b in block_ids(ins):
-                if type(b) is int:
-                    touched[b] = touched.get(b, 0) + 1
-        if code == "apply" and ins[2] is grad_of and len(ins[3]) == 1 and ins[3][0][0] == "b":
-            made_at[ins[1]] = j
+        if code == "apply":
+            first_apply.setdefault(ins[1], j)
+            if ins[2] is grad_of and len(ins[3]) == 1 and ins[3][0][0] == "b":
+                made_at[ins[1]] = j
         elif code == "plan" and not ins[4] and ins[2] in made_at and len(ins) > 5 and ins[5]:
             if plan is None:
                 plan = ins[3]
@@ -243,13 +246,33 @@ def prepare(program: list, i: int, get: Callable[[int], Any], group_of: Callable
                 continue
             gi = made_at[ins[2]]
             entries.append(_Entry(program[gi][3][0][1], ins[2], ins[1], gi, j, ins[5]))
-    # a gradient some other instruction reads or changes (g.mul_(0.5) before its reduction), or a
-    # parameter changed in place before its gradient is read, is left to the instructions
-    entries = [e for e in entries if touched.get(e.g) == 2 and not any(
-        program[k][0] == "apply" and program[k][1] == e.w for k in range(i + 1, e.gi))]
     if not entries or plan is None:
         return None
-    fields = pickle.loads(plan)  # (op, groups, backend, dtype, torch_init, pids, hosts)
+    # a gradient some other instruction reads or changes (g.mul_(0.5) before its reduction: named
+    # by more than its grad_of and its plan), or a parameter changed in place before its gradient
+    # is read, is left to the instructions (frees of the gradients come last: they are freed after
+    # the buckets stored them)
+    touched = dict.fromkeys([e.g for e in entries], 0)
+    for j in range(i + 1, end):
+        ins = program[j]
+        code = ins[0]
+        if code == "free":
+            continue
+        if code == "apply" or code == "ew":  # (the common codes, inline: block_ids' own rule)
+            ids: Any = [ins[1], *[o[1] for o in ins[3] if o[0] == "b"]] if type(ins[3]) is list else block_ids(ins)
+        else:
+            ids = block_ids(ins)
+        for b in ids:
+            if b in touched:
+                touched[b] += 1
+    entries = [e for e in entries if touched[e.g] == 2 and first_apply.get(e.w, e.gi) >= e.gi]
+    if not entries:
+        return None
+    fields = _PLAN_FIELDS.get(plan)
+    if fields is None:
+        if len(_PLAN_FIELDS) > 64:
+            _PLAN_FIELDS.clear()
+        fields = _PLAN_FIELDS[plan] = pickle.loads(plan)  # (op, groups, backend, dtype, torch_init, pids, hosts)
     if fields[0] not in _OPS or fields[2] is not None:
         return None
     group = group_of(fields, entries[0].g)

@@ -478,3 +478,27 @@ def test_ops_from_two_threads_find_every_function_they_use_defined(procs):
     for t in ts:
         t.join(60)
     assert not errors, errors
+
+
+def test_a_gradient_changed_before_its_reduction_is_reduced_as_changed(monkeypatch):
+    # g = w.grad; g.mul_(0.5) before g's reduction: the buckets leave g to the program (a bucket
+    # reduces a gradient as autograd made it); a parameter changed in place before its gradient is
+    # read is left to it too; the third parameter's gradient, untouched, still goes in a bucket
+    monkeypatch.setattr(dctx, "FLUSH_IDLE", 30.0)  # (one program: the backward, then the reductions)
+    monkeypatch.setattr(dctx, "FLUSH_AGE", 30.0)
+    xs = np.arange(6, dtype="float32").reshape(2, 3)
+    with ma.proc_mesh(procs=2) as p:
+        x = p.from_numpy(xs[None], engine="torch")
+        w, v, u = (p.from_numpy(np.ones((1, 2, 3), "float32"), engine="torch").requires_grad_() for _ in range(3))
+        torch.sum(w * x + v * x * 2.0 + u * x * 4.0).backward()
+        g = w.grad
+        g.mul_(0.5)
+        with torch.no_grad():
+            v.mul_(3.0)
+        m, n, k = (a.mean(axis="procs", keepdims=True) for a in (g, v.grad, u.grad))
+        assert np.allclose(_np(m)[0, 0], 0.5 * xs.mean(axis=0))
+        assert np.allclose(_np(n)[0, 0], 2.0 * xs.mean(axis=0))
+        assert np.allclose(_np(k)[0, 0], 4.0 * xs.mean(axis=0))
+        assert np.allclose(_np(v)[0], 3.0)
+        counts = p.spawn("buckets", _Buckets).counts.call().get(timeout=30)[0, 0]
+        assert counts["backwards"] == 1 and counts["grads"] == 1  # (u's alone)
