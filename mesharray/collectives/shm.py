@@ -543,9 +543,9 @@ class ShmCollective:
     def _wait_sleeping(self, base: int, stride: int, ranks: list, target: int, what: str,
                        nap: float = 0.002) -> None:
         """:meth:`_wait` for a member whose peers outnumber its cores: it looks, then sleeps (0.1 ms,
-        doubling up to ``nap``: 2 ms, longer while the group is made), instead of spinning and yielding in a core its peers need; it checks
-        that the members it waits for exist every 0.1 s, and that every member lives (not a zombie)
-        every second."""
+        doubling up to ``nap``: 2 ms, longer while the group is made), instead of spinning and
+        yielding in a core its peers need; it checks that the members it waits for exist every
+        0.1 s, and that every member lives (not a zombie) every second."""
         now = time.monotonic()
         deadline = now + self.timeout
         check, check_all = now + 0.1, now + 1.0
