@@ -67,7 +67,7 @@ class HierCollective:
         self.rank = members.index(me)
         self.size = len(members)
         self.domains = domains
-        at: dict = {}  # domain -> its host's index (one pass: every member of 1,024 makes this)
+        at: dict = {}  # domain -> its host's index (one pass: every member of a large mesh makes this)
         #: member indices of each host, hosts in order of first appearance
         self.hosts: list[list[int]] = []
         for j, d in enumerate(domains):

@@ -262,7 +262,7 @@ class ShmCollective:
         self._crowded = self.size > _platform.usable_cpus()
         #: the longest nap of a member waiting for the group's creation (the segment, the join): many
         #: members on few CPUs (a host of 64 ranks on 2) nap longer, or their looks take the CPUs the
-        #: members they wait for need (the joins of 16 such hosts took seconds with 1-2 ms naps)
+        #: members they wait for need
         self._join_nap = min(0.05, 0.002 * max(1.0, self.size / _platform.usable_cpus()))
         self._last_host = 0  # the sequence number of this member's last host round
         self.sleepy = False  # small allreduces are host rounds (agreed at the join)
