@@ -41,6 +41,8 @@ FLUSH_IDLE = int(os.environ.get("MESHARRAY_FLUSH_IDLE_US", "100")) * 1e-6
 FLUSH_AGE = int(os.environ.get("MESHARRAY_FLUSH_MAX_US", "2000")) * 1e-6
 #: ops queued without a wait on every rank before the controller waits for the ranks to catch up
 MAX_PENDING = int(os.environ.get("MESHARRAY_MAX_PENDING", "65536"))
+#: how many collectives' plans a context gives its ranks by key (more go by their bytes)
+MAX_PLANS = 1024
 
 #: the capture in progress (:mod:`.function`), if any: it records every op queued in its thread
 _TRACE: Any = None
@@ -179,6 +181,7 @@ class DataContext:
         self._multi_host = len({h[0] for h in self._hosts.values()}) > 1
         self.plans: dict = {}  # DistributedStorage.reduce's plans by layout and request
         self.calls: set[int] = set()  # keys of the recipes' functions the ranks were given (dispatch.ApplyRecipe)
+        self._plan_keys: dict[bytes, int] = {}  # collectives' plans the ranks were given, by content (_keyed_plans)
         # the command buffer: (ranks, wire instructions) in the order the ops were issued
         self._buf: list[tuple[list, list]] = []
         self._buffered = 0
@@ -324,6 +327,40 @@ class DataContext:
                 self.flush()
         if bound:
             self.keep_bound()
+
+    def post_planned(self, ranks: list, program: list) -> None:
+        """:meth:`post` of a program holding a collective's plan (:class:`~.instructions.Planned`): its
+        bytes go to the ranks once, then its key (:meth:`_keyed_plans`)."""
+        with self._lock:  # (another thread must not send the key before this defplan is queued)
+            self.post_wire(ranks, self._keyed_plans(I.encode(program)), len(program), bound=False)
+        self.keep_bound()
+
+    def _keyed_plans(self, wire: list) -> list:
+        """``wire`` with each ``plan`` instruction by key (the caller holds the lock and sends it next).
+
+        A plan's bytes name every member's pid and host (about 20 KB at 1,024 ranks) and went with
+        every reduction; now the first ``plan`` of each content is preceded by ``("defplan", key,
+        bytes)`` and every one after is ``("kplan", out, src, key, roots, nbytes)``, which the data
+        actor turns back into the ``plan`` (``DataActor._expand``). A plan always goes to the same
+        ranks (its members are in its bytes), so a key given once is given to all that use it. Past
+        :data:`MAX_PLANS` contents, new ones go by their bytes; a captured step records bytes.
+        """
+        if tracing():
+            return wire
+        keys = self._plan_keys
+        out = []
+        for ins in wire:
+            if ins[0] == "plan":
+                k = keys.get(ins[3])  # (a plan's bytes object is kept with its plan: hashed once)
+                if k is None:
+                    if len(keys) >= MAX_PLANS:
+                        out.append(ins)
+                        continue
+                    k = keys[ins[3]] = len(keys) + 1
+                    out.append(("defplan", k, ins[3]))
+                ins = ("kplan", ins[1], ins[2], k, *ins[4:])
+            out.append(ins)
+        return out
 
     def keep_bound(self) -> None:
         """Wait for the ranks once more than ``MESHARRAY_MAX_PENDING`` ops are queued (:meth:`_catch_up`)."""
@@ -512,13 +549,14 @@ class DataContext:
         ``wire``: the program in its wire form (:func:`~.instructions.encode`'s tuples).
         """
         no_wait("a reduction whose small result comes back with its program")
-        self._flush(False)  # (under the lock: waits for a flush in flight too; the frees ride on this program)
-        if self._pending:
-            frees = self._take_frees(members)
-            if frees:
-                wire = [("free", frees), *wire]
-        wire = wire + self.checks(reply)  # (only the ranks that answer: a broadcast cannot raise)
-        return (run or self.view(members).run)._call_some(reply, wire)
+        with self._lock:  # (its plan's key, if it has one, goes after its defplan: see _keyed_plans)
+            self._flush(False)  # (waits for a flush in flight too; the frees ride on this program)
+            if self._pending:
+                frees = self._take_frees(members)
+                if frees:
+                    wire = [("free", frees), *wire]
+            wire = self._keyed_plans(wire) + self.checks(reply)  # (checks: only the ranks that answer)
+            return (run or self.view(members).run)._call_some(reply, wire)
 
     def call_one(self, rank: int, program: list) -> Any:
         """Run ``program`` on ``rank``; a future of its result (a :class:`~.instructions.Fetch`'s block)."""

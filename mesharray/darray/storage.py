@@ -378,7 +378,7 @@ class DistributedStorage:
         res = DistributedStorage(ctx, out, ranks, new_local, rdt_work, self.engine, holders, self.collective,
                                  _all_ranks=all_ranks)
         # fire-and-forget (see _send_collective); members are sorted and unique
-        ctx.post(members, program)
+        ctx.post_planned(members, program)
         if rdt_work != rdt:  # any/all computed as uint8 max/min
             res = res.astype(rdt, copy=True)
         return res
@@ -403,7 +403,7 @@ class DistributedStorage:
             node.result(res, layout_of(res))
             program.append(I.Apply(out, mark_leaf, [I.BlockRef(out)]))
             res.rg, res.deps = True, self.deps + (node,)
-        ctx.post(members, program)
+        ctx.post_planned(members, program)
         return res
 
     def _reduce_plan(self, op: str, func: Any, axes: tuple[int, ...] | None, keepdims: bool) -> tuple | None:

@@ -45,10 +45,12 @@ __all__ = ["BlockStore", "DataActor", "InputFailed", "STORE", "local_block", "me
 COLLECTIVE_OP = {"sum": "sum", "prod": "prod", "min": "min", "max": "max", "mean": "mean",
                  "any": "max", "all": "min"}
 
-#: the codes expanded before a program runs: a captured step's definition and replays, and a
+#: the codes expanded before a program runs: a captured step's definition and replays, a
 #: recipe's call by its key (``("call", out, key, operands)``, defined once per rank by
-#: ``("defcall", key, fn)``: see :class:`mesharray.darray.dispatch.ApplyRecipe`)
-_CAPTURED = frozenset(("def", "replay", "undef", "call", "defcall", "uncall"))
+#: ``("defcall", key, fn)``: see :class:`mesharray.darray.dispatch.ApplyRecipe`), and a
+#: collective's plan by its key (``kplan``, defined by ``defplan``: see
+#: :meth:`mesharray.darray.context.DataContext._keyed_plans`)
+_CAPTURED = frozenset(("def", "replay", "undef", "call", "defcall", "uncall", "kplan", "defplan"))
 
 #: Planned instructions' plans, by their bytes: [the Collective's fields after out and src,
 #: (group, op, dtype, engine) once the plan is known to run in shared memory]
@@ -710,6 +712,7 @@ class DataActor(Actor):
         self.rank: int | None = None
         self.funcs: dict[int, tuple[list, list]] = {}  # captured steps by id: (program, temporaries)
         self.calls: dict[int, Any] = {}  # recipes' functions by key (``defcall``)
+        self.plans: dict[int, bytes] = {}  # collectives' plans by key (``defplan``)
         #: the first failure of an effect (backward()) since this rank's last wait: raised there
         self.unreported: BaseException | None = None
 
@@ -894,7 +897,8 @@ class DataActor(Actor):
     def _expand(self, program: list) -> list:
         """``program`` with each captured step's replay replaced by the step's instructions, its ids
         filled in and its temporaries freed at its end; definitions kept (by id) for later replays;
-        each ``call`` an ``apply`` of the function its key names (kept by ``defcall``)."""
+        each ``call`` an ``apply`` of the function its key names (kept by ``defcall``), each ``kplan``
+        the ``plan`` of the bytes its key names (kept by ``defplan``)."""
         out: list = []
         calls = self.calls
         for raw in program:
@@ -906,6 +910,15 @@ class DataActor(Actor):
                 calls[raw[1]] = raw[2]
             elif code == "uncall":
                 calls.clear()
+            elif code == "kplan":
+                plan = self.plans.get(raw[3])
+                if plan is None:  # (a bug, not a user error: its peers' collective times out)
+                    out.append(("fail", raw[1], MeshArrayError(f"plan {raw[3]} is not defined on this rank "
+                                                               f"(its defplan never came)")))
+                else:
+                    out.append(("plan", raw[1], raw[2], plan, *raw[4:]))
+            elif code == "defplan":
+                self.plans[raw[1]] = raw[2]
             elif code == "def":
                 _, fid, prog, temps = raw
                 self.funcs[fid] = (prog, temps)

@@ -502,3 +502,57 @@ def test_a_gradient_changed_before_its_reduction_is_reduced_as_changed(monkeypat
         assert np.allclose(_np(v)[0], 3.0)
         counts = p.spawn("buckets", _Buckets).counts.call().get(timeout=30)[0, 0]
         assert counts["backwards"] == 1 and counts["grads"] == 1  # (u's alone)
+
+
+# --- a collective's plan travels once ---------------------------------------------------------
+
+
+def _keyed(monkeypatch):
+    """Every instruction list the context keys from now on (see DataContext._keyed_plans)."""
+    seen: list = []
+    orig = dctx.DataContext._keyed_plans
+    monkeypatch.setattr(dctx.DataContext, "_keyed_plans", lambda self, wire: seen.append(orig(self, wire)) or seen[-1])
+    return seen
+
+
+def test_a_reduction_in_a_loop_sends_its_plan_once(procs, monkeypatch):
+    x = procs.from_numpy(np.arange(8, dtype="float64").reshape(1, 2, 4))
+    seen = _keyed(monkeypatch)
+    for _ in range(5):
+        assert float(x.sum().fetch()) == 28.0  # (a tiny result: its program is a call)
+        assert np.allclose(_np(x.sum(axis="procs", keepdims=True))[0, 0], [4, 6, 8, 10])  # (queued)
+    codes = [ins[0] for wire in seen for ins in wire]
+    assert codes.count("plan") == 0 and codes.count("kplan") == 10
+    assert codes.count("defplan") <= 2  # (each of the two plans once, unless an earlier test gave it)
+
+
+def test_plans_past_the_bound_go_by_their_bytes(procs, monkeypatch):
+    ctx = data_context(procs)
+    monkeypatch.setattr(dctx, "MAX_PLANS", len(ctx._plan_keys))  # (the plans given so far keep their keys)
+    x = procs.from_numpy(np.arange(6, dtype="int16").reshape(1, 2, 3))
+    seen = _keyed(monkeypatch)
+    assert [int(x.min().fetch()) for _ in range(3)] == [0] * 3  # (a plan of its own: int16 min)
+    codes = [ins[0] for wire in seen for ins in wire]
+    assert codes.count("plan") == 3 and "defplan" not in codes
+
+
+def test_reductions_from_two_threads_find_their_plans_defined(procs):
+    import threading
+
+    x = procs.from_numpy(np.arange(10, dtype="float64").reshape(1, 2, 5))
+    errors: list = []
+
+    def loop(k: int) -> None:
+        try:
+            for _ in range(40):  # (the same plan in both threads: one gives it, both use its key)
+                y = x * float(k + 1)
+                assert float(y.sum().fetch()) == 45.0 * (k + 1)
+        except BaseException as exc:
+            errors.append(exc)
+
+    ts = [threading.Thread(target=loop, args=(k,)) for k in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors, errors
