@@ -21,9 +21,13 @@ process mesh on the first ``size / 64`` hosts and measures:
 
 ``--compare`` measures the same sizes again with ``MESHARRAY_RELAY=0`` (every
 message from the controller to each rank, as before relays), in the same run.
+``--ab-plans`` measures, in one mesh of each size, the 1-element sum with its
+plan sent by its bytes every time and by key (``context.MAX_PLANS``), alternated
+in rounds: separate runs on a loaded 2-core machine differ more than the two.
 
     python bench/bench_scale.py                 # 64, 256, 1024 (a few minutes)
     python bench/bench_scale.py --sizes 64,256 --compare
+    python bench/bench_scale.py --sizes 1024 --ab-plans
 
 On a machine with 2 cores the 1,024 processes share them; figures taken while
 other jobs run say so (the load average is printed with them).
@@ -164,6 +168,34 @@ def measure(hosts, nhosts: int, calls: int, sums: int, idle: float) -> dict:
     return res
 
 
+def ab_plans(hosts, nhosts: int, rounds: int = 6, sums: int = 8) -> dict:
+    """The 1-element sum's p50 with its plan by its bytes and by key, alternated in one mesh (ms)."""
+    from mesharray.darray import context as dctx
+    from mesharray.darray import data_context
+
+    procs = hosts[0:nhosts].spawn_procs(per_host={"procs": PER_HOST})
+    keep = dctx.MAX_PLANS
+    try:
+        x = procs.ones(())
+        for _ in range(3):
+            float(x.sum().fetch())
+        ctx = data_context(procs)
+        times: dict = {"bytes": [], "key": []}
+        for _ in range(rounds):
+            for mode in times:
+                ctx._plan_keys.clear()  # (given again, or sent by its bytes: the ranks need no telling)
+                dctx.MAX_PLANS = 0 if mode == "bytes" else keep
+                float(x.sum().fetch())
+                for _ in range(sums):
+                    w = time.perf_counter()
+                    float(x.sum().fetch())
+                    times[mode].append(time.perf_counter() - w)
+    finally:
+        dctx.MAX_PLANS = keep
+        procs.stop()
+    return {m: float(np.median(v)) * 1e3 for m, v in times.items()}
+
+
 ROWS = [
     ("spawn + first call", "spawn_first_call_s", "{:.1f} s", "≤ 6 s at 1,024"),
     ("  the controller's CPU meanwhile", "spawn_ctl_cpu_s", "{:.2f} s", ""),
@@ -202,6 +234,8 @@ def main(argv=None) -> None:
     ap.add_argument("--sums", type=int, default=15)
     ap.add_argument("--idle", type=float, default=5.0, help="seconds each mesh idles while reports are counted")
     ap.add_argument("--compare", action="store_true", help="every size again with MESHARRAY_RELAY=0")
+    ap.add_argument("--ab-plans", action="store_true",
+                    help="only the sum, its plan by its bytes against by key, alternated in one mesh per size")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     if any(s % PER_HOST for s in sizes):
@@ -213,6 +247,13 @@ def main(argv=None) -> None:
     try:
         hosts = ma.attach([u for _, u in agents], transport="tcp", timeout=120)
         time.sleep(3.0)  # (the agents start their zygotes at the attach)
+        if args.ab_plans:
+            for n in sizes:
+                r = ab_plans(hosts, n // PER_HOST)
+                print(f"{n} ranks: 1-element sum p50, plan by its bytes {r['bytes']:.1f} ms, by key {r['key']:.1f} ms",
+                      flush=True)
+            hosts.detach()
+            return
         for relays in ([True, False] if args.compare else [True]):
             os.environ["MESHARRAY_RELAY"] = "1" if relays else "0"
             for n in sizes:
