@@ -1,0 +1,124 @@
+"""What a small training step costs in pickling, and the buckets' look-ahead, measured in this process.
+
+Two figures of ``bench/README.md`` ("Whole programs"). For an A/B of two trees
+run a copy of this script from each (it puts its own tree first on ``sys.path``):
+
+- ``--pickles``: the small model of ``bench_training.py`` trained op by op on
+  2 ranks; the messages the controller pickles during steps 50 to 60 are kept,
+  then each is pickled again (``framing``'s pickler) and unpickled
+  (``pickle.loads``, what each worker does with it) 200 times: µs per step,
+  and the bytes per step sent to each rank.
+- ``--prepare``: ``overlap.prepare`` on the program a rank gets for one small
+  step with 4 parameters, 20,000 times, with no group to make (its look-ahead
+  only): µs per backward.
+
+    python bench/step_costs.py --pickles
+    python bench/step_costs.py --prepare
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+
+def pickles(rounds: int = 200) -> None:
+    import numpy as np
+    import torch
+    from bench_training import LR, mlp, problem
+
+    import mesharray as ma
+    from mesharray.transport import framing
+
+    kept: list = []
+    dumps = framing._pickle5
+
+    def keep(obj, buffers):
+        kept.append(obj)
+        return dumps(obj, buffers)
+
+    x, y, params = problem("small")
+    with ma.proc_mesh(procs=2) as procs:
+        xs = procs.from_numpy(x[None], engine="torch")
+        ys = procs.from_numpy(y[None], engine="torch")
+        ws = [procs.from_numpy(np.broadcast_to(p, (1, 2) + p.shape).copy(), engine="torch").requires_grad_()
+              for p in params]
+
+        def step(xs, ys, *ws):
+            loss = torch.mean((mlp(xs, *ws) - ys) ** 2)
+            loss.backward()
+            return [(w - LR * w.grad.mean(axis="procs", keepdims=True)).detach().requires_grad_() for w in ws]
+
+        for i in range(60):
+            if i == 50:
+                framing._pickle5 = keep
+            ws = step(xs, ys, *ws)
+            float(np.asarray(ws[0][0, 0, 0, 0].fetch()).reshape(-1)[0])
+        framing._pickle5 = dumps
+    steps = 10
+    t_dump = t_load = 0.0
+    size = 0
+    for obj in kept:
+        data = dumps(obj, [])
+        size += len(data)
+        t = time.perf_counter()
+        for _ in range(rounds):
+            dumps(obj, [])
+        t_dump += (time.perf_counter() - t) / rounds
+        t = time.perf_counter()
+        for _ in range(rounds):
+            pickle.loads(data)
+        t_load += (time.perf_counter() - t) / rounds
+    print(f"{ma.__file__}: {len(kept)} messages over {steps} steps; per step: {size / steps:.0f} bytes, "
+          f"pickling {t_dump / steps * 1e6:.0f} us (controller), unpickling {t_load / steps * 1e6:.0f} us (each worker)")
+
+
+def prepare(rounds: int = 20000) -> None:
+    import mesharray
+    from mesharray.darray import overlap
+    from mesharray.darray.autograd import grad_of
+    from mesharray.darray.blockfn import BlockCall
+
+    plan = pickle.dumps(("mean", [[0, 1]], None, "float32", (), {0: 11, 1: 12}, None), protocol=5)
+    fn = BlockCall(len, (), {})
+    prog: list = [("apply", 19, fn, [("b", 1), ("b", 2), ("b", 3)]), ("apply", 20, fn, [("b", 19)]),
+                  ("apply", 21, fn, [("b", 20), ("b", 4), ("b", 5)]), ("ew", 22, "subtract", [("b", 21), ("b", 6)], {}),
+                  ("ew", 23, "power", [("b", 22), ("v", 2)], {}), ("apply", 24, fn, [("b", 23)]),
+                  ("effect", ("apply", 25, BlockCall(len, (), {}), [("b", 24)]))]
+    base = 26
+    for w in (2, 3, 4, 5):  # per parameter: g = w.grad, its mean over the ranks, the update
+        g, m, a, b, d = range(base, base + 5)
+        prog += [("apply", g, grad_of, [("b", w)]), ("plan", m, g, plan, (), 8192),
+                 ("ew", a, "multiply", [("v", 0.05), ("b", m)], {}), ("ew", b, "subtract", [("b", w), ("b", a)], {}),
+                 ("apply", d, fn, [("b", b)]), ("apply", d, fn, [("b", d)])]
+        base += 5
+    prog.append(("free", list(range(19, base))))
+    t = time.perf_counter()
+    for _ in range(rounds):
+        overlap.prepare(prog, 6, lambda b: None, lambda f, s: None, lambda b: None)
+    print(f"{mesharray.__file__}: {(time.perf_counter() - t) / rounds * 1e6:.1f} us per prepare "
+          f"(a 4-parameter step, no group)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pickles", action="store_true")
+    ap.add_argument("--prepare", action="store_true")
+    args = ap.parse_args(argv)
+    if not (args.pickles or args.prepare):
+        ap.error("say what to measure: --pickles and/or --prepare")
+    if args.pickles:
+        pickles()
+    if args.prepare:
+        prepare()
+
+
+if __name__ == "__main__":
+    main()
