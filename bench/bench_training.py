@@ -127,25 +127,32 @@ def run_ddp(model: str, steps: int) -> tuple[float, list]:
 # --- mesharray ---------------------------------------------------------------------------
 
 
-def run_mesharray(model: str, steps: int, capture: bool) -> tuple[float, list, float]:
-    """(ms per step, final weights, controller CPU per op in us)."""
+def mesharray_setup(procs, model: str) -> tuple:
+    """``(xs, ys, ws, train_step)`` of ``model`` on a 2-process mesh: each rank its shard, the weights
+    replicated, and the step the README teaches (also ``bench/step_costs.py``'s)."""
     import torch
 
+    x, y, params = problem(model)
+    xs = procs.from_numpy(x[None], engine="torch")
+    ys = procs.from_numpy(y[None], engine="torch")
+    ws = [procs.from_numpy(np.broadcast_to(p, (1, 2) + p.shape).copy(), engine="torch").requires_grad_()
+          for p in params]
+
+    def train_step(xs, ys, *ws):
+        loss = torch.mean((mlp(xs, *ws) - ys) ** 2)
+        loss.backward()
+        return [(w - LR * w.grad.mean(axis="procs", keepdims=True)).detach().requires_grad_() for w in ws]
+
+    return xs, ys, ws, train_step
+
+
+def run_mesharray(model: str, steps: int, capture: bool) -> tuple[float, list, float]:
+    """(ms per step, final weights, controller CPU per op in us)."""
     import mesharray as ma
     from mesharray.darray import data_context
 
-    x, y, params = problem(model)
     with ma.proc_mesh(procs=2) as procs:
-        xs = procs.from_numpy(x[None], engine="torch")
-        ys = procs.from_numpy(y[None], engine="torch")
-        ws = [procs.from_numpy(np.broadcast_to(p, (1, 2) + p.shape).copy(), engine="torch").requires_grad_()
-              for p in params]
-
-        def train_step(xs, ys, *ws):
-            loss = torch.mean((mlp(xs, *ws) - ys) ** 2)
-            loss.backward()
-            return [(w - LR * w.grad.mean(axis="procs", keepdims=True)).detach().requires_grad_() for w in ws]
-
+        xs, ys, ws, train_step = mesharray_setup(procs, model)
         step = ma.function(train_step) if capture else train_step
         ctx = data_context(procs)
         times, cpu, ops = [], [], 0

@@ -31,8 +31,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 def pickles(rounds: int = 200) -> None:
     import numpy as np
-    import torch
-    from bench_training import LR, mlp, problem
+    from bench_training import mesharray_setup
 
     import mesharray as ma
     from mesharray.transport import framing
@@ -44,18 +43,8 @@ def pickles(rounds: int = 200) -> None:
         kept.append(obj)
         return dumps(obj, buffers)
 
-    x, y, params = problem("small")
     with ma.proc_mesh(procs=2) as procs:
-        xs = procs.from_numpy(x[None], engine="torch")
-        ys = procs.from_numpy(y[None], engine="torch")
-        ws = [procs.from_numpy(np.broadcast_to(p, (1, 2) + p.shape).copy(), engine="torch").requires_grad_()
-              for p in params]
-
-        def step(xs, ys, *ws):
-            loss = torch.mean((mlp(xs, *ws) - ys) ** 2)
-            loss.backward()
-            return [(w - LR * w.grad.mean(axis="procs", keepdims=True)).detach().requires_grad_() for w in ws]
-
+        xs, ys, ws, step = mesharray_setup(procs, "small")
         for i in range(60):
             if i == 50:
                 framing._pickle5 = keep

@@ -65,6 +65,26 @@ def _reference(steps):
     return [w.detach().numpy() for w in ws]
 
 
+def _in_threads(body, n: int = 2) -> None:
+    """``body(k)`` in ``n`` threads at once; raises what any of them raised."""
+    import threading
+
+    errors: list = []
+
+    def run(k: int) -> None:
+        try:
+            body(k)
+        except BaseException as exc:
+            errors.append(exc)
+
+    ts = [threading.Thread(target=run, args=(k,)) for k in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors, errors
+
+
 # --- ops are queued: one message per rank for many ops, nothing waited for -----------------
 
 
@@ -455,29 +475,18 @@ def test_ranks_that_drop_the_recipes_functions_are_given_them_again(procs, monke
 
 
 def test_ops_from_two_threads_find_every_function_they_use_defined(procs):
-    import threading
-
     a = procs.from_numpy(np.ones((1, 2, 5), "float32"), engine="torch")
     want = torch.ones(5)
     for _ in range(200):
         want = torch.tanh(torch.relu(want)) + 0.5
-    errors: list = []
 
     def loop(k: int) -> None:
-        try:
-            y = a
-            for _ in range(200):  # (both threads make the same recipes: one defines, both use)
-                y = torch.tanh(torch.relu(y)) + 0.5
-            assert np.allclose(_np(y), want.numpy()), k
-        except BaseException as exc:
-            errors.append(exc)
+        y = a
+        for _ in range(200):  # (both threads make the same recipes: one defines, both use)
+            y = torch.tanh(torch.relu(y)) + 0.5
+        assert np.allclose(_np(y), want.numpy()), k
 
-    ts = [threading.Thread(target=loop, args=(k,)) for k in range(2)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    assert not errors, errors
+    _in_threads(loop)
 
 
 def test_a_gradient_changed_before_its_reduction_is_reduced_as_changed(monkeypatch):
@@ -537,21 +546,10 @@ def test_plans_past_the_bound_go_by_their_bytes(procs, monkeypatch):
 
 
 def test_reductions_from_two_threads_find_their_plans_defined(procs):
-    import threading
-
     x = procs.from_numpy(np.full((1, 2, 5), 1.0, dtype="float32"))
-    errors: list = []
 
     def loop(k: int) -> None:
-        try:
-            for _ in range(40):  # (a plan of this test's own, float32 prod: one thread gives it, both use its key)
-                assert float((x * float(k + 1)).prod().fetch()) == float(k + 1) ** 10
-        except BaseException as exc:
-            errors.append(exc)
+        for _ in range(40):  # (a plan of this test's own, float32 prod: one thread gives it, both use its key)
+            assert float((x * float(k + 1)).prod().fetch()) == float(k + 1) ** 10
 
-    ts = [threading.Thread(target=loop, args=(k,)) for k in range(2)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    assert not errors, errors
+    _in_threads(loop)
