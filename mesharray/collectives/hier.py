@@ -150,18 +150,42 @@ class HierCollective:
         kernel name. Returns the global ranks whose input failed (none here: the caller has it)."""
         return self._small(send, out, op, kdt, False)
 
+    def small_allreduce_lazy(self, send: np.ndarray, out: np.ndarray, op: str, kdt: str,
+                             done: Callable[[Any], None]) -> list[int] | None:
+        """:meth:`small_allreduce_prechecked` for a member that needs the result later, if at all: a
+        member other than a leader of several hosts arrives at its host round and returns None, the
+        round finished by :meth:`settle` (:meth:`ShmCollective.small_allreduce_lazy
+        <.shm.ShmCollective.small_allreduce_lazy>`); a leader combines the hosts as ever."""
+        local = self.local
+        cross = len(self.hosts) > 1
+        if local is None or (cross and self.is_leader):
+            return self._small(send, out, op, kdt, False)
+        code, bad = local._host_round(send, out, op, kdt, False, cross=cross, lazy=(out, op, done, self._finish))
+        return None if code < 0 else self._finish(out, op, code, bad)
+
+    def _finish(self, out: np.ndarray, op: str, code: int, bad: list[int]) -> list[int]:
+        # a host round's end for a member that is not a leader of several hosts (code 0 or 1)
+        if code == 1:  # (group indices when the leader published them, else this host's)
+            return [self.members[j if len(self.hosts) > 1 else self.local_members[j]] for j in bad]
+        if op == "mean":
+            np.divide(out, self.size, out=out)
+        return []
+
+    def settle(self) -> None:
+        """Finish this member's pending host round, if any (:meth:`.shm.ShmCollective.settle`)."""
+        if self.local is not None:
+            self.local.settle()
+
     def _small(self, send: np.ndarray, out: np.ndarray | None, op: str, kdt: str, failed: bool) -> list[int]:
         cross = len(self.hosts) > 1
         local = self.local
         result: np.ndarray | None
         if local is not None:
             code, bad = local._host_round(send, out, op, kdt, failed, cross=cross, leader=self.is_leader)
-            if code == 0:
-                if op == "mean" and out is not None:
-                    np.divide(out, self.size, out=out)
+            if code == 0 and out is None:
                 return []
-            if code == 1:  # (group indices when the leader published them, else this host's)
-                return [self.members[j if cross else self.local_members[j]] for j in bad]
+            if code < 2:
+                return self._finish(out, op, code, bad)
             partial, lbad = local.host_partial(send.nbytes)
             gbad = [self.local_members[j] for j in lbad]
             result = None if partial is None else np.frombuffer(partial, dtype=send.dtype).reshape(send.shape).copy()

@@ -66,6 +66,11 @@ there take the cores that the members they wait for need: with 64 members on
 (:class:`~.hier.HierCollective`) uses the same round for its host's part, its
 leader combining the hosts' partial results (:mod:`.tree`). Both kinds of
 round share the group's sequence, so they may follow each other in any order.
+A member that needs the result only later (a distributed array's rank that
+does not send it back) may leave a host round once it arrived
+(:meth:`ShmCollective.small_allreduce_lazy`) and finish it at the group's next
+operation, or sooner (:meth:`ShmCollective.settle`): it then wakes once per
+reduction, for the message that starts it, not a second time for the result.
 """
 
 from __future__ import annotations
@@ -76,7 +81,7 @@ import os
 import pickle
 import secrets
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -265,6 +270,8 @@ class ShmCollective:
         #: members they wait for need
         self._join_nap = min(0.05, 0.002 * max(1.0, self.size / _platform.usable_cpus()))
         self._last_host = 0  # the sequence number of this member's last host round
+        #: a host round this member arrived at and left before its result was in (:meth:`settle`)
+        self._pending: tuple | None = None
         self.sleepy = False  # small allreduces are host rounds (agreed at the join)
         self._chunks = 0  # chunks of single-copy reductions so far: where the counters start
         self._slot_bytes = _round_up(self.capacity, _PAGE)
@@ -471,6 +478,7 @@ class ShmCollective:
         if self._closed:
             return
         self._closed = True
+        self._pending = None  # (its result is nobody's now)
         if self._arr is not None and self._joined:
             # +32 of the pid's line: this member left the group on purpose; a peer that
             # finds its process gone later names it as having left, not as dead
@@ -598,6 +606,8 @@ class ShmCollective:
         raise err
 
     def _begin(self, what: str) -> int:
+        if self._pending is not None:
+            self.settle()
         if self._closed:
             raise MeshArrayError(f"shared-memory group {self.name!r} is closed")
         broken = self._broken
@@ -751,12 +761,7 @@ class ShmCollective:
         calls (a reduction plan): ``send`` and ``out`` C-contiguous, of one shape and dtype, at most
         :attr:`small_bytes`; ``kdt`` the dtype's kernel name (``_kernel_dtype``, which checked ``op``)."""
         if self.sleepy:
-            code, bad_idx = self._host_round(send, out, op, kdt, False)
-            if code:
-                return [self.global_ranks[j] for j in bad_idx]
-            if op == "mean":
-                np.divide(out, self.size, out=out)
-            return []
+            return self._finish_small(out, op, *self._host_round(send, out, op, kdt, False))
         # both addresses (a read-only out raises here) before the round is taken
         src, nb = buffer_address(send)
         dst = buffer_address(out, True)[0]
@@ -783,6 +788,56 @@ class ShmCollective:
             np.divide(out, self.size, out=out)
         return []
 
+    def small_allreduce_lazy(self, send: np.ndarray, out: np.ndarray, op: str, kdt: str,
+                             done: Callable[[Any], None]) -> list[int] | None:
+        """:meth:`small_allreduce_prechecked` for a member that needs the result later, if at all.
+
+        In a host round (:attr:`sleepy`) the member arrives and returns None at once unless the
+        result is in already; the round is finished by :meth:`settle`, which the group's next
+        operation runs first, and ``done`` then gets what :meth:`small_allreduce_prechecked`
+        would have returned (``[]``: ``out`` holds the result) or the error it would have
+        raised. A member of many on few CPUs thus wakes once per reduction (for the message
+        that starts it), not twice. Other groups run :meth:`small_allreduce_prechecked`.
+        """
+        if not self.sleepy:
+            return self.small_allreduce_prechecked(send, out, op, kdt)
+        code, bad = self._host_round(send, out, op, kdt, False, lazy=(out, op, done, self._finish_small))
+        return None if code < 0 else self._finish_small(out, op, code, bad)
+
+    def _finish_small(self, out: np.ndarray, op: str, code: int, bad_idx: list[int]) -> list[int]:
+        if code:
+            return [self.global_ranks[j] for j in bad_idx]
+        if op == "mean":
+            np.divide(out, self.size, out=out)
+        return []
+
+    def settle(self) -> None:
+        """Finish the host round this member left pending (:meth:`small_allreduce_lazy`), if any:
+        wait until its result is published, copy it, mark the round done, and hand the outcome
+        to the round's ``done``. Also the first step of every operation of the group: a
+        member arrives at a round only once it no longer reads the round before."""
+        p = self._pending
+        if p is None:
+            return
+        self._pending = None
+        k, r, dst, nbytes, count, kdt, kop, cross, (out, op, done, finish) = p
+        try:
+            polls = 0
+            deadline = time.monotonic() + self.timeout
+            while True:  # (stage 1: after the arrival)
+                code = host_round(self._hctl, self.size, self.rank, r, 0, nbytes, dst, self._slot_addr,
+                                  self._res_addr, self.capacity, count, kdt, kop, False, 1, cross, False,
+                                  _HOST_POLL, self._futex)
+                if code >= 0:
+                    break
+                polls += 1
+                self._check_host(r, polls % _HOST_ALL == 0, deadline)
+            outcome = finish(out, op, *self._host_done(code, k))
+        except BaseException as exc:
+            done(exc)
+            return
+        done(outcome)
+
     @property
     def small_bytes(self) -> int:
         """The largest message :meth:`small_allreduce_checked` takes (one round, every member reducing it all)."""
@@ -791,14 +846,18 @@ class ShmCollective:
     # --- host rounds (see the module docstring) -----------------------------------------
 
     def _host_round(self, send: np.ndarray, out: np.ndarray | None, op: str, kdt: str, failed: bool,
-                    cross: bool = False, leader: bool = False) -> tuple[int, list[int]]:
+                    cross: bool = False, leader: bool = False, lazy: tuple | None = None) -> tuple[int, list[int]]:
         """One host round (``_core.host_round``): ``(code, failed member indices)``.
 
         Code 0: the result is in ``out``; 1: inputs failed (their indices); 2
         (``cross`` and ``leader``): the host's partial result is in the result
         area (:meth:`host_partial`), and this member must :meth:`host_publish`
-        the group's. ``send`` of at most :attr:`small_bytes` bytes.
+        the group's; -1 (``lazy``, not a leader of ``cross``): the member arrived
+        and the result is not in yet, the round is pending (:meth:`settle`).
+        ``send`` of at most :attr:`small_bytes` bytes.
         """
+        if self._pending is not None:
+            self.settle()
         if self._closed or self._broken is not None:
             self._begin("reduction")  # raises the group's error
         k = self._seq + 1
@@ -814,13 +873,21 @@ class ShmCollective:
         stage = 0
         polls = 0
         deadline = time.monotonic() + self.timeout
+        wait = _HOST_POLL if lazy is None else 0.0
         while True:
             code = host_round(self._hctl, self.size, self.rank, r, src, nb, dst, self._slot_addr, self._res_addr,
-                              self.capacity, count, kdt, kop, failed, stage, cross, leader, _HOST_POLL, self._futex)
+                              self.capacity, count, kdt, kop, failed, stage, cross, leader, wait, self._futex)
             if code >= 0:
                 break
+            if lazy is not None:
+                self._pending = (k, r, dst, nb, count, kdt, kop, cross, lazy)
+                return -1, []
             stage, polls = 1, polls + 1
             self._check_host(r, polls % _HOST_ALL == 0, deadline)
+        return self._host_done(code, k)
+
+    def _host_done(self, code: int, k: int) -> tuple[int, list[int]]:
+        # the end of host round k (sequence number) that returned ``code`` >= 0
         bad: list[int] = []
         if code == 1:
             if atomic_load(self._hctl + 192) < 0:  # the leader's cross-host step failed (host_fail)
@@ -932,6 +999,8 @@ class ShmCollective:
 
     def _begin_small(self) -> int:
         # _begin without its wait for the previous round (small_round waits for it)
+        if self._pending is not None:
+            self.settle()
         if self._closed or self._broken is not None:
             self._begin("reduction")  # raises the group's error
         k = self._seq = self._seq + 1

@@ -17,6 +17,7 @@ import math
 import os
 import pickle
 import sys
+from functools import partial
 from typing import Any, Callable
 
 import numpy as np
@@ -64,6 +65,23 @@ _SHM_OPS = frozenset(("sum", "prod", "min", "max", "mean"))
 SMALL_FETCH = 1 << 16
 
 
+#: program instructions that read no block, run while a reduction may still be making one
+_KEEPS_LAZY = frozenset(("free", "plan", "check", "fail"))
+
+
+def _settled(out: int, res: np.ndarray, eng: Engine, outcome: Any) -> None:
+    # the end of a small allreduce that made block ``out`` lazily (DataActor._planned): ``outcome``
+    # is the failed ranks (none: ``res`` holds the result) or the error; nothing if out was freed
+    if STORE.lazy.pop(out, None) is None:
+        return
+    if isinstance(outcome, BaseException):
+        STORE.fail(out, outcome)
+    elif outcome:
+        STORE.fail(out, InputFailed(outcome, out))
+    else:
+        STORE.put(out, res, eng)
+
+
 class BlockStore:
     """This worker's blocks by id, the engine of each, and the failures of blocks that could not be made."""
 
@@ -81,9 +99,20 @@ class BlockStore:
         self.freed_failed: dict[int, BaseException] = {}
         self.groups: dict[tuple, Any] = {}
         self._pool: dict[int, list] = {}
+        #: blocks a small allreduce is still making (this member left its host round before the
+        #: result was in: see DataActor._planned), each with its group
+        self.lazy: dict[int, Any] = {}
+
+    def settle(self) -> None:
+        """Finish the reductions still making blocks (:attr:`lazy`): their blocks are in (or failed)."""
+        for g in list(dict.fromkeys(self.lazy.values())):
+            g.settle()
+        self.lazy.clear()  # (a block freed meanwhile took its group's settle with the next round)
 
     def get(self, bid: int) -> Any:
         """Block ``bid``; raises the failure of the op that should have made it."""
+        if self.lazy and bid in self.lazy:
+            self.settle()
         failed = self.failed.get(bid)
         if failed is not None:
             # its original exception (type and traceback) is what the controller sees
@@ -110,7 +139,10 @@ class BlockStore:
         self.failed[bid] = exc
 
     def free(self, bids: list) -> None:
+        lazy = self.lazy
         for b in bids:
+            if lazy:
+                lazy.pop(b, None)
             self._recycle(self.blocks.pop(b, None))
             self.engines.pop(b, None)
             exc = self.failed.pop(b, None)
@@ -760,6 +792,8 @@ class DataActor(Actor):
             if done is not None and idx in done:
                 continue
             code = raw[0]
+            if STORE.lazy and code not in _KEEPS_LAZY:  # (an op that may read a block still being made)
+                STORE.settle()
             if code == "apply":
                 if type(raw[2]) is BlockCall and raw[2].backward:
                     done = self._backward(program, idx, me, done)
@@ -770,7 +804,7 @@ class DataActor(Actor):
                 continue
             if code == "plan":  # (the instructions of a reduction in a loop: first, undecoded)
                 out, src, plan, ranks = raw[1:5]
-                made = self._planned(me, out, src, plan)
+                made = self._planned(me, out, src, plan, me not in ranks)
                 if me in ranks:
                     fetch = out  # after the rest of the program (its frees), which a failed out must not skip
                 continue
@@ -950,10 +984,18 @@ class DataActor(Actor):
         else:
             STORE.put(ins.out, block, eng)
 
-    def _planned(self, me: int, out: int, src: int, plan: bytes) -> np.ndarray | None:
+    def _planned(self, me: int, out: int, src: int, plan: bytes, later: bool = False) -> np.ndarray | None:
         """A :class:`~.instructions.Planned` collective: the plan's bytes are unpickled once; once
         its group is known to be shared memory, an allreduce of a contiguous NumPy block goes
-        straight to the group (what :meth:`_collective_inner` would do, without deciding it again)."""
+        straight to the group (what :meth:`_collective_inner` would do, without deciding it again).
+
+        ``later``: this rank does not send ``out`` back. A small allreduce then may leave its
+        host round before the result is in (``small_allreduce_lazy``): ``out`` is in
+        :attr:`BlockStore.lazy` until the group's next operation, or an op of this rank that may
+        read it (``run``, :meth:`BlockStore.get`), finishes the round.
+        """
+        if STORE.lazy and src in STORE.lazy:
+            STORE.settle()
         last = _LAST_PLAN
         if plan == last[0]:  # (a memcmp: hashing a plan of many ranks' hosts for the dict cost more)
             st = last[1]
@@ -975,7 +1017,13 @@ class DataActor(Actor):
                 try:
                     if block.nbytes <= small:  # (checked here: the plan's dtype and op, a contiguous block)
                         res = np.empty(block.shape, dtype)  # (far below the pool's sizes)
-                        failed = g.small_allreduce_prechecked(block, res, op, kdt)
+                        if later:
+                            failed = g.small_allreduce_lazy(block, res, op, kdt, partial(_settled, out, res, eng))
+                            if failed is None:
+                                STORE.lazy[out] = g
+                                return None
+                        else:
+                            failed = g.small_allreduce_prechecked(block, res, op, kdt)
                     else:
                         res = STORE.take(block.shape, dtype)
                         failed = g.allreduce_checked(block, out=res, op=op)

@@ -358,6 +358,33 @@ def _fail_on_rank_one(x):
     return x
 
 
+@pytest.mark.timeout(90)
+def test_ranks_that_send_no_result_back_hold_a_tiny_reductions_result_all_the_same():
+    # a tiny reduction's members other than its root leave their host round before the result is
+    # in (more members than CPUs: here each worker sees one CPU); they take it in at their next op
+    # that reads it, and a failure of the reduction reaches them as well
+    with ma.proc_mesh(hosts=1, procs=3) as procs:
+        if hasattr(os, "sched_setaffinity"):
+            cpu = min(os.sched_getaffinity(0))
+            for pid in procs.pids:
+                os.sched_setaffinity(pid, {cpu})
+        r = procs.rank_array().astype("float64")
+        for i in range(10):
+            assert _np((r + i).sum(axis="procs")).tolist() == [3.0 + 3 * i]
+            s = (r * i).sum(axis="procs", keepdims=True)
+            np.testing.assert_array_equal(_np(r + s), [[3.0 * i, 1 + 3.0 * i, 2 + 3.0 * i]])
+        m = r.mean(axis="procs", keepdims=True)
+        np.testing.assert_array_equal(_np(r - m), [[-1.0, 0.0, 1.0]])
+        bad = procs.apply(_fail_on_rank_one, r)
+        s = bad.sum(axis="procs", keepdims=True)
+        with pytest.raises(ma.ActorError) as info:
+            (r + s)[:, 2].fetch()  # rank 2 did not fail: it holds the reduction's failure
+        assert isinstance(info.value.exception, ZeroDivisionError) and "rank one says no" in str(info.value)
+        del s
+        for i in range(3):  # the groups go on
+            assert _np(r.sum(axis="procs")).tolist() == [3.0]
+
+
 def test_a_tiny_reduction_sends_one_message_per_rank_and_fetch_sends_none():
     with ma.proc_mesh(procs=2) as procs:
         x = procs.full((), 2.0)
