@@ -381,7 +381,7 @@ def test_ranks_that_send_no_result_back_hold_a_tiny_reductions_result_all_the_sa
             (r + s)[:, 2].fetch()  # rank 2 did not fail: it holds the reduction's failure
         assert isinstance(info.value.exception, ZeroDivisionError) and "rank one says no" in str(info.value)
         del s
-        for i in range(3):  # the groups go on
+        for _ in range(3):  # the groups go on
             assert _np(r.sum(axis="procs")).tolist() == [3.0]
 
 
