@@ -163,11 +163,11 @@ class HierCollective:
         code, bad = local._host_round(send, out, op, kdt, False, cross=cross, lazy=(out, op, done, self._finish))
         return None if code < 0 else self._finish(out, op, code, bad)
 
-    def _finish(self, out: np.ndarray, op: str, code: int, bad: list[int]) -> list[int]:
+    def _finish(self, out: np.ndarray | None, op: str, code: int, bad: list[int]) -> list[int]:
         # a host round's end for a member that is not a leader of several hosts (code 0 or 1)
         if code == 1:  # (group indices when the leader published them, else this host's)
             return [self.members[j if len(self.hosts) > 1 else self.local_members[j]] for j in bad]
-        if op == "mean":
+        if op == "mean" and out is not None:
             np.divide(out, self.size, out=out)
         return []
 
@@ -182,8 +182,6 @@ class HierCollective:
         result: np.ndarray | None
         if local is not None:
             code, bad = local._host_round(send, out, op, kdt, failed, cross=cross, leader=self.is_leader)
-            if code == 0 and out is None:
-                return []
             if code < 2:
                 return self._finish(out, op, code, bad)
             partial, lbad = local.host_partial(send.nbytes)
