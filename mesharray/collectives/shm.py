@@ -80,6 +80,7 @@ import mmap
 import os
 import pickle
 import secrets
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -272,6 +273,7 @@ class ShmCollective:
         self._last_host = 0  # the sequence number of this member's last host round
         #: a host round this member arrived at and left before its result was in (:meth:`settle`)
         self._pending: tuple | None = None
+        self._settling = threading.Lock()
         self.sleepy = False  # small allreduces are host rounds (agreed at the join)
         self._chunks = 0  # chunks of single-copy reductions so far: where the counters start
         self._slot_bytes = _round_up(self.capacity, _PAGE)
@@ -816,11 +818,16 @@ class ShmCollective:
         wait until its result is published, copy it, mark the round done, and hand the outcome
         to the round's ``done``. Also the first step of every operation of the group: a
         member arrives at a round only once it no longer reads the round before."""
-        p = self._pending
-        if p is None:
-            return
-        self._pending = None
-        k, r, dst, nbytes, count, kdt, kop, cross, (out, op, done, finish) = p
+        with self._settling:  # (a worker's actor threads may read the block while its program runs)
+            p = self._pending
+            if p is None:
+                return
+            self._pending = None
+            self._settle(*p)
+
+    def _settle(self, k: int, r: int, dst: int, nbytes: int, count: int, kdt: str, kop: str, cross: bool,
+                lazy: tuple) -> None:
+        out, op, done, finish = lazy
         try:
             polls = 0
             deadline = time.monotonic() + self.timeout

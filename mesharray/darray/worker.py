@@ -106,8 +106,7 @@ class BlockStore:
     def settle(self) -> None:
         """Finish the reductions still making blocks (:attr:`lazy`): their blocks are in (or failed)."""
         for g in list(dict.fromkeys(self.lazy.values())):
-            g.settle()
-        self.lazy.clear()  # (a block freed meanwhile took its group's settle with the next round)
+            g.settle()  # (each round's end takes its block out of lazy)
 
     def get(self, bid: int) -> Any:
         """Block ``bid``; raises the failure of the op that should have made it."""
@@ -1018,16 +1017,18 @@ class DataActor(Actor):
                     if block.nbytes <= small:  # (checked here: the plan's dtype and op, a contiguous block)
                         res = np.empty(block.shape, dtype)  # (far below the pool's sizes)
                         if later:
+                            STORE.lazy[out] = g  # (first: another thread may finish the round at once)
                             failed = g.small_allreduce_lazy(block, res, op, kdt, partial(_settled, out, res, eng))
                             if failed is None:
-                                STORE.lazy[out] = g
                                 return None
+                            STORE.lazy.pop(out, None)
                         else:
                             failed = g.small_allreduce_prechecked(block, res, op, kdt)
                     else:
                         res = STORE.take(block.shape, dtype)
                         failed = g.allreduce_checked(block, out=res, op=op)
                 except BaseException as exc:
+                    STORE.lazy.pop(out, None)
                     STORE.fail(out, exc)
                     return None
                 if failed:
