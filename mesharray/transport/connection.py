@@ -50,6 +50,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import mmap
 import os
 import select
 import socket
@@ -490,7 +491,10 @@ class Connection:
         self._thread.start()
 
     def _init_reading(self) -> None:
-        self._buf = bytearray(_RECV_BUF)
+        # an anonymous mapping, not a bytearray: its pages are the kernel's zero page until a read
+        # writes them, where bytearray zero-fills all 256 KiB at once (64 page faults for each
+        # connection of each of a thousand workers, whose messages mostly fit the first page)
+        self._buf = mmap.mmap(-1, _RECV_BUF)
         self._view = memoryview(self._buf)
         self._start = self._end = 0
         self._big = None  # (payload, its view, bytes read, length) of a frame longer than _buf; header in _big_hdr
