@@ -341,8 +341,8 @@ def decode(raw: tuple) -> Any:
 
 #: per code of a wire instruction: positions of block ids, of operand lists, of id lists
 _IDS = {"new": (1,), "put": (1,), "ew": (1,), "apply": (1,), "reduce": (1, 2), "astype": (1, 2),
-        "reshape": (1, 2), "getitem": (1, 2), "copy": (1, 2), "coll": (1, 2), "plan": (1, 2), "move": (1, 2),
-        "setitem": (1,)}
+        "reshape": (1, 2), "getitem": (1, 2), "copy": (1, 2), "coll": (1, 2), "plan": (1, 2), "kplan": (1, 2),
+        "move": (1, 2), "setitem": (1,)}
 _OPERAND_AT = {"ew": 3, "apply": 3, "setitem": 3, "put": 2}
 _LISTS = {"free": 1, "check": 1}
 

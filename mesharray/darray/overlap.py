@@ -208,7 +208,7 @@ class Overlap:
 
 
 def prepare(program: list, i: int, get: Callable[[int], Any], group_of: Callable[[tuple, int], Any],
-            engine_of: Callable[[int], Any]) -> Overlap | None:
+            engine_of: Callable[[int], Any], plan_of: Callable[[Any], Any] | None = None) -> Overlap | None:
     """An :class:`Overlap` for the ``backward`` at ``program[i]``, or None when nothing follows it to bucket.
 
     Whether there are buckets, and which, depends on the program alone (every
@@ -218,7 +218,8 @@ def prepare(program: list, i: int, get: Callable[[int], Any], group_of: Callable
     it, up to the first instruction past which gradients may change or be read
     (an effect, a collective, a move, a wait's check). ``get(bid)`` is a block
     of this rank (or raises), ``engine_of(bid)`` its engine, ``group_of(fields,
-    src)`` the group of a reduction (``Planned`` fields), or None.
+    src)`` the group of a reduction (``Planned`` fields), or None; ``plan_of(key)`` the bytes of
+    a plan sent by its key (``kplan``), or None.
     """
     if BUCKET_BYTES <= 0:  # (MESHARRAY_BUCKET_BYTES=0: every reduction as the program says)
         return None
@@ -239,10 +240,11 @@ def prepare(program: list, i: int, get: Callable[[int], Any], group_of: Callable
             first_apply.setdefault(ins[1], j)
             if ins[2] is grad_of and len(ins[3]) == 1 and ins[3][0][0] == "b":
                 made_at[ins[1]] = j
-        elif code == "plan" and not ins[4] and ins[2] in made_at and len(ins) > 5 and ins[5]:
+        elif (code == "plan" or code == "kplan") and not ins[4] and ins[2] in made_at and len(ins) > 5 and ins[5]:
+            this = ins[3] if code == "plan" else plan_of(ins[3]) if plan_of is not None else None
             if plan is None:
-                plan = ins[3]
-            if ins[3] != plan:
+                plan = this
+            if this is None or this != plan:
                 continue
             gi = made_at[ins[2]]
             entries.append(_Entry(program[gi][3][0][1], ins[2], ins[1], gi, j, ins[5]))

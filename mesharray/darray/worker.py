@@ -48,10 +48,11 @@ COLLECTIVE_OP = {"sum": "sum", "prod": "prod", "min": "min", "max": "max", "mean
 
 #: the codes expanded before a program runs: a captured step's definition and replays, a
 #: recipe's call by its key (``("call", out, key, operands)``, defined once per rank by
-#: ``("defcall", key, fn)``: see :class:`mesharray.darray.dispatch.ApplyRecipe`), and a
-#: collective's plan by its key (``kplan``, defined by ``defplan``: see
-#: :meth:`mesharray.darray.context.DataContext._keyed_plans`)
-_CAPTURED = frozenset(("def", "replay", "undef", "call", "defcall", "uncall", "kplan", "defplan"))
+#: ``("defcall", key, fn)``: see :class:`mesharray.darray.dispatch.ApplyRecipe`), and the
+#: definition of a collective's plan by its key (``defplan``: see
+#: :meth:`mesharray.darray.context.DataContext._keyed_plans`); a plan by its key (``kplan``)
+#: is looked up where it runs (a tiny reduction's program is no more than that)
+_CAPTURED = frozenset(("def", "replay", "undef", "call", "defcall", "uncall", "defplan"))
 
 #: Planned instructions' plans, by their bytes: [the Collective's fields after out and src,
 #: (group, op, dtype, engine) once the plan is known to run in shared memory]
@@ -66,7 +67,7 @@ SMALL_FETCH = 1 << 16
 
 
 #: program instructions that read no block, run while a reduction may still be making one
-_KEEPS_LAZY = frozenset(("free", "plan", "check", "fail"))
+_KEEPS_LAZY = frozenset(("free", "plan", "kplan", "check", "fail"))
 
 
 def _settled(out: int, res: np.ndarray, eng: Engine, outcome: Any) -> None:
@@ -801,8 +802,14 @@ class DataActor(Actor):
                     continue
             elif code == "ew" and _fast_elementwise(raw, me):
                 continue
-            if code == "plan":  # (the instructions of a reduction in a loop: first, undecoded)
+            if code == "kplan" or code == "plan":  # (a reduction in a loop: first, undecoded)
                 out, src, plan, ranks = raw[1:5]
+                if code == "kplan":
+                    plan = self.plans.get(plan)
+                    if plan is None:  # (a bug, not a user error: its peers' collective times out)
+                        STORE.fail(out, MeshArrayError(f"plan {raw[3]} is not defined on this rank "
+                                                       f"(its defplan never came)"))
+                        continue
                 made = self._planned(me, out, src, plan, me not in ranks)
                 if me in ranks:
                     fetch = out  # after the rest of the program (its frees), which a failed out must not skip
@@ -909,7 +916,7 @@ class DataActor(Actor):
             return self._group(members, me, ins, None)
 
         try:
-            ov = prepare(program, idx, STORE.get, group_of, STORE.engine)
+            ov = prepare(program, idx, STORE.get, group_of, STORE.engine, self.plans.get)
         except BaseException:  # (anything odd: the instructions run one by one, as written)
             ov = None
         ins = I.decode(raw)
@@ -930,8 +937,8 @@ class DataActor(Actor):
     def _expand(self, program: list) -> list:
         """``program`` with each captured step's replay replaced by the step's instructions, its ids
         filled in and its temporaries freed at its end; definitions kept (by id) for later replays;
-        each ``call`` an ``apply`` of the function its key names (kept by ``defcall``), each ``kplan``
-        the ``plan`` of the bytes its key names (kept by ``defplan``)."""
+        each ``call`` an ``apply`` of the function its key names (kept by ``defcall``), plans kept
+        by their keys (``defplan``: each ``kplan`` is looked up where it runs)."""
         out: list = []
         calls = self.calls
         for raw in program:
@@ -943,13 +950,6 @@ class DataActor(Actor):
                 calls[raw[1]] = raw[2]
             elif code == "uncall":
                 calls.clear()
-            elif code == "kplan":
-                plan = self.plans.get(raw[3])
-                if plan is None:  # (a bug, not a user error: its peers' collective times out)
-                    out.append(("fail", raw[1], MeshArrayError(f"plan {raw[3]} is not defined on this rank "
-                                                               f"(its defplan never came)")))
-                else:
-                    out.append(("plan", raw[1], raw[2], plan, *raw[4:]))
             elif code == "defplan":
                 self.plans[raw[1]] = raw[2]
             elif code == "def":
