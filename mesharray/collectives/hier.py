@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..errors import ActorDiedError
 from ._args import as_contiguous, check_out, scatter_part_shape, split_mean
 from .ring import RingCollective
 from .shm import _SMALL, ShmCollective
@@ -176,12 +177,38 @@ class HierCollective:
         if self.local is not None:
             self.local.settle()
 
+    def _tree_of_leaders(self) -> TreeCollective:
+        if self.tree is None:
+            assert self._make_tree is not None, "a host leader needs the tree of leaders"
+            self.tree = self._make_tree()
+        return self.tree
+
+    def _dead_across(self, exc: ActorDiedError, op: str, began: bool) -> None:
+        """A leader whose host round failed on a death (now, or one that broke its host's group
+        before): the other hosts' leaders wait for it in the tree, so it takes part with the dead
+        members as failed inputs (they fail at once, naming them, not at the links' timeout of a
+        minute), and tells its host's members the same if the round began. The caller raises ``exc``."""
+        dead = [self.members.index(r) for r in exc.ranks if r in self.members] or [
+            j for j in self.local_members if j != self.rank]
+        try:
+            self._tree_of_leaders().allreduce(None, dead, op)
+        except BaseException:  # (a link that broke too: its partners see that themselves)
+            pass
+        if began and self.local is not None:
+            self.local.host_publish(None, dead)
+
     def _small(self, send: np.ndarray, out: np.ndarray | None, op: str, kdt: str, failed: bool) -> list[int]:
         cross = len(self.hosts) > 1
         local = self.local
         result: np.ndarray | None
         if local is not None:
-            code, bad = local._host_round(send, out, op, kdt, failed, cross=cross, leader=self.is_leader)
+            began = local._hr
+            try:
+                code, bad = local._host_round(send, out, op, kdt, failed, cross=cross, leader=self.is_leader)
+            except ActorDiedError as exc:
+                if cross and self.is_leader:
+                    self._dead_across(exc, op, local._hr > began)
+                raise
             if code < 2:
                 return self._finish(out, op, code, bad)
             partial, lbad = local.host_partial(send.nbytes)
@@ -192,10 +219,7 @@ class HierCollective:
             result = None if failed else send.copy()
         if cross:
             try:
-                if self.tree is None:
-                    assert self._make_tree is not None, "a host leader needs the tree of leaders"
-                    self.tree = self._make_tree()
-                result, gbad = self.tree.allreduce(result, gbad, op)
+                result, gbad = self._tree_of_leaders().allreduce(result, gbad, op)
             except BaseException as exc:
                 if local is not None:  # (the leader: its members wait for its publication)
                     local.host_fail(exc)

@@ -35,14 +35,17 @@ _HEAD = struct.Struct("<II")  # failed members, payload bytes
 class TreeCollective:
     """Member ``rank`` of ``size`` (one per host); ``links[j]``: the link to member ``j`` (the partners only).
 
-    ``names[j]`` names member ``j`` in errors.
+    ``names[j]`` names member ``j`` in errors; ``ranks[j]``, when given, is its global rank (the
+    :class:`~mesharray.errors.ActorDiedError` of a link that broke names it).
     """
 
-    def __init__(self, rank: int, size: int, links: dict[int, Link], names: dict[int, str]) -> None:
+    def __init__(self, rank: int, size: int, links: dict[int, Link], names: dict[int, str],
+                 ranks: dict[int, int] | None = None) -> None:
         self.rank = rank
         self.size = size
         self.links = links
         self.names = names
+        self.ranks = ranks or {}
 
     @staticmethod
     def partners(rank: int, size: int) -> list[int]:
@@ -84,7 +87,11 @@ class TreeCollective:
             if body2:
                 link.recv_into(memoryview(body2))
         except (OSError, EOFError, ConnectionError, TimeoutError) as exc:
-            raise ActorDiedError(reason=f"the link to {self.names.get(j, j)} broke during a small reduction "
+            who = self.ranks.get(j)
+            if isinstance(exc, TimeoutError) or isinstance(exc.__cause__, TimeoutError):
+                who = None  # (silent for the links' timeout: alive maybe, so not named as dead)
+            raise ActorDiedError(ranks=() if who is None else (who,),
+                                 reason=f"the link to {self.names.get(j, j)} broke during a small reduction "
                                         f"between hosts: {exc}") from exc
         got = set(struct.unpack_from(f"<{nbad}I", body2, 0)) if nbad else set()
         return (bytes(body2[4 * nbad:]) if n else None), got
@@ -174,4 +181,4 @@ def leader_tree(leaders: tuple[int, ...], me: int, token: str, addresses: dict[i
         for link in links.values():
             link.close()
         raise
-    return TreeCollective(i, n, links, {j: f"rank {leaders[j]}" for j in partners})
+    return TreeCollective(i, n, links, {j: f"rank {leaders[j]}" for j in partners}, {j: leaders[j] for j in partners})

@@ -108,6 +108,35 @@ def test_arrays_reduce_across_hosts_through_the_relays(mesh):
         assert float(np.asarray(x.sum().fetch())) == 3 * sum(range(6))
     np.testing.assert_array_equal(np.asarray(x.sum(axis="hosts").fetch())[:, 0], [3, 5, 7])
     assert float(np.asarray(x.max().fetch())) == 5
+    # the ranks that send no result back (all but the first) left their host rounds before the
+    # results were in: each still holds every result where a later op reads it
+    r = procs.rank_array().astype("float64")
+    for i in range(4):
+        total = r.sum(keepdims=True)
+        np.testing.assert_array_equal(np.asarray((r * i + total).fetch()).ravel(), [15 + i * k for k in range(6)])
+    assert np.asarray(r.mean(keepdims=True).fetch()).ravel().tolist() == [2.5]
+
+
+def test_a_rank_dead_after_tiny_reductions_across_hosts_fails_the_next_ones_not_hangs():
+    ags, hosts, procs = _two_hosts(26, "y", procs=3)
+    try:
+        r = procs.rank_array().astype("float64")
+        for _ in range(5):
+            assert float(np.asarray(r.sum().fetch())) == 15.0
+        s = r.sum(keepdims=True)  # (its members may not have its result yet)
+        os.kill(procs.pids[4], signal.SIGKILL)  # a member of the second host
+        t = time.monotonic()
+        for _ in range(2):
+            with pytest.raises(ma.ActorDiedError) as ei:
+                float(np.asarray(r.sum().fetch()))
+            assert 4 in ei.value.ranks
+        with pytest.raises(ma.ActorDiedError):
+            (r + s).fetch()
+        assert time.monotonic() - t < 15
+    finally:
+        procs.stop()
+        hosts.detach()
+        ags.__exit__(None, None, None)
 
 
 def test_telemetry_goes_once_per_host_through_the_relays(mesh):
