@@ -340,8 +340,8 @@ class DataContext:
 
         A plan's bytes name every member's pid and host (about 20 KB at 1,024 ranks) and went with
         every reduction; now the first ``plan`` of each content is preceded by ``("defplan", key,
-        bytes)`` and every one after is ``("kplan", out, src, key, roots, nbytes)``, which the data
-        actor turns back into the ``plan`` (``DataActor._expand``). A plan always goes to the same
+        bytes)`` and every one after is ``("kplan", out, src, key, roots, nbytes)``, whose bytes the
+        data actor looks up where it runs it (``DataActor.run``). A plan always goes to the same
         ranks (its members are in its bytes), so a key given once is given to all that use it. Past
         :data:`MAX_PLANS` contents, new ones go by their bytes; a captured step records bytes.
         """
