@@ -106,7 +106,7 @@ class BlockStore:
 
     def settle(self) -> None:
         """Finish the reductions still making blocks (:attr:`lazy`): their blocks are in (or failed)."""
-        for g in list(dict.fromkeys(self.lazy.values())):
+        for g in dict.fromkeys(list(self.lazy.values())):  # (a copy first: an actor's thread may add)
             g.settle()  # (each round's end takes its block out of lazy)
 
     def get(self, bid: int) -> Any:
