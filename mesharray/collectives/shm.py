@@ -275,6 +275,9 @@ class ShmCollective:
         self._pending: tuple | None = None
         self._settling = threading.Lock()
         self.sleepy = False  # small allreduces are host rounds (agreed at the join)
+        #: every member has a CPU more than the group has members (agreed at the join): a member's
+        #: thread may reduce while its others compute (the gradient buckets, darray.overlap)
+        self.spare_cpu = False
         self._chunks = 0  # chunks of single-copy reductions so far: where the counters start
         self._slot_bytes = _round_up(self.capacity, _PAGE)
         self._nbytes = self._ctrl + (self.size + 1) * self._slot_bytes
@@ -427,10 +430,12 @@ class ShmCollective:
         atomic_store(line + 16, int(self._probe.ctypes.data))
         # +24: whether this member has fewer CPUs than the group has members (host rounds, if any does)
         atomic_store(line + 24, 1 if self.size > _platform.usable_cpus() else 0)
+        atomic_store(line + 40, _platform.usable_cpus())  # +40: its CPUs (spare_cpu; +32 is its leaving)
         atomic_store(line, os.getpid())
         try:
             self._wait(_PID, 1, range(self.size), "join", nap=self._join_nap)
             self.sleepy = self.size > 1 and any(atomic_load(self._flag(_PID, j) + 24) for j in range(self.size))
+            self.spare_cpu = all(atomic_load(self._flag(_PID, j) + 40) > self.size for j in range(self.size))
             self.single_copy_min = self._agree_single_copy(offer)
             self._joined = True
         except BaseException:

@@ -28,7 +28,8 @@ parameter's ``.grad`` as the instructions would have read it (an earlier
 backward's, when this one did not reach the parameter; none: the bucket fails
 on this rank). When every gradient fits one bucket no hook is registered at
 all: that bucket is reduced at ``finish`` whatever the hooks would say, with
-the group's compiled small round when it is small enough.
+the group's compiled small round when it is small enough. A group whose
+members have no CPU to spare has one bucket too (:func:`_bucket_bytes`).
 """
 
 from __future__ import annotations
@@ -48,8 +49,10 @@ from .instructions import InputFailed, block_ids
 
 __all__ = ["COUNTS", "Overlap", "prepare"]
 
-#: a bucket this full goes to the communication thread; 0 turns the buckets off
-BUCKET_BYTES = int(os.environ.get("MESHARRAY_BUCKET_BYTES", str(1 << 20)))
+#: a bucket this full goes to the communication thread; 0 turns the buckets off. Where it is not set, a
+#: group with no CPU to spare beside its members (see :func:`prepare`) reduces all in one bucket
+_BUCKET_SET = os.environ.get("MESHARRAY_BUCKET_BYTES")
+BUCKET_BYTES = int(_BUCKET_SET or str(1 << 20))
 _OPS = ("sum", "mean")
 #: instructions a look-ahead stops at (see prepare)
 _BARRIERS = frozenset(("effect", "coll", "move", "moves", "check", "def", "replay"))
@@ -94,7 +97,8 @@ class Overlap:
     this rank, whose own blocks keep the failure.
     """
 
-    def __init__(self, group: Any, op: str, dtype: np.dtype, entries: list[_Entry], engine: Any) -> None:
+    def __init__(self, group: Any, op: str, dtype: np.dtype, entries: list[_Entry], engine: Any,
+                 bucket_bytes: int = 0) -> None:
         self.group = group
         self.op = op
         self.dtype = dtype
@@ -103,9 +107,10 @@ class Overlap:
         self.by_tensor: dict[int, _Entry] = {}
         self.hooks: list = []
         self.buckets: list[list[_Entry]] = []
-        size = BUCKET_BYTES
+        limit = bucket_bytes or BUCKET_BYTES
+        size = limit
         for e in reversed(entries):
-            if size >= BUCKET_BYTES:
+            if size >= limit:
                 self.buckets.append([])
                 size = 0
             e.bucket = len(self.buckets) - 1
@@ -207,6 +212,20 @@ class Overlap:
         return done
 
 
+def _bucket_bytes(group: Any) -> int:
+    """How full a bucket of ``group``'s gradients goes: :data:`BUCKET_BYTES`, or, unless
+    ``MESHARRAY_BUCKET_BYTES`` says so, no limit (one bucket, reduced after the backward) for
+    a shared-memory group whose members have no CPU to spare (``spare_cpu``, which they
+    agreed at its join: every member must cut the same buckets). A bucket reduced during
+    the backward needs a CPU for the communication thread: without one, the thread and the
+    backward of every member take turns on the same CPUs, and the reduction's rendezvous
+    waits for their time slices (a 2-rank step on 2 CPUs is slower with buckets than
+    without, ``bench/README.md``). A group across hosts keeps the buckets: its hosts may differ."""
+    if _BUCKET_SET or getattr(group, "spare_cpu", True):
+        return BUCKET_BYTES
+    return 1 << 62
+
+
 def prepare(program: list, i: int, get: Callable[[int], Any], group_of: Callable[[tuple, int], Any],
             engine_of: Callable[[int], Any], plan_of: Callable[[Any], Any] | None = None) -> Overlap | None:
     """An :class:`Overlap` for the ``backward`` at ``program[i]``, or None when nothing follows it to bucket.
@@ -280,7 +299,7 @@ def prepare(program: list, i: int, get: Callable[[int], Any], group_of: Callable
     group = group_of(fields, entries[0].g)
     if group is None or not hasattr(group, "allreduce_checked"):
         return None
-    ov = Overlap(group, fields[0], np.dtype(fields[3]), entries, None)
+    ov = Overlap(group, fields[0], np.dtype(fields[3]), entries, None, _bucket_bytes(group))
     COUNTS["backwards"] += 1
     for e in entries:
         try:  # (a parameter this rank lacks, or that is no leaf requiring grad: its bucket fails here)

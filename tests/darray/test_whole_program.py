@@ -6,6 +6,7 @@ there is a value to compare.
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -203,6 +204,41 @@ def test_gradient_reductions_go_in_buckets_started_during_backward(capture):
         want = _reference(3)
         for w, r in zip(ws, want):
             assert np.allclose(_np(w)[0, 0], r, atol=1e-5)
+
+
+def _pin_to_one_cpu(pids):
+    # every thread of each worker (new ones inherit it): the members then have no CPU to spare
+    cpu = min(os.sched_getaffinity(0))
+    for pid in pids:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            os.sched_setaffinity(int(tid), {cpu})
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity (Linux) to pin workers")
+@pytest.mark.parametrize("bucket_bytes", [None, "1048576"], ids=["default", "MESHARRAY_BUCKET_BYTES set"])
+def test_members_without_a_cpu_to_spare_reduce_their_gradients_in_one_bucket(bucket_bytes):
+    # three gradients of 600 KB: in 1 MiB buckets, two all-reduces during the backward; where the
+    # members have no CPU beside their own, one after it (a reducing thread would only take turns
+    # with the backward), unless the user set the buckets' size
+    rng = np.random.default_rng(3)
+    W = [rng.standard_normal((1, 2, 150_000)).astype("float32") for _ in range(3)]
+    env = {} if bucket_bytes is None else {"MESHARRAY_BUCKET_BYTES": bucket_bytes}
+    with ma.proc_mesh(procs=2, env=env) as p:
+        _pin_to_one_cpu(p.pids)
+        ws = [p.from_numpy(w, engine="torch").requires_grad_() for w in W]
+        for _ in range(2):
+            loss = sum(((w * w).sum(axis=-1) for w in ws), start=0.0)
+            loss.backward()
+            ms = [w.grad.mean(axis="procs", keepdims=True) for w in ws]
+            ws = [(w - 0.5 * m).detach().requires_grad_() for w, m in zip(ws, ms)]
+            p.sync()
+        for w, w0 in zip(ws, W):
+            want = w0 - 0.5 * np.broadcast_to((2 * w0).mean(axis=1, keepdims=True), w0.shape)
+            want = want - 0.5 * np.broadcast_to((2 * want).mean(axis=1, keepdims=True), w0.shape)
+            np.testing.assert_allclose(_np(w), want, rtol=1e-5, atol=1e-5)
+        counts = p.spawn("buckets", _Buckets).counts.call().get(timeout=30)[0, 0]
+        assert counts["backwards"] == 2 and counts["grads"] == 6
+        assert counts["buckets"] == (2 if bucket_bytes is None else 4)
 
 
 def test_a_captured_step_records_again_for_another_shape(procs):
