@@ -19,7 +19,10 @@ the leader publishes the result to its host's members, who wake and copy it.
 The agreement on failed inputs (:meth:`HierCollective.allreduce_checked`)
 rides on the same round. A leader whose step across hosts fails publishes its
 error instead of the result (:meth:`.shm.ShmCollective.host_fail`): its host's
-members raise it at once rather than at the group's timeout. The ring and the tree are made when first used, by
+members raise it at once rather than at the group's timeout. A leader whose host's
+reduction fails on a death still takes its turn in the ring, whose one extra
+element says so (:meth:`HierCollective._leader_allreduce`): every host then
+fails at once, naming the dead rank. The ring and the tree are made when first used, by
 every leader at the same point of the group's program.
 
 Results equal NumPy's up to floating-point association: partial sums are
@@ -39,6 +42,10 @@ from .shm import _SMALL, ShmCollective
 from .tree import TreeCollective
 
 __all__ = ["HierCollective"]
+
+#: per reduction op, the values of the ring's last element (:meth:`HierCollective._leader_allreduce`)
+#: for a host whose reduction went well and for one whose failed: any failed one decides the result
+_FLAGS = {"sum": (0, 1), "max": (0, 1), "min": (1, 0), "prod": (1, 0)}
 
 
 class HierCollective:
@@ -105,22 +112,61 @@ class HierCollective:
         send = as_contiguous(send, "send")
         out = check_out(out, send.shape, send.dtype)
         kop, mean = split_mean(op, send.dtype)
-        if self.local is not None:
-            part = self.local.reduce(send, out=out if self.is_leader else None, op=kop, root=0)
-        else:  # (alone on its host: the ring reads ``send`` where it lies and writes ``out``)
-            part = send
-        if self.is_leader:
-            assert part is not None
-            try:
-                self._ring().allreduce(part, out=out, op=kop)
-            except BaseException as exc:
-                if self.local is not None:  # (its members wait for its broadcast of the result)
-                    self.local.host_fail(exc)
-                raise
+        if self.is_leader and len(self.hosts) > 1:
+            self._leader_allreduce(send, out, kop)
+        elif self.local is not None:
+            self.local.reduce(send, out=out if self.is_leader else None, op=kop, root=0)
+        else:  # (a group of one)
+            np.copyto(out, send)
         self._local_bcast(out)
         if mean:
             np.divide(out, self.size, out=out)
         return out
+
+    def _leader_allreduce(self, send: np.ndarray, out: np.ndarray, kop: str) -> None:
+        """A leader's part of :meth:`allreduce` across hosts: its host's reduction, then the ring of leaders.
+
+        The ring carries one element more than the message: whether the leader's host reduction
+        failed (a member died). A leader whose host reduction failed still takes its turn in the
+        ring (the other leaders would wait a minute for it, at the links' timeout), then every
+        leader sees the flag: they learn the dead members from one another over the tree, tell
+        their hosts' members (:meth:`~.shm.ShmCollective.host_fail`) and raise, at once.
+        """
+        n = send.size
+        buf = np.empty(n + 1, send.dtype)
+        part = buf[:n].reshape(send.shape)
+        died: BaseException | None = None
+        if self.local is not None:
+            try:
+                self.local.reduce(send, out=part, op=kop, root=0)
+            except Exception as exc:
+                died = exc
+        else:  # (alone on its host)
+            np.copyto(part, send)
+        ok, failed = _FLAGS[kop]
+        buf[n] = failed if died is not None else ok
+        try:
+            self._ring().allreduce(buf, out=buf, op=kop)
+            if buf[n] == ok:
+                np.copyto(out, part)
+                return
+            dead = [] if died is None else self._dead_of(died)
+            _, dead = self._tree_of_leaders().allreduce(np.zeros(1, np.uint8), dead, "max")
+            if died is None:
+                died = ActorDiedError(ranks=[self.members[j] for j in dead],
+                                      reason=f"died during an allreduce across hosts (group of {self.size})")
+        except BaseException as exc:
+            if died is None:
+                died = exc
+        if self.local is not None:  # (its members wait for its broadcast of the result)
+            self.local.host_fail(died)
+        raise died
+
+    def _dead_of(self, exc: BaseException) -> list[int]:
+        # the member indices a failure of this host's step names (all its other members if none)
+        ranks = getattr(exc, "ranks", None) or ()
+        return [self.members.index(r) for r in ranks if r in self.members] or [
+            j for j in self.local_members if j != self.rank]
 
     # -- small messages: a host round, then the tree (see the module docstring) -------------
     @property
@@ -188,8 +234,7 @@ class HierCollective:
         before): the other hosts' leaders wait for it in the tree, so it takes part with the dead
         members as failed inputs (they fail at once, naming them, not at the links' timeout of a
         minute), and tells its host's members the same if the round began. The caller raises ``exc``."""
-        dead = [self.members.index(r) for r in exc.ranks if r in self.members] or [
-            j for j in self.local_members if j != self.rank]
+        dead = self._dead_of(exc)
         try:
             self._tree_of_leaders().allreduce(None, dead, op)
         except BaseException:  # (a link that broke too: its partners see that themselves)
