@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ._core import Shape, broadcast_shapes
+from ._core import Shape, broadcast_shapes, signature, signature_setup
 from .calls import template
 from .errors import MeshShapeError
 from .storage import GatheredStorage, StoredArray
@@ -95,37 +95,22 @@ class Plan:
         return v.reshape(target) if target != v.shape else v
 
 
-_PLAIN = (int, float, bool, str, complex, type(None))
-
-
-def signature(obj: Any, leaves: list | None) -> Any:
-    """A hashable signature of an op's argument (``leaves``: None for a ufunc's operands, whose plain
-    values count by type only): a MeshArray by its mesh Shape, its storage's layout key and whether
-    its blocks require grad (appended to ``leaves``), plain values by type and value, containers
-    element by element.
-
-    TypeError for what has no signature (a gathered MeshArray, a tensor, any other object).
-    """
+def _signature_other(obj: Any, leaves: list | None) -> Any:
+    # what the compiled signature leaves to Python: torch's small value types, a ufunc's NumPy scalar
     t = type(obj)
-    if t in _PLAIN:
-        return (t, obj) if leaves is not None else (t,)  # (a ufunc's scalar: its type)
-    if isinstance(obj, StoredArray):
-        st: Any = obj._storage
-        lkey = getattr(st, "lkey", None)
-        if lkey is None:
-            raise TypeError("no recipe for gathered arrays")
-        if leaves is not None:
-            leaves.append(obj)
-        return (obj._shape, lkey, st.rg)
-    if t is tuple or t is list:
-        return (t, tuple([signature(x, leaves) for x in obj]))
-    if t is dict:
-        return (t, tuple([(k, signature(v, leaves)) for k, v in obj.items()]))
     if t.__module__ == "torch" and t.__name__ in ("dtype", "Size", "device", "layout", "memory_format"):
         return (t, obj)
     if leaves is None and isinstance(obj, np.floating):
         return (t,)
     raise TypeError(f"no signature for {t.__name__}")
+
+
+#: ``signature(obj, leaves)``: a hashable signature of an op's argument (``leaves``: None for a
+#: ufunc's operands, whose plain values count by type only): a MeshArray by its mesh Shape, its
+#: storage's layout key and whether its blocks require grad (appended to ``leaves``), plain values
+#: by type and value, containers element by element. TypeError for what has no signature (a
+#: gathered MeshArray, a tensor, any other object). Compiled (``_core``): it runs once or more per op.
+signature_setup(StoredArray, _signature_other)
 
 
 def _fmt_mesh(a: StoredArray) -> str:

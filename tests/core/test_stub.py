@@ -208,5 +208,5 @@ def test_stub_dunders_exist_in_the_binary(cls_name):
 
 def test_stub_sections_are_marked():
     text = STUB.read_text()
-    for section in ("# --- _shape.pxi ---", "# --- _frame.pxi ---", "# --- _kernels.pxi ---"):
+    for section in ("# --- _shape.pxi ---", "# --- _frame.pxi ---", "# --- _kernels.pxi ---", "# --- _dispatch.pxi ---"):
         assert section in text
