@@ -25,7 +25,9 @@ def signature(obj, leaves):
         return (t, obj) if leaves is not None else (t,)
     if isinstance(obj, _sig_stored):
         st = obj._storage
-        lkey = getattr(st, "lkey", None)
+        lkey = getattr(st, "_lkey", None)  # (kept once known; the property works it out)
+        if lkey is None:
+            lkey = getattr(st, "lkey", None)
         if lkey is None:
             raise TypeError("no recipe for gathered arrays")
         if leaves is not None:

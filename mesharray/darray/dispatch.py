@@ -141,7 +141,7 @@ class ApplyRecipe:
         ctx.keep_bound()  # (without the lock: it may wait for the ranks)
 
     def __call__(self, leaves: list) -> Any:
-        sts = [x.storage for x in leaves]
+        sts = [x._storage for x in leaves]
         ctx = sts[0].ctx
         ctx.check_live()
         ops = [("b", s.bid) for s in sts]
@@ -178,14 +178,14 @@ class UfuncRecipe:
         self.lead = kinds.index(True)
 
     def __call__(self, inputs: list) -> Any:
-        ctx = inputs[self.lead].storage.ctx
+        ctx = inputs[self.lead]._storage.ctx
         ctx.check_live()
-        ops = [("b", x.storage.bid) if k else ("v", x) for x, k in zip(inputs, self.kinds)]
+        ops = [("b", x._storage.bid) if k else ("v", x) for x, k in zip(inputs, self.kinds)]
         bid = ctx.new_id()
         ctx.post_wire(self.ranks, ("ew", bid, self.name, ops, self.extra))
         res = self.result
         if res.rg:
-            return res.make(ctx, bid, None, [x.storage for x, k in zip(inputs, self.kinds) if k])
+            return res.make(ctx, bid, None, [x._storage for x, k in zip(inputs, self.kinds) if k])
         return res.make(ctx, bid)
 
 
