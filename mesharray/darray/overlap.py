@@ -279,11 +279,15 @@ def prepare(program: list, i: int, get: Callable[[int], Any], group_of: Callable
         code = ins[0]
         if code == "free":
             continue
-        if code == "apply" or code == "ew":  # (the common codes, inline: block_ids' own rule)
-            ids: Any = [ins[1], *[o[1] for o in ins[3] if o[0] == "b"]] if type(ins[3]) is list else block_ids(ins)
-        else:
-            ids = block_ids(ins)
-        for b in ids:
+        if (code == "apply" or code == "ew") and type(ins[3]) is list:  # (the common codes, inline:
+            b = ins[1]                                                    # block_ids' own rule)
+            if b in touched:
+                touched[b] += 1
+            for o in ins[3]:
+                if o[0] == "b" and o[1] in touched:
+                    touched[o[1]] += 1
+            continue
+        for b in block_ids(ins):
             if b in touched:
                 touched[b] += 1
     entries = [e for e in entries if touched[e.g] == 2 and first_apply.get(e.w, e.gi) >= e.gi]
