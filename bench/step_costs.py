@@ -1,4 +1,4 @@
-"""What a small training step costs in pickling, and the buckets' look-ahead, measured in this process.
+"""What a small training step costs in pickling, the buckets' look-ahead, and an op's dispatch, measured in this process.
 
 Two figures of ``bench/README.md`` ("Whole programs"). For an A/B of two trees
 run a copy of this script from each (it puts its own tree first on ``sys.path``):
@@ -11,9 +11,14 @@ run a copy of this script from each (it puts its own tree first on ``sys.path``)
 - ``--prepare``: ``overlap.prepare`` on the program a rank gets for one small
   step with 4 parameters, 20,000 times, with no group to make (its look-ahead
   only): µs per backward.
+- ``--dispatch``: the controller's CPU (``time.thread_time``) per op of a few ops
+  of a training step on small torch-engine blocks of a 2-rank mesh (``F.linear``,
+  ``torch.relu``, ``x * 2.0``, ...), issued 300 at a time and not waited for: the
+  best of 25 batches (the least disturbed by the rest of the machine).
 
     python bench/step_costs.py --pickles
     python bench/step_costs.py --prepare
+    python bench/step_costs.py --dispatch
 """
 
 from __future__ import annotations
@@ -96,17 +101,51 @@ def prepare(rounds: int = 20000) -> None:
           f"(a 4-parameter step, no group)")
 
 
+def dispatch(batches: int = 25, batch: int = 300) -> None:
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    import mesharray
+    import mesharray as ma
+
+    with ma.proc_mesh(procs=2) as p:
+        def block(*shape, rg=False):
+            a = p.from_numpy(np.ones((1, 2) + shape, "float32"), engine="torch")
+            return a.requires_grad_() if rg else a
+
+        x, w, b = block(8, 4), block(5, 4), block(5)
+        wg, bg = block(5, 4, rg=True), block(5, rg=True)
+        ops = {"F.linear(x, w, b)": lambda: F.linear(x, w, b), "F.linear, w and b requiring grad": lambda: F.linear(x, wg, bg),
+               "torch.relu(x)": lambda: torch.relu(x), "x * 2.0": lambda: x * 2.0, "wg * 2.0": lambda: wg * 2.0,
+               "x.mean(axis='procs', keepdims=True)": lambda: x.mean(axis="procs", keepdims=True)}
+        best = dict.fromkeys(ops, float("inf"))
+        for _ in range(batches):
+            for name, op in ops.items():
+                c0 = time.thread_time()
+                for _ in range(batch):
+                    op()
+                best[name] = min(best[name], (time.thread_time() - c0) / batch)
+            p.sync()
+    print(mesharray.__file__)
+    for name, t in best.items():
+        print(f"  {t * 1e6:6.2f} us per op  {name}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pickles", action="store_true")
     ap.add_argument("--prepare", action="store_true")
+    ap.add_argument("--dispatch", action="store_true")
     args = ap.parse_args(argv)
-    if not (args.pickles or args.prepare):
-        ap.error("say what to measure: --pickles and/or --prepare")
+    if not (args.pickles or args.prepare or args.dispatch):
+        ap.error("say what to measure: --pickles, --prepare and/or --dispatch")
     if args.pickles:
         pickles()
     if args.prepare:
         prepare()
+    if args.dispatch:
+        dispatch()
 
 
 if __name__ == "__main__":
