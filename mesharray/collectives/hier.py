@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import ActorDiedError
+from ..errors import ActorDiedError, SupervisionError
 from ._args import as_contiguous, check_out, scatter_part_shape, split_mean
 from .ring import RingCollective
 from .shm import _SMALL, ShmCollective
@@ -150,11 +150,14 @@ class HierCollective:
             if buf[n] == ok:
                 np.copyto(out, part)
                 return
-            dead = [] if died is None else self._dead_of(died)
+            dead = self._dead_of(died) if isinstance(died, ActorDiedError) else []
             _, dead = self._tree_of_leaders().allreduce(np.zeros(1, np.uint8), dead, "max")
-            if died is None:
+            if died is None and dead:
                 died = ActorDiedError(ranks=[self.members[j] for j in dead],
                                       reason=f"died during an allreduce across hosts (group of {self.size})")
+            elif died is None:  # (another host's reduction failed, but not on a death: a timeout)
+                died = SupervisionError(f"another host's leader failed in its host's part of an allreduce across "
+                                        f"hosts (group of {self.size}); its error is raised there")
         except BaseException as exc:
             if died is None:
                 died = exc

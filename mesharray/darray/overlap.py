@@ -50,7 +50,7 @@ from .instructions import InputFailed, block_ids
 __all__ = ["COUNTS", "Overlap", "prepare"]
 
 #: a bucket this full goes to the communication thread; 0 turns the buckets off. Where it is not set, a
-#: group with no CPU to spare beside its members (see :func:`prepare`) reduces all in one bucket
+#: group with no CPU to spare beside its members reduces all in one bucket (:func:`_bucket_bytes`)
 _BUCKET_SET = os.environ.get("MESHARRAY_BUCKET_BYTES")
 BUCKET_BYTES = int(_BUCKET_SET or str(1 << 20))
 _OPS = ("sum", "mean")
@@ -219,8 +219,7 @@ def _bucket_bytes(group: Any) -> int:
     agreed at its join: every member must cut the same buckets). A bucket reduced during
     the backward needs a CPU for the communication thread: without one, the thread and the
     backward of every member take turns on the same CPUs, and the reduction's rendezvous
-    waits for their time slices (a 2-rank step on 2 CPUs is slower with buckets than
-    without, ``bench/README.md``). A group across hosts keeps the buckets: its hosts may differ."""
+    waits for their time slices. A group across hosts keeps the buckets: its hosts may differ."""
     if _BUCKET_SET or getattr(group, "spare_cpu", True):
         return BUCKET_BYTES
     return 1 << 62
@@ -279,8 +278,8 @@ def prepare(program: list, i: int, get: Callable[[int], Any], group_of: Callable
         code = ins[0]
         if code == "free":
             continue
-        if (code == "apply" or code == "ew") and type(ins[3]) is list:  # (the common codes, inline:
-            b = ins[1]                                                    # block_ids' own rule)
+        if (code == "apply" or code == "ew") and type(ins[3]) is list:
+            b = ins[1]  # (the common codes: block_ids' rule, inline)
             if b in touched:
                 touched[b] += 1
             for o in ins[3]:
