@@ -12,7 +12,8 @@ file so that the parts can be read (and owned) separately:
 - ``_frame.pxi``   : the fixed frame header of the wire protocol, and the
                      frame loop of a read (each frame to the caller's handler).
 - ``_kernels.pxi`` : nogil reduction kernels over contiguous numeric buffers.
-- ``_dispatch.pxi``: the signature of an op's arguments (the recipe caches' keys).
+- ``_dispatch.pxi``: the signature of an op's arguments (the recipe caches' keys), and an op's
+                     tail at the controller (its instruction queued, its result made).
 """
 
 include "_shape.pxi"

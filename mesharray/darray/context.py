@@ -24,7 +24,7 @@ import numpy as np
 
 import mesharray.darray.instructions as I
 
-from .._core import Shape
+from .._core import Shape, decref, post_wire, set_post_trace
 from ..actor import ActorMesh
 from ..errors import ActorDiedError, ActorError, BackpressureError, MeshStoppedError, SerializationError
 from ..proc import ProcMesh
@@ -52,6 +52,7 @@ def set_trace(trace: Any) -> Any:
     """Install ``trace`` (``record(ctx, ranks, wire)``, ``refuse(what)``; None: none) and return the previous one."""
     global _TRACE
     old, _TRACE = _TRACE, trace
+    set_post_trace(trace)  # (the compiled op tail: its ops take the Python path while one records)
     return old
 
 
@@ -188,6 +189,8 @@ class DataContext:
         self._first_post = self._last_post = 0.0  # (perf_counter of the buffer's first and last op)
         self._undefs: list[int] = []  # captured steps whose programs the ranks may drop
         self._unsynced = 0  # instructions queued since the last wait on every rank (MAX_PENDING)
+        self._batch_ops = BATCH_OPS  # (the compiled post reads these two here)
+        self._max_pending = MAX_PENDING
         self.layouts: dict = {}  # elementwise result layouts by operand layouts
         #: the small move queued last, as (what it shares with moves it may merge with, its wire form)
         self.last_move: tuple | None = None
@@ -301,32 +304,18 @@ class DataContext:
         """
         self.post_wire(ranks, I.encode(program))
 
-    def post_wire(self, ranks: list, wire: tuple | list, n: int = 0, bound: bool = True) -> None:
-        """:meth:`post` of instructions already in their wire form: one (a tuple: a recipe's, see
-        :mod:`.dispatch`) or a list; ``n``: the ops they stand for where more than one each (a captured
-        step's replay), as the bound of queued ops counts them; ``bound`` False: the caller applies
-        the bound (:meth:`keep_bound`) once it has queued the other parts of the op (a move's
-        receivers wait for its senders)."""
-        if type(wire) is tuple:
-            wire = [wire]
-        if _TRACE is not None:
-            _TRACE.record(self, ranks, wire)
-        with self._lock:
-            buf = self._buf
-            self._last_post = now = perf_counter()
-            if buf and (buf[-1][0] is ranks or buf[-1][0] == ranks):
-                buf[-1][1].extend(wire)  # (consecutive ops to the same ranks: one list)
-            else:
-                buf.append((ranks, list(wire)))
-                if len(buf) == 1:
-                    self._first_post = now
-                    defer_flush(self)
-            self._buffered += len(wire)
-            self._unsynced += n or len(wire)
-            if self._buffered >= BATCH_OPS:
-                self.flush()
-        if bound:
-            self.keep_bound()
+    #: ``post_wire(ranks, wire, n=0, bound=True)``: :meth:`post` of instructions already in their wire
+    #: form: one (a tuple: a recipe's, see :mod:`.dispatch`) or a list; ``n``: the ops they stand for
+    #: where more than one each (a captured step's replay), as the bound of queued ops counts them;
+    #: ``bound`` False: the caller applies the bound (:meth:`keep_bound`) once it has queued the other
+    #: parts of the op (a move's receivers wait for its senders). Compiled (``_core``: an op's tail),
+    #: atomic under the GIL: the buffer needs no lock to take an op (a flush takes it whole).
+    post_wire = post_wire
+
+    def _queued_first(self) -> None:
+        """The buffer took its first op: have it flushed before this process waits, or once idle (the
+        compiled post's call; guarded: a Ctrl-C does not land between the op and this)."""
+        defer_flush(self)
 
     def post_planned(self, ranks: list, program: list) -> None:
         """:meth:`post` of a program holding a collective's plan (:class:`~.instructions.Planned`): its
@@ -364,19 +353,8 @@ class DataContext:
 
     def keep_bound(self) -> None:
         """Wait for the ranks once more than ``MESHARRAY_MAX_PENDING`` ops are queued (:meth:`_catch_up`)."""
-        if self._unsynced > MAX_PENDING:
+        if self._unsynced > self._max_pending:
             self._catch_up()
-
-    def ends_with(self, ranks: list, wire: tuple) -> bool:
-        """Whether the command buffer's last instruction is ``wire`` (the object), queued for ``ranks``."""
-        buf = self._buf
-        return bool(buf) and buf[-1][1][-1] is wire and buf[-1][0] == ranks
-
-    def replace_last(self, ranks: list, old: tuple, new: tuple) -> None:
-        """Replace the buffer's last instruction ``old`` (see :meth:`ends_with`) by ``new``."""
-        if not self.ends_with(ranks, old):
-            raise AssertionError(f"the command buffer no longer ends with {old[0]!r}")
-        self._buf[-1][1][-1] = new
 
     def _catch_up(self) -> None:
         """More than ``MESHARRAY_MAX_PENDING`` ops queued since every rank last answered: wait for the
@@ -386,7 +364,7 @@ class DataContext:
         if PENDING_FULL == "raise":
             self._unsynced = 0
             raise BackpressureError(
-                f"more than MESHARRAY_MAX_PENDING={MAX_PENDING} distributed-array ops are queued on "
+                f"more than MESHARRAY_MAX_PENDING={self._max_pending} distributed-array ops are queued on "
                 f"{self.mesh!r} without a wait; call procs.sync() (or fetch a value) now and then")
         self._unsynced = 0
         self.call(list(self.shape), [])
@@ -434,18 +412,21 @@ class DataContext:
                 programs.discard(self)
 
     def _send_buffer(self, with_frees: bool = True) -> None:
+        # the frees are taken before the ops: another thread may queue ops and drop arrays meanwhile
+        # (a post takes no lock), and a block's free is pending only after every op that used it was
+        # queued, so those ops are in the buffer taken next, or were sent, never after their free
+        pending: dict = {}
+        if with_frees and self._pending:
+            pending, self._pending, self._pending_bytes = self._pending, {}, 0
+            if self._timer:  # (a decref from now on schedules anew)
+                self._timer = False
+                _FREES.cancel(self)
         undefs, self._undefs = self._undefs, []
         buf = self._buf
-        if not buf and not undefs and not (with_frees and self._pending):
+        if not buf and not undefs and not pending:
             return
         self._buf = []
         self._buffered = 0
-        pending: dict = {}
-        if with_frees:
-            pending, self._pending, self._pending_bytes = self._pending, {}, 0
-            if self._timer:  # (under the lock: a decref now schedules anew)
-                self._timer = False
-                _FREES.cancel(self)
         tail = [("undef", undefs)] if undefs else []  # (captured steps no record replays any more)
         try:
             if len(buf) == 1 and all(rs.issubset(buf[0][0]) for rs in pending.values()) and not undefs:
@@ -509,11 +490,12 @@ class DataContext:
         """
         self.check_live()
         no_wait("a wait on every rank (procs.sync())")
-        self.flush()
         ranks = sorted(set(int(r) for r in ranks))
+        program = self.with_frees(ranks, program)  # (before the flush: see _send_buffer)
+        self.flush()
         if len(ranks) == self.shape.size:
             self._unsynced = 0
-        wire = I.encode(self.with_frees(ranks, program)) + self.checks(ranks)
+        wire = I.encode(program) + self.checks(ranks)
         try:
             return ranks, self.view(ranks).run.call(wire).get()
         except ActorError as exc:
@@ -550,11 +532,11 @@ class DataContext:
         """
         no_wait("a reduction whose small result comes back with its program")
         with self._lock:  # (its plan's key, if it has one, goes after its defplan: see _keyed_plans)
-            self._flush(False)  # (waits for a flush in flight too; the frees ride on this program)
-            if self._pending:
+            if self._pending:  # (the frees ride on this program, taken before the flush: see _send_buffer)
                 frees = self._take_frees(members)
                 if frees:
                     wire = [("free", frees), *wire]
+            self._flush(False)  # (waits for a flush in flight too)
             wire = self._keyed_plans(wire) + self.checks(reply)  # (checks: only the ranks that answer)
             return (run or self.view(members).run)._call_some(reply, wire)
 
@@ -595,23 +577,17 @@ class DataContext:
         with self._lock:
             self._refs[bid] = self._refs.get(bid, 0) + 1
 
-    def decref(self, bid: int, ranks: tuple, nbytes: int = 0) -> None:
-        with self._lock:
-            n = self._refs.pop(bid, 0) - 1
-            if n > 0:
-                self._refs[bid] = n
-                return
-            if self._state.stopped or not ranks:
-                return
-            self._pending[bid] = set(ranks)
-            self._pending_bytes += nbytes
-            now = self._pending_bytes > self.FREE_BYTES or len(self._pending) > 512
-            if now or not self._timer:
-                self._timer = True
-                # by the timer's thread, not here, even when it is urgent: a decref runs in
-                # finalizers, which a garbage collection may run inside any section of this
-                # thread, a half-made command buffer's too
-                _FREES.schedule(self, 0.0 if now else self.FREE_DELAY)
+    #: ``decref(bid, ranks, nbytes=0)``: one reference to block ``bid`` less; at none its free is
+    #: pending for ``ranks`` (it rides on the next program to them, or goes after ``FREE_DELAY``, or at
+    #: once past ``FREE_BYTES``). Compiled (``_core``: an op's tail), atomic under the GIL: finalizers
+    #: call it, which a garbage collection may run inside any section of any thread.
+    decref = decref
+
+    def _schedule_frees(self, urgent: bool) -> None:
+        # by the timer's thread, not here, even when it is urgent: a decref runs in finalizers,
+        # which a garbage collection may run inside any section of this thread, a half-made
+        # command buffer's too
+        _FREES.schedule(self, 0.0 if urgent else self.FREE_DELAY)
 
     def with_frees(self, ranks: list, program: list, wired: bool = False) -> list:
         """``program`` followed by the pending frees of blocks on ``ranks`` (taken off the pending set).
@@ -693,4 +669,4 @@ def _forget(root: ProcMesh) -> None:
 
 
 # a Ctrl-C in the controller's thread never leaves a command buffer half taken or half sent
-guard(DataContext.post, DataContext.post_wire, DataContext.flush, DataContext._flush, DataContext._send_buffer)
+guard(DataContext.post, DataContext._queued_first, DataContext.flush, DataContext._flush, DataContext._send_buffer)

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from .._core import apply_call, make_result, ops_setup, ufunc_call
 from ..array import MeshArray
 from .autograd import union
 from .context import tracing
@@ -78,16 +79,10 @@ class _Result:
         return self.cls(ctx, bid, self.R, self.local, self.dtype, self.engine, self.holders, self.collective,
                         _all_ranks=self.all_ranks)
 
-    def make(self, ctx: Any, bid: int, shape: Any = None, operands: Any = ()) -> MeshArray:
-        """A MeshArray over block ``bid`` of ``ctx`` laid out as this result (on mesh ``shape``, if given);
-        it depends on the mesh nodes of ``operands`` (storages) when it requires grad."""
-        st = self.cls._made(ctx, bid, self.R, self.local, self.dtype, self.engine, self.holders, self.collective,
-                            self.all_ranks, self.nbytes)
-        st._lkey = self.lkey
-        if self.rg:
-            st.rg = True
-            st.deps = union(*[o.deps for o in operands])
-        return MeshArray.from_storage(self.shape if shape is None else shape, st)
+    #: ``make(ctx, bid, shape=None, operands=())``: a MeshArray over block ``bid`` of ``ctx`` laid out as
+    #: this result (on mesh ``shape``, if given); it depends on the mesh nodes of ``operands``
+    #: (storages) when it requires grad. Compiled (``_core``: an op's tail).
+    make = make_result
 
 
 #: how many recipes' functions a context's ranks keep before it tells them to drop them all
@@ -128,6 +123,10 @@ class ApplyRecipe:
         if tracing():
             ctx.post_wire(self.ranks, ("apply", bid, self.call, ops))
             return
+        self.post_new(ctx, bid, ops)
+
+    def post_new(self, ctx: Any, bid: int, ops: list) -> None:
+        """Queue the call, its function first where the ranks were not given it yet."""
         key = self.key
         with ctx._lock:  # (another thread's op must not find the key given before its defcall is queued)
             if key in ctx.calls:
@@ -140,7 +139,11 @@ class ApplyRecipe:
                 ctx.calls.add(key)
         ctx.keep_bound()  # (without the lock: it may wait for the ranks)
 
-    def __call__(self, leaves: list) -> Any:
+    #: ``__call__(leaves)``: the common case compiled (``_core``: an op's tail), the rest :meth:`call_py`
+    __call__ = apply_call
+
+    def call_py(self, leaves: list) -> Any:
+        """The op, in Python: in place, or while a capture records."""
         sts = [x._storage for x in leaves]
         ctx = sts[0].ctx
         ctx.check_live()
@@ -177,7 +180,11 @@ class UfuncRecipe:
         self.ranks = result.ranks
         self.lead = kinds.index(True)
 
-    def __call__(self, inputs: list) -> Any:
+    #: ``__call__(inputs)``: compiled (``_core``: an op's tail); :meth:`call_py` while a capture records
+    __call__ = ufunc_call
+
+    def call_py(self, inputs: list) -> Any:
+        """The op, in Python (a capture records it)."""
         ctx = inputs[self.lead]._storage.ctx
         ctx.check_live()
         ops = [("b", x._storage.bid) if k else ("v", x) for x, k in zip(inputs, self.kinds)]
@@ -187,6 +194,9 @@ class UfuncRecipe:
         if res.rg:
             return res.make(ctx, bid, None, [x._storage for x, k in zip(inputs, self.kinds) if k])
         return res.make(ctx, bid)
+
+
+ops_setup(MeshArray, union)
 
 
 def layout_of(st: Any) -> _Result:

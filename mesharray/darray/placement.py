@@ -18,7 +18,7 @@ import numpy as np
 
 import mesharray.darray.instructions as I
 
-from .._core import Shape, reduction_plan
+from .._core import Shape, reduction_plan, replace_last
 from ..errors import MeshShapeError
 from .autograd import MeshNode, mark_leaf
 from .context import DataContext, tracing
@@ -137,13 +137,13 @@ def _post_move(posts: list, ins: I.Move, spans: bool) -> None:
     try:
         key = (ins.groups, ins.copies, ins.ids, ins.pids, ins.mpi, ins.token) if small and not tracing() else None
         last = ctxs[0].last_move
-        if key is not None and last is not None and last[0] == key and all(c.last_move is last for c in ctxs) \
-                and (last[1][0] == "move" or len(last[1][1]) < MERGE_MOVES) \
-                and all(c.ends_with(rs, last[1]) for c, rs in posts):
-            prev = last[1]
-            wire = ("moves", (prev[1] if prev[0] == "moves" else [prev]) + [wire])
-            for c, rs in posts:
-                c.replace_last(rs, prev, wire)
+        prev = last[1] if last is not None else None
+        merged = ("moves", (prev[1] if prev[0] == "moves" else [prev]) + [wire]) if (
+            key is not None and prev is not None and last[0] == key and all(c.last_move is last for c in ctxs)
+            and (prev[0] == "move" or len(prev[1]) < MERGE_MOVES)) else None
+        # (every buffer still ends with that move, or none changes: other threads queue ops without the lock)
+        if merged is not None and replace_last(posts, prev, merged):
+            wire = merged
         else:
             for c, rs in posts:
                 c.post_wire(rs, wire, bound=False)

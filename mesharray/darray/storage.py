@@ -44,7 +44,7 @@ import numpy as np
 
 import mesharray.darray.instructions as I
 
-from .._core import Shape
+from .._core import Shape, made_storage, storage_del
 from ..array import MeshArray
 from ..calls import Slot, fill
 from ..engines import get_engine
@@ -131,43 +131,15 @@ class DistributedStorage:
         self._nbytes = math.prod(self._local) * self._dtype.itemsize * max(1, len(all_ranks))
         self._all = all_ranks  # (set last: __del__ gives back the reference only once it was taken)
 
-    @classmethod
-    def _made(cls, ctx: DataContext, bid: int, ranks: np.ndarray, local: tuple, dtype: np.dtype, engine: str,
-              holders: np.ndarray | None, collective: str | None, all_ranks: tuple,
-              nbytes: int) -> "DistributedStorage":
-        """A storage from fields already in their types and counted (a reduction plan's, the
-        per-op path of a reduction in a loop): what ``__init__`` makes, without converting them."""
-        self = object.__new__(cls)
-        self.ctx = ctx
-        self.bid = bid
-        self.ranks = ranks
-        self.holders = holders
-        self._local = local
-        self._dtype = dtype
-        self.engine = engine
-        self.collective = collective
-        self.announced = None
-        self._last_plan = None
-        self._lkey = None
-        self.rg = False
-        self.deps = ()
-        ctx._refs[bid] = 1  # (incref of a block id just minted: nobody else can hold it yet)
-        self._nbytes = nbytes
-        self._all = all_ranks
-        return self
+    #: ``_made(ctx, bid, ranks, local, dtype, engine, holders, collective, all_ranks, nbytes)``: a storage
+    #: from fields already in their types and counted (a recipe's result, a reduction plan's): what
+    #: ``__init__`` makes, without converting them. Compiled (``_core``: an op's tail).
+    _made: Any = classmethod(made_storage)
 
-    def __del__(self, _finalizing: Any = sys.is_finalizing) -> None:
-        # the controller's reference to the block, given back when the last array over it goes
-        # (a method, not a weakref.finalize: no registry entry to make and drop per array).
-        # Not while the interpreter exits: no thread can start then, nor may a send wait for
-        # one, and the workers go with the controller (_finalizing: bound before modules go)
-        if _finalizing():
-            return
-        try:
-            all_ranks = self._all
-        except AttributeError:  # __init__ failed before it took the reference
-            return
-        self.ctx.decref(self.bid, all_ranks, self._nbytes)
+    #: the controller's reference to the block, given back when the last array over it goes (a
+    #: finalizer, not a weakref.finalize: no registry entry to make and drop per array); not while
+    #: the interpreter exits. Compiled (``_core``: an op's tail).
+    __del__ = storage_del
 
     def _derive(self, bid: int, ranks: np.ndarray | None = None, local: tuple | None = None, dtype: Any = None,
                 holders: Any = False) -> "DistributedStorage":

@@ -143,9 +143,9 @@ def test_an_op_that_fails_on_the_ranks_raises_where_a_value_is_waited_for(procs)
 
 
 def test_queued_ops_are_bounded(procs, monkeypatch):
-    monkeypatch.setattr(dctx, "MAX_PENDING", 20)
     x = procs.ones((2,), dtype="float32")
     ctx = data_context(procs)
+    monkeypatch.setattr(ctx, "_max_pending", 20)  # (MESHARRAY_MAX_PENDING=20)
     calls = procs.stats()["calls"]
     for _ in range(100):
         x = x + 1
@@ -523,6 +523,22 @@ def test_ops_from_two_threads_find_every_function_they_use_defined(procs):
         assert np.allclose(_np(y), want.numpy()), k
 
     _in_threads(loop)
+
+
+def test_ops_queued_while_other_threads_flush_are_each_sent_once_in_order(procs):
+    # a post takes no lock (the compiled op tail): it must land in the buffer being taken or in the
+    # next one, never be lost nor sent twice, while other threads flush (each sync sends the buffer)
+    base = [procs.from_numpy(np.full((1, 2, 3), float(k), "float32"), engine="torch") for k in range(4)]
+
+    def loop(k: int) -> None:
+        y = base[k]
+        for i in range(150):
+            y = torch.relu(y) + 1.0  # (two ops a turn; a thread of two syncs now and then)
+            if k % 2 and i % 7 == 0:
+                procs.sync()
+        assert np.allclose(_np(y), k + 150.0), (k, _np(y))
+
+    _in_threads(loop, 4)
 
 
 def test_a_gradient_changed_before_its_reduction_is_reduced_as_changed(monkeypatch):
