@@ -307,3 +307,99 @@ def replace_last(posts, old, new):
         ops = buf[len(buf) - 1][1]
         ops[len(ops) - 1] = new
     return True
+
+
+# --- an op's entry at the controller: its recipe found ---------------------------------------------
+#
+# MeshArray's operators, ``__array_ufunc__``, ``__torch_function__`` and ``__getattr__`` first look
+# for the recipe of the call's signature (mesharray.array._RECIPES, keyed as there) and run it; on a
+# miss, or for anything these do not know, they go on in Python exactly as before.
+
+cdef object _recipes = None  # mesharray.array._RECIPES
+
+
+def entry_setup(recipes):
+    """Give the op entries the recipe table they look in (``mesharray.array._RECIPES``)."""
+    global _recipes
+    _recipes = recipes
+
+
+cdef inline object _grad_mode():
+    torch = _sys.modules.get("torch")  # (torch-engine results require grad under grad mode only)
+    return True if torch is None else torch.is_grad_enabled()
+
+
+cdef object _ufunc_fast(ufunc, tuple inputs):
+    # The recipe's result for ``ufunc(*inputs)`` (no keywords) over MeshArrays and plain scalars,
+    # or None: the key is _elementwise's, (ufunc, each input's signature, grad mode)
+    cdef list sigs = []
+    cdef type t
+    for x in inputs:
+        t = type(x)
+        if t is float or t is int or t is bool or t is complex:
+            sigs.append((t,))
+        elif isinstance(x, _sig_stored):
+            st = x._storage
+            lkey = getattr(st, "_lkey", None)
+            if lkey is None:
+                return None  # (the Python path works it out, and keeps it)
+            sigs.append((x._shape, lkey, st.rg))
+        else:
+            return None  # (an operand that may want the ufunc itself: the Python path asks it)
+    recipe = _recipes.get((ufunc, tuple(sigs), _grad_mode()))
+    if recipe is None:
+        return None
+    return recipe(list(inputs))
+
+
+@cython.binding(True)
+def array_ufunc(self, ufunc, method, *inputs, **kwargs):
+    """``MeshArray.__array_ufunc__``: a call with a recipe, else ``MeshArray._array_ufunc``."""
+    if not kwargs and method == "__call__":
+        r = _ufunc_fast(ufunc, inputs)
+        if r is not None:
+            return r
+    return self._array_ufunc(ufunc, method, *inputs, **kwargs)
+
+
+def binary_operator(ufunc, fallback, bint reflected):
+    """A MeshArray operator (``__add__``, ``__rmul__``, ...): ``ufunc`` through its recipe when there is
+    one, else ``fallback(self, other)`` (NumPy's ``NDArrayOperatorsMixin`` method, which calls the ufunc)."""
+    @cython.binding(True)
+    def op(self, other):
+        r = _ufunc_fast(ufunc, (other, self) if reflected else (self, other))
+        if r is not None:
+            return r
+        return fallback(self, other)
+    op.__name__ = fallback.__name__
+    op.__qualname__ = fallback.__qualname__
+    op.__doc__ = fallback.__doc__
+    return op
+
+
+def torch_function(cls, func, types, args=(), kwargs=None):
+    """``MeshArray.__torch_function__`` (a classmethod): a call with a recipe, else
+    ``MeshArray._torch_function``."""
+    cdef list leaves = []
+    try:
+        key = (func, signature(args, leaves), signature(kwargs if kwargs else {}, leaves), _grad_mode())
+        recipe = _recipes.get(key)
+    except TypeError:
+        recipe = None
+    if recipe is not None:
+        return recipe(leaves)
+    return cls._torch_function(func, types, args, kwargs)
+
+
+@cython.binding(True)
+def array_getattr(self, str name):
+    """``MeshArray.__getattr__``: a torch-engine array's Tensor attribute with a recipe (``x.grad``,
+    ``x.detach``), else ``MeshArray._getattr``."""
+    if not name.startswith("_"):
+        st = self._storage
+        lkey = getattr(st, "_lkey", None)
+        if lkey is not None:
+            recipe = _recipes.get((name, self._shape, lkey))
+            if recipe is not None:
+                return recipe([self])
+    return self._getattr(name)

@@ -27,12 +27,12 @@ import numbers
 import operator
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
-from ._core import Shape
+from ._core import Shape, array_getattr, array_ufunc, binary_operator, entry_setup, torch_function
 from .calls import fill
 from .elementwise import (
     BLOCKWISE,
@@ -592,7 +592,24 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait, StoredArray):
 
     # -- ufuncs ----------------------------------------------------------------------------
 
-    def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
+    #: ``__array_ufunc__(ufunc, method, *inputs, **kwargs)``: a call whose signature has a recipe runs it
+    #: (compiled: ``_core``'s op entries), anything else :meth:`_array_ufunc`
+    __array_ufunc__ = array_ufunc
+
+    # the arithmetic operators NumPy's mixin gives, each through its ufunc's recipe when there is one
+    # (the mixin's method otherwise, which calls the ufunc: the same result, NumPy's dispatch skipped)
+    __add__ = binary_operator(np.add, NDArrayOperatorsMixin.__add__, False)
+    __radd__ = binary_operator(np.add, NDArrayOperatorsMixin.__radd__, True)
+    __sub__ = binary_operator(np.subtract, NDArrayOperatorsMixin.__sub__, False)
+    __rsub__ = binary_operator(np.subtract, NDArrayOperatorsMixin.__rsub__, True)
+    __mul__ = binary_operator(np.multiply, NDArrayOperatorsMixin.__mul__, False)
+    __rmul__ = binary_operator(np.multiply, NDArrayOperatorsMixin.__rmul__, True)
+    __truediv__ = binary_operator(np.true_divide, NDArrayOperatorsMixin.__truediv__, False)
+    __rtruediv__ = binary_operator(np.true_divide, NDArrayOperatorsMixin.__rtruediv__, True)
+    __pow__ = binary_operator(np.power, NDArrayOperatorsMixin.__pow__, False)
+    __rpow__ = binary_operator(np.power, NDArrayOperatorsMixin.__rpow__, True)
+
+    def _array_ufunc(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
         for x in inputs + tuple(kwargs.get("out", ())):
             if not isinstance(x, MeshArray) and _defers(x):
                 return NotImplemented
@@ -632,8 +649,12 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait, StoredArray):
 
     # -- torch -----------------------------------------------------------------------------
 
+    #: ``__torch_function__(func, types, args=(), kwargs=None)``: a call whose signature has a recipe runs
+    #: it (compiled: ``_core``'s op entries), anything else :meth:`_torch_function`
+    __torch_function__ = classmethod(torch_function)
+
     @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def _torch_function(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         """torch functions, ``Tensor`` methods and ``torch.nn.functional`` on each rank's block.
 
         ``torch.relu(x)``, ``torch.matmul(x, w)``, ``F.softmax(x, dim=-1)``,
@@ -665,7 +686,14 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait, StoredArray):
             _keep_recipe(key, getattr(storage_cls, "torch_recipe", None), func, plan, leaves, targs, tkwargs, value)
         return value
 
-    def __getattr__(self, name: str) -> Any:
+    #: ``__getattr__(name)``: a Tensor attribute whose recipe is known runs it (compiled: ``_core``'s
+    #: op entries), anything else :meth:`_getattr`
+    if TYPE_CHECKING:
+        def __getattr__(self, name: str) -> Any: ...
+    else:
+        __getattr__ = array_getattr
+
+    def _getattr(self, name: str) -> Any:
         # only what normal lookup did not find: a torch-engine array's Tensor methods and properties
         if name.startswith("_"):
             raise AttributeError(f"'MeshArray' object has no attribute {name!r}")
@@ -1147,6 +1175,7 @@ def _elementwise_planned(ufunc: np.ufunc, inputs: list, kwargs: dict, key: Any =
 #: recipes by call signature: what a storage class (the distributed one, :mod:`mesharray.darray.dispatch`)
 #: gave for repeating an op whose operands are laid out the same way, without planning it again
 _RECIPES: dict = {}
+entry_setup(_RECIPES)
 def _keep_recipe(key: Any, maker: Any, *args: Any) -> None:
     """Keep what ``maker(*args)`` gives (None: the op cannot be repeated from its signature) under ``key``."""
     if maker is None:

@@ -320,8 +320,12 @@ class DataContext:
     def post_planned(self, ranks: list, program: list) -> None:
         """:meth:`post` of a program holding a collective's plan (:class:`~.instructions.Planned`): its
         bytes go to the ranks once, then its key (:meth:`_keyed_plans`)."""
+        self.post_planned_wire(ranks, I.encode(program))
+
+    def post_planned_wire(self, ranks: list, wire: list) -> None:
+        """:meth:`post_planned` of a program in its wire form (a ``plan`` instruction's tuple)."""
         with self._lock:  # (another thread must not send the key before this defplan is queued)
-            self.post_wire(ranks, self._keyed_plans(I.encode(program)), len(program), bound=False)
+            self.post_wire(ranks, self._keyed_plans(wire), len(wire), bound=False)
         self.keep_bound()
 
     def _keyed_plans(self, wire: list) -> list:

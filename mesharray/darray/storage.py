@@ -300,8 +300,7 @@ class DistributedStorage:
         if last is not None and last[0] == op and last[1] == axes and last[2] == keepdims:
             plan = last[3]
         else:
-            key = (op, axes, keepdims, self.ranks.shape, self.ranks.tobytes(), self._local, self._dtype,
-                   self.collective, self.engine)
+            key = (op, axes, keepdims, self.lkey)  # (the layout: ranks, holders, local shape, dtype, ...)
             plans = self.ctx.plans
             plan = plans.get(key)
             if plan is None:
@@ -324,7 +323,7 @@ class DistributedStorage:
         if coll is None:
             ctx.send(self._all, program)  # (every copy: the result keeps the holders)
             return self._derive(cur, local=new_local, dtype=rdt_work)
-        members, ranks, holders, all_ranks, roots, planned, tiny, nbytes, run = coll
+        members, ranks, holders, all_ranks, roots, planned, tiny, nbytes, run, _ = coll
         out = ctx.new_id()
         nbytes_in = math.prod(new_local) * rdt_work.itemsize  # (the collective's input block)
         if self.rg:
@@ -344,13 +343,19 @@ class DistributedStorage:
                                            self.collective, all_ranks, nbytes)
             res.announced = ctx.call_some(run, members, roots, wire)
             return res
-        program.append(I.Planned(out, cur, planned, (), nbytes_in))
+        wire = I.encode(program) if program else []
+        wire.append(("plan", out, cur, planned, (), nbytes_in))  # (a Planned's wire form)
         if cur != self.bid:
-            program.append(I.Free([cur]))
-        res = DistributedStorage(ctx, out, ranks, new_local, rdt_work, self.engine, holders, self.collective,
-                                 _all_ranks=all_ranks)
+            wire.append(("free", [cur]))
+        res = DistributedStorage._made(ctx, out, ranks, new_local, rdt_work, self.engine, holders, self.collective,
+                                       all_ranks, nbytes)
+        lkeys = coll[9]  # (the result's layout key: the same for every result of the plan)
+        if lkeys[0] is None:
+            lkeys[0] = res.lkey
+        else:
+            res._lkey = lkeys[0]
         # fire-and-forget (see _send_collective); members are sorted and unique
-        ctx.post_planned(members, program)
+        ctx.post_planned_wire(members, wire)
         if rdt_work != rdt:  # any/all computed as uint8 max/min
             res = res.astype(rdt, copy=True)
         return res
@@ -359,7 +364,7 @@ class DistributedStorage:
         """A reduction over mesh axes of blocks that require grad: a mesh node (see :mod:`.autograd`) whose
         result is a leaf requiring grad on every member; the local step's result stays for its backward."""
         first, rdt_work, rdt, new_local, coll = plan
-        members, ranks, holders, all_ranks, roots, planned, tiny, nbytes, run = coll
+        members, ranks, holders, all_ranks, roots, planned, tiny, nbytes, run, _ = coll
         ctx = self.ctx
         name = _REDUCE_NAMES.get(op)
         src: DistributedStorage = self
@@ -438,7 +443,7 @@ class DistributedStorage:
         tiny = rdt_work == rdt and math.prod(new_local) * rdt.itemsize <= ANNOUNCE_BYTES and not keepdims
         nbytes = math.prod(new_local) * rdt_work.itemsize * len(members)  # (the result's, as __init__ counts it)
         run = ctx.view(members).run if tiny else None  # (the endpoint a tiny one's program goes to)
-        coll = (members, ranks, holders, tuple(members), roots, planned, tiny, nbytes, run)
+        coll = (members, ranks, holders, tuple(members), roots, planned, tiny, nbytes, run, [None])  # ([the result's lkey])
         return first, rdt_work, rdt, new_local, coll
 
     def _backend(self, groups: list) -> str | None:
