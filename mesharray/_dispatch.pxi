@@ -403,3 +403,19 @@ def array_getattr(self, str name):
             if recipe is not None:
                 return recipe([self])
     return self._getattr(name)
+
+
+@cython.binding(True)
+def array_getitem(self, key):
+    """``MeshArray.__getitem__``: an index of ints (``a[0, 0, 0]``) into a layout indexed so before
+    runs its recipe (keyed ``("[]", mesh Shape, layout key, requires grad, key)``), anything else
+    ``MeshArray._getitem``."""
+    cdef type t = type(key)
+    if _post_trace is None and (t is int or t is tuple and all(type(k) is int for k in key)):
+        st = self._storage
+        lkey = getattr(st, "_lkey", None)
+        if lkey is not None:
+            recipe = _recipes.get(("[]", self._shape, lkey, st.rg, key))
+            if recipe is not None:
+                return recipe(self)
+    return self._getitem(key)

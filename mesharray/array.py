@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
-from ._core import Shape, array_getattr, array_ufunc, binary_operator, entry_setup, torch_function
+from ._core import Shape, array_getattr, array_getitem, array_ufunc, binary_operator, entry_setup, torch_function
 from .calls import fill
 from .elementwise import (
     BLOCKWISE,
@@ -481,12 +481,26 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait, StoredArray):
 
     # -- indexing ------------------------------------------------------------------------
 
-    def __getitem__(self, key: Any) -> Any:
+    if TYPE_CHECKING:
+        def __getitem__(self, key: Any) -> Any: ...
+    else:
+        #: ``__getitem__(key)``: NumPy indexing over mesh axes then local axes; a dict selects mesh dims by
+        #: name. An index of ints repeated on arrays laid out alike runs its recipe (compiled: ``_core``'s
+        #: op entries), anything else :meth:`_getitem`
+        __getitem__ = array_getitem
+
+    def _getitem(self, key: Any) -> Any:
         """NumPy indexing over mesh axes then local axes; a dict selects mesh dims by name."""
         if isinstance(key, dict):
             return self.slice(**key)
         mesh_key, local_key = split_key(key, self._shape.ndim, self.local_ndim, self)
-        return self._take(mesh_key, local_key)
+        value = self._take(mesh_key, local_key)
+        if type(key) is int or type(key) is tuple and all(type(k) is int for k in key):
+            st: Any = self._storage
+            maker = getattr(st, "item_recipe", None)  # (a distributed storage's: laid out by a key)
+            if maker is not None:
+                _keep_recipe(("[]", self._shape, st.lkey, st.rg, key), maker, self, local_key, value)
+        return value
 
     def slice(self, **dims: Any) -> Any:
         """Select mesh dims by name: ``a.slice(procs=1, hosts=slice(0, 2))``.

@@ -30,7 +30,7 @@ from ..array import MeshArray
 from .autograd import union
 from .context import tracing
 
-__all__ = ["ApplyRecipe", "UfuncRecipe", "layout_key", "layout_of", "result_of", "plain_scalar"]
+__all__ = ["ApplyRecipe", "ItemRecipe", "UfuncRecipe", "layout_key", "layout_of", "result_of", "plain_scalar"]
 
 _KEYS: dict[tuple, int] = {}
 _next_key = itertools.count(1).__next__
@@ -194,6 +194,27 @@ class UfuncRecipe:
         if res.rg:
             return res.make(ctx, bid, None, [x._storage for x, k in zip(inputs, self.kinds) if k])
         return res.make(ctx, bid)
+
+
+class ItemRecipe:
+    """``a[i, j, ...]`` (ints, some over local axes) on each rank holding a selected position: a new
+    block, ``src[local_key]`` there (a loss or one weight fetched each step)."""
+
+    __slots__ = ("shape", "ranks", "local_key", "result")
+
+    def __init__(self, shape: Any, ranks: list, local_key: tuple, result: _Result) -> None:
+        self.shape = shape  # the result's mesh Shape
+        self.ranks = ranks
+        self.local_key = local_key
+        self.result = result
+
+    def __call__(self, array: Any) -> Any:
+        st = array._storage
+        ctx = st.ctx
+        ctx.check_live()
+        bid = ctx.new_id()
+        ctx.post_wire(self.ranks, ("getitem", bid, st.bid, self.local_key))  # (a GetItem's wire form)
+        return self.result.make(ctx, bid, self.shape, [st])
 
 
 ops_setup(MeshArray, union)

@@ -54,7 +54,7 @@ from .autograd import MeshNode, grad_of, is_float, mark_leaf, union
 from .backward import mesh_backward
 from .blockfn import BlockCall
 from .context import DataContext, data_context, no_wait, tracing
-from .dispatch import ApplyRecipe, UfuncRecipe, layout_key, layout_of, plain_scalar, result_of
+from .dispatch import ApplyRecipe, ItemRecipe, UfuncRecipe, layout_key, layout_of, plain_scalar, result_of
 from .placement import groups_of, move_blocks, per_rank, placed, placement
 from .worker import COLLECTIVE_OP, local_block, unpack_small
 
@@ -758,6 +758,17 @@ class DistributedStorage:
             return None  # (the result's shape came from a rank, or it is not one tensor)
         res = result_of(value, plan.shape, ranks)
         return None if res is None else ApplyRecipe(call, res, ranks)
+
+    @staticmethod
+    def item_recipe(array: Any, local_key: tuple, value: Any) -> Any:
+        """A recipe repeating :meth:`take` for an index of ints into arrays laid out as ``array`` (the
+        value: ``array[key]``, its local part ``local_key``), or None."""
+        st = value._storage if isinstance(value, MeshArray) else None
+        src = array._storage
+        if not isinstance(st, DistributedStorage) or st.ctx is not src.ctx or not local_key or st.bid == src.bid \
+                or not st.ranks.size:
+            return None  # (a view of the same block, or no block: planned each time, cheaply)
+        return ItemRecipe(value.mesh_shape, np.unique(st.ranks).tolist(), local_key, layout_of(st))
 
     @staticmethod
     def attr_recipe(array: Any, name: str, plan: Any, value: Any) -> Any:
