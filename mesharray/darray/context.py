@@ -433,7 +433,7 @@ class DataContext:
         self._buffered = 0
         tail = [("undef", undefs)] if undefs else []  # (captured steps no record replays any more)
         try:
-            if len(buf) == 1 and all(rs.issubset(buf[0][0]) for rs in pending.values()) and not undefs:
+            if len(buf) == 1 and not undefs and (not pending or set().union(*pending.values()).issubset(buf[0][0])):
                 ranks, wire = buf[0]  # (one message for all: the common case)
                 if pending:
                     wire.append(("free", sorted(pending)))
