@@ -16,9 +16,15 @@ run a copy of this script from each (it puts its own tree first on ``sys.path``)
   ``torch.relu``, ``x * 2.0``, ...), issued 300 at a time and not waited for: the
   best of 25 batches (the least disturbed by the rest of the machine).
 
+- ``--bytecodes``: the Python bytecodes the controller runs for one small step
+  issued op by op (``bench_training.py``'s, steps 31 to 35, ``sys.settrace``
+  with opcode events), by line of the step and in all: the measure that does not
+  move with the machine's load.
+
     python bench/step_costs.py --pickles
     python bench/step_costs.py --prepare
     python bench/step_costs.py --dispatch
+    python bench/step_costs.py --bytecodes
 """
 
 from __future__ import annotations
@@ -132,20 +138,85 @@ def dispatch(batches: int = 25, batch: int = 300) -> None:
         print(f"  {t * 1e6:6.2f} us per op  {name}")
 
 
+def _small_step(xs, ys, w0, b0, w1, b1):  # (bench_training's step, a statement a line)
+    import torch
+    import torch.nn.functional as F
+    from bench_training import LR
+    h = F.linear(xs, w0, b0)
+    h = torch.relu(h)
+    o = F.linear(h, w1, b1)
+    loss = torch.mean((o - ys) ** 2)
+    loss.backward()
+    out = []
+    for w in (w0, b0, w1, b1):
+        m = w.grad.mean(axis="procs", keepdims=True)
+        out.append((w - LR * m).detach().requires_grad_())
+    return out
+
+
+def _small_fetch(ws):
+    import numpy as np
+
+    v = ws[0][0, 0, 0, 0]
+    return float(np.asarray(v.fetch()).reshape(-1)[0])
+
+
+def bytecodes(steps: int = 5) -> None:
+    import collections
+    import linecache
+
+    from bench_training import mesharray_setup
+
+    import mesharray
+    import mesharray as ma
+
+    mine = {_small_step.__code__, _small_fetch.__code__}
+    line: list = [None]
+    count: collections.Counter = collections.Counter()
+
+    def trace(frame, event, arg):
+        if frame.f_code in mine:
+            if event == "line":
+                line[0] = (frame.f_code.co_filename, frame.f_lineno)
+            return trace
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            count[line[0]] += 1
+        return trace
+
+    with ma.proc_mesh(procs=2) as p:
+        xs, ys, ws, _ = mesharray_setup(p, "small")
+        for _ in range(30):  # (recipes, plans, keys: what a step in a loop finds made)
+            ws = _small_step(xs, ys, *ws)
+            _small_fetch(ws)
+        for _ in range(steps):
+            sys.settrace(trace)
+            ws = _small_step(xs, ys, *ws)
+            _small_fetch(ws)
+            sys.settrace(None)
+    print(mesharray.__file__)
+    for (f, n), k in sorted(count.items(), key=lambda kv: kv[0][1]):
+        print(f"  {k / steps:7.0f}  {linecache.getline(f, n).strip()}")
+    print(f"  {sum(count.values()) / steps:7.0f}  bytecodes per step at the controller")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pickles", action="store_true")
     ap.add_argument("--prepare", action="store_true")
     ap.add_argument("--dispatch", action="store_true")
+    ap.add_argument("--bytecodes", action="store_true")
     args = ap.parse_args(argv)
-    if not (args.pickles or args.prepare or args.dispatch):
-        ap.error("say what to measure: --pickles, --prepare and/or --dispatch")
+    if not (args.pickles or args.prepare or args.dispatch or args.bytecodes):
+        ap.error("say what to measure: --pickles, --prepare, --dispatch and/or --bytecodes")
     if args.pickles:
         pickles()
     if args.prepare:
         prepare()
     if args.dispatch:
         dispatch()
+    if args.bytecodes:
+        bytecodes()
 
 
 if __name__ == "__main__":

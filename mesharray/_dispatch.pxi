@@ -419,3 +419,37 @@ def array_getitem(self, key):
             if recipe is not None:
                 return recipe(self)
     return self._getitem(key)
+
+
+# --- the pending frees, split by rank (DataContext: a flush, a wait's own message) ---------------
+
+def frees_by_rank(dict pending):
+    """``{rank: [block ids]}`` of the pending frees ``{block id: set of ranks}``, in the order freed."""
+    cdef dict out = {}
+    cdef list got
+    for bid, rs in pending.items():
+        for r in rs:
+            got = out.get(r)
+            if got is None:
+                out[r] = [bid]
+            else:
+                got.append(bid)
+    return out
+
+
+def take_frees(dict pending, ranks):
+    """The pending frees of blocks on ``ranks``, taken off ``pending`` for those ranks (a block whose
+    every rank is taken leaves it)."""
+    cdef list frees = [], gone = []
+    cdef set mine = set(ranks)
+    cdef set rs
+    for bid, v in pending.items():
+        rs = <set>v
+        if not rs.isdisjoint(mine):
+            frees.append(bid)
+            rs.difference_update(mine)
+            if not rs:
+                gone.append(bid)
+    for bid in gone:
+        del pending[bid]
+    return frees

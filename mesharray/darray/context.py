@@ -24,7 +24,7 @@ import numpy as np
 
 import mesharray.darray.instructions as I
 
-from .._core import Shape, decref, post_wire, set_post_trace
+from .._core import Shape, decref, frees_by_rank, post_wire, set_post_trace, take_frees
 from ..actor import ActorMesh
 from ..errors import ActorDiedError, ActorError, BackpressureError, MeshStoppedError, SerializationError
 from ..proc import ProcMesh
@@ -444,16 +444,16 @@ class DataContext:
             for i, (ranks, _) in enumerate(buf):
                 for r in ranks:
                     entries.setdefault(r, []).append(i)
-            frees: dict[int, list[int]] = {}
-            for bid, rs in pending.items():
-                for r in rs:
-                    frees.setdefault(r, []).append(bid)
-                    entries.setdefault(r, [])
+            frees = frees_by_rank(pending)
+            for r in frees:
+                entries.setdefault(r, [])
             groups: dict[tuple, list[int]] = {}
             for r, idx in entries.items():
                 groups.setdefault((tuple(idx), tuple(sorted(frees.get(r, ())))), []).append(r)
             for (idx, fr), ranks in groups.items():
-                wire = [w for i in idx for w in buf[i][1]]
+                wire = []
+                for i in idx:
+                    wire.extend(buf[i][1])
                 if fr:
                     wire.append(("free", list(fr)))
                 self._broadcast(sorted(ranks), wire + tail)
@@ -609,15 +609,8 @@ class DataContext:
 
     def _take_frees(self, ranks: list) -> list:
         """The pending frees of blocks on ``ranks``, taken off the pending set for those ranks."""
-        mine = set(ranks)
-        frees = []
         with self._lock:
-            for bid, rs in list(self._pending.items()):
-                if rs & mine:
-                    frees.append(bid)
-                    rs -= mine
-                    if not rs:
-                        del self._pending[bid]
+            frees = take_frees(self._pending, ranks)
             if not self._pending:
                 self._pending_bytes = 0
         return frees
