@@ -14,12 +14,14 @@ file so that the parts can be read (and owned) separately:
 - ``_kernels.pxi`` : nogil reduction kernels over contiguous numeric buffers.
 - ``_dispatch.pxi``: the signature of an op's arguments (the recipe caches' keys), and an op's
                      tail at the controller (its instruction queued, its result made).
+- ``_worker.pxi``  : a rank's common instructions of a distributed-array program.
 """
 
 include "_shape.pxi"
 include "_frame.pxi"
 include "_kernels.pxi"
 include "_dispatch.pxi"
+include "_worker.pxi"
 
 
 # --- public names -------------------------------------------------------------

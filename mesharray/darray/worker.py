@@ -25,6 +25,7 @@ import numpy as np
 import mesharray.darray.instructions as I
 from mesharray.darray.instructions import InputFailed
 
+from .._core import expand_calls, fast_op, free_blocks
 from ..actor import Actor, context, endpoint
 from ..collectives import new_group
 from ..collectives.hier import HierCollective
@@ -139,6 +140,8 @@ class BlockStore:
         self.failed[bid] = exc
 
     def free(self, bids: list) -> None:
+        if free_blocks(self, bids):  # (the common case, compiled: torch blocks, none failed)
+            return
         lazy = self.lazy
         for b in bids:
             if lazy:
@@ -327,28 +330,6 @@ def _applied(r: Any, eng: Engine) -> tuple[Any, Engine]:
     return a, get_engine("numpy")  # None, or objects: host values
 
 
-def _fast_operands(ops: list) -> list | None:
-    """The values of wire operands that are all blocks of this rank (made, not failed) or plain values;
-    None otherwise (a per-rank value, a missing or failed block: the general path says what is wrong)."""
-    blocks = STORE.blocks
-    vals = []
-    for o in ops:
-        tag = o[0]
-        if tag == "b":
-            v = blocks.get(o[1], _MISSING)
-            if v is _MISSING:
-                return None
-            vals.append(v)
-        elif tag == "v":
-            vals.append(o[1])
-        else:
-            return None
-    return vals
-
-
-_MISSING = object()
-
-
 def _stored(out, r, eng) -> None:
     """``r`` (of engine ``eng``) kept as block ``out``, in place of a failure an earlier run left there."""
     STORE.blocks[out] = r
@@ -364,46 +345,27 @@ def _missing_call(key: int) -> Callable[..., Any]:
     return missing
 
 
-def _fast_apply(raw: tuple, me: int) -> bool:
+def _fast_apply(raw: tuple, me: int, got: Any = None) -> bool:
     """``("apply", out, fn, operands)`` whose operands are at hand (blocks, plain values), run as
-    :func:`_apply` runs it, without decoding the instruction; False (nothing done) when they are not."""
-    _, out, fn, ops = raw
-    vals = _fast_operands(ops)
-    if vals is None or not ops or ops[0][0] != "b":
-        return False
-    eng = STORE.engines.get(ops[0][1])
-    if eng is None:
-        return False
-    try:
-        r = fn(*vals)
-        if not eng.is_block(r):
-            r, eng = _applied(r, eng)
-    except BaseException as exc:  # kept as the block's failure, as the general path keeps it
-        _name_op(exc, I.decode(raw), me)
-        STORE.fail(out, exc)
-    else:
-        _stored(out, r, eng)
-    return True
-
-
-def _fast_elementwise(raw: tuple, me: int) -> bool:
-    """``("ew", out, name, operands, kwargs)`` on torch blocks with a fast op (see ``TorchEngine.elementwise``),
-    as :func:`_fast_apply` does for applies."""
-    _, out, name, ops, kwargs = raw
-    if kwargs or not ops or ops[0][0] != "b" and (len(ops) < 2 or ops[1][0] != "b"):
-        return False
-    vals = _fast_operands(ops)
-    if vals is None:
-        return False
-    first = ops[0][1] if ops[0][0] == "b" else ops[1][1]
-    eng = STORE.engines.get(first)
-    if eng is None or eng.name == "numpy" or name == "matmul":
+    :func:`_apply` runs it, without decoding the instruction, or ``("ew", out, name, operands,
+    kwargs)`` on torch blocks with a fast op (see ``TorchEngine.elementwise``); False (nothing done)
+    when it is not such a case. The common case compiled (``_core.fast_op``, whose answer ``got``
+    is, if the caller ran it); here, what it hands back: a failure (kept as the block's, as the
+    general path keeps it) or a value to convert."""
+    if got is None:
+        got = fast_op(raw, STORE.blocks, STORE.engines, STORE.failed)
+    if got is True:
+        return True
+    if got is None:
         return False
     try:
-        r = eng.elementwise(name, *vals)
-    except BaseException as exc:  # (as in _fast_apply)
+        if isinstance(got, BaseException):
+            raise got
+        out, r, eng = got
+        r, eng = _applied(r, eng)
+    except BaseException as exc:
         _name_op(exc, I.decode(raw), me)
-        STORE.fail(out, exc)
+        STORE.fail(raw[1], exc)
     else:
         _stored(out, r, eng)
     return True
@@ -781,27 +743,30 @@ class DataActor(Actor):
         me = self._me()
         for raw in program:
             if raw[0] in _CAPTURED:  # (a captured step's definition or replay: see darray.function)
-                program = self._expand(program)
+                program = expand_calls(program, self.calls, self.plans, _missing_call) or self._expand(program)
                 break
         result = None
         fetch = None
         failed: BaseException | None = None  # raised once the whole program ran
         made: np.ndarray | None = None  # the fast path's block (a Planned's result, when it ran there)
         done: set[int] | None = None  # instructions a backward's buckets already ran (see .overlap)
+        blocks, engines, failures = STORE.blocks, STORE.engines, STORE.failed
         for idx, raw in enumerate(program):
             if done is not None and idx in done:
                 continue
             code = raw[0]
             if STORE.lazy and code not in _KEEPS_LAZY:  # (an op that may read a block still being made)
                 STORE.settle()
-            if code == "apply":
-                if type(raw[2]) is BlockCall and raw[2].backward:
+            if code == "apply" or code == "ew":
+                if code == "apply" and type(raw[2]) is BlockCall and raw[2].backward:
                     done = self._backward(program, idx, me, done)
                     continue
-                if _fast_apply(raw, me):
+                got = fast_op(raw, blocks, engines, failures)  # (the common case, compiled: _fast_apply)
+                if got is True:
                     continue
-            elif code == "ew" and _fast_elementwise(raw, me):
-                continue
+                if got is not None:
+                    _fast_apply(raw, me, got)
+                    continue
             if code == "kplan" or code == "plan":  # (a reduction in a loop: first, undecoded)
                 out, src, plan, ranks = raw[1:5]
                 if code == "kplan":
