@@ -444,7 +444,7 @@ def take_frees(dict pending, ranks):
     cdef set mine = set(ranks)
     cdef set rs
     for bid, v in pending.items():
-        rs = <set>v
+        rs = <set?>v
         if not rs.isdisjoint(mine):
             frees.append(bid)
             rs.difference_update(mine)

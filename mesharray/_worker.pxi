@@ -6,18 +6,17 @@
 # the Python path of DataActor does, and hands back to it what it does not know (None / False).
 
 
-def expand_calls(list program, dict calls, dict plans, missing):
+def expand_calls(program, dict calls, dict plans, missing):
     """``DataActor._expand`` for a program without captured steps (no ``def``, ``undef``, ``replay``:
     None then, with nothing done): each ``call`` the ``apply`` of the function its key names
     (``missing(key)`` where none), ``defcall``/``uncall``/``defplan`` kept in ``calls`` and ``plans``."""
     cdef list out = []
-    cdef tuple raw
     for item in program:
-        code = (<tuple>item)[0]
+        code = item[0]
         if code == "def" or code == "undef" or code == "replay":
             return None
     for item in program:
-        raw = <tuple>item
+        raw = item
         code = raw[0]
         if code == "call":
             fn = calls.get(raw[2])
@@ -36,9 +35,8 @@ def expand_calls(list program, dict calls, dict plans, missing):
 cdef object _fast_operands(list ops, dict blocks):
     # the operands' values where all are blocks of this rank (made, not failed) or plain values
     cdef list vals = []
-    cdef tuple o
     for item in ops:
-        o = <tuple>item
+        o = item
         tag = o[0]
         if tag == "b":
             v = blocks.get(o[1], _MISSING_BLOCK)
@@ -55,7 +53,7 @@ cdef object _fast_operands(list ops, dict blocks):
 cdef object _MISSING_BLOCK = object()
 
 
-def fast_op(tuple raw, dict blocks, dict engines, dict failed):
+def fast_op(raw, dict blocks, dict engines, dict failed):
     """``("apply", out, fn, operands)`` or ``("ew", out, name, operands, kwargs)`` run where its operands
     are at hand, as ``darray.worker._fast_apply`` / ``_fast_elementwise`` run it. Returns None when
     it is not such a case (nothing done), True when its block is stored, the exception it raised
@@ -67,12 +65,12 @@ def fast_op(tuple raw, dict blocks, dict engines, dict failed):
     if type(ops) is not list or not ops:
         return None
     if code == "apply":
-        if (<tuple>ops[0])[0] != "b":
+        if ops[0][0] != "b":
             return None
         vals = _fast_operands(ops, blocks)
         if vals is None:
             return None
-        eng = engines.get((<tuple>ops[0])[1])
+        eng = engines.get(ops[0][1])
         if eng is None:
             return None
         try:
@@ -84,10 +82,10 @@ def fast_op(tuple raw, dict blocks, dict engines, dict failed):
     elif code == "ew":
         if raw[4]:
             return None
-        if (<tuple>ops[0])[0] == "b":
-            first = (<tuple>ops[0])[1]
-        elif len(ops) >= 2 and (<tuple>ops[1])[0] == "b":
-            first = (<tuple>ops[1])[1]
+        if ops[0][0] == "b":
+            first = ops[0][1]
+        elif len(ops) >= 2 and ops[1][0] == "b":
+            first = ops[1][1]
         else:
             return None
         vals = _fast_operands(ops, blocks)
@@ -124,3 +122,66 @@ def free_blocks(store, list bids):
         blocks.pop(b, None)
         engines.pop(b, None)
     return True
+
+
+def bucket_scan(list program, Py_ssize_t i, grad_of, barriers, plan_of, block_ids):
+    """``darray.overlap.prepare``'s two passes over the program after the backward at ``program[i]``:
+    the gradients it may bucket, as ``(plan, [(w, g, m, gi, mi, nbytes), ...])``, or None.
+
+    First pass, up to the first code in ``barriers``: each ``g = grad_of(w)`` (an ``apply``) and each
+    reduction of such a ``g`` (a ``plan``/``kplan`` that fetches nothing, with its input's size) by
+    the first plan met (``plan_of(key)``: a ``kplan``'s bytes). Second pass: a gradient some other
+    instruction reads or changes (named by more than its ``grad_of`` and its plan; ``block_ids(ins)``
+    for codes other than ``apply``/``ew``), or whose parameter an apply changed before the gradient
+    was read, is left out."""
+    cdef dict made_at = {}, first_apply = {}, touched
+    cdef list entries = [], kept
+    cdef Py_ssize_t end = len(program), j
+    plan = None
+    for j in range(i + 1, end):
+        ins = program[j]
+        code = ins[0]
+        if code in barriers:
+            end = j
+            break
+        if code == "apply":
+            if ins[1] not in first_apply:
+                first_apply[ins[1]] = j
+            ops = ins[3]
+            if ins[2] is grad_of and len(ops) == 1 and ops[0][0] == "b":
+                made_at[ins[1]] = j
+        elif (code == "plan" or code == "kplan") and not ins[4] and ins[2] in made_at and len(ins) > 5 and ins[5]:
+            if code == "plan":
+                this = ins[3]
+            else:
+                this = plan_of(ins[3]) if plan_of is not None else None
+            if plan is None:
+                plan = this
+            if this is None or this != plan:
+                continue
+            gi = made_at[ins[2]]
+            entries.append((program[gi][3][0][1], ins[2], ins[1], gi, j, ins[5]))
+    if not entries or plan is None:
+        return None
+    touched = {}
+    for e in entries:
+        touched[e[1]] = 0
+    for j in range(i + 1, end):
+        ins = program[j]
+        code = ins[0]
+        if code == "free":
+            continue
+        if (code == "apply" or code == "ew") and type(ins[3]) is list:
+            b = ins[1]
+            if b in touched:
+                touched[b] = touched[b] + 1
+            for item in ins[3]:
+                o = item
+                if o[0] == "b" and o[1] in touched:
+                    touched[o[1]] = touched[o[1]] + 1
+            continue
+        for b in block_ids(ins):
+            if b in touched:
+                touched[b] = touched[b] + 1
+    kept = [e for e in entries if touched[e[1]] == 2 and first_apply.get(e[0], e[3]) >= e[3]]
+    return plan, kept

@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .._core import bucket_scan
 from ..engines import get_engine
 from ..errors import MeshArrayError
 from .autograd import grad_of
@@ -241,57 +242,14 @@ def prepare(program: list, i: int, get: Callable[[int], Any], group_of: Callable
     """
     if BUCKET_BYTES <= 0:  # (MESHARRAY_BUCKET_BYTES=0: every reduction as the program says)
         return None
-    made_at: dict[int, int] = {}
-    entries: list[_Entry] = []
-    plan = None
-    first_apply: dict[int, int] = {}  # block id -> the first apply in place on it (or making it)
-    end = len(program)
-    for j in range(i + 1, end):
-        ins = program[j]
-        code = ins[0]
-        if code in _BARRIERS:
-            # another backward (an effect), a backward through mesh ops (effects, collectives, moves),
-            # a wait's check: gradients may change or be read after it, so nothing beyond is bucketed
-            end = j
-            break
-        if code == "apply":
-            first_apply.setdefault(ins[1], j)
-            if ins[2] is grad_of and len(ins[3]) == 1 and ins[3][0][0] == "b":
-                made_at[ins[1]] = j
-        elif (code == "plan" or code == "kplan") and not ins[4] and ins[2] in made_at and len(ins) > 5 and ins[5]:
-            this = ins[3] if code == "plan" else plan_of(ins[3]) if plan_of is not None else None
-            if plan is None:
-                plan = this
-            if this is None or this != plan:
-                continue
-            gi = made_at[ins[2]]
-            entries.append(_Entry(program[gi][3][0][1], ins[2], ins[1], gi, j, ins[5]))
-    if not entries or plan is None:
+    # the two passes over the program, compiled (_core.bucket_scan: what the docstring says)
+    scanned = bucket_scan(program, i, grad_of, _BARRIERS, plan_of, block_ids)
+    if scanned is None:
         return None
-    # a gradient some other instruction reads or changes (g.mul_(0.5) before its reduction: named
-    # by more than its grad_of and its plan), or a parameter changed in place before its gradient
-    # is read, is left to the instructions (frees of the gradients come last: they are freed after
-    # the buckets stored them)
-    touched = dict.fromkeys([e.g for e in entries], 0)
-    for j in range(i + 1, end):
-        ins = program[j]
-        code = ins[0]
-        if code == "free":
-            continue
-        if (code == "apply" or code == "ew") and type(ins[3]) is list:
-            b = ins[1]  # (the common codes: block_ids' rule, inline)
-            if b in touched:
-                touched[b] += 1
-            for o in ins[3]:
-                if o[0] == "b" and o[1] in touched:
-                    touched[o[1]] += 1
-            continue
-        for b in block_ids(ins):
-            if b in touched:
-                touched[b] += 1
-    entries = [e for e in entries if touched[e.g] == 2 and first_apply.get(e.w, e.gi) >= e.gi]
-    if not entries:
+    plan, found = scanned
+    if not found:
         return None
+    entries = [_Entry(*e) for e in found]
     fields = _PLAN_FIELDS.get(plan)
     if fields is None:
         if len(_PLAN_FIELDS) > 64:

@@ -216,10 +216,12 @@ def _pin_to_one_cpu(pids):
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity (Linux) to pin workers")
 @pytest.mark.parametrize("bucket_bytes", [None, "1048576"], ids=["default", "MESHARRAY_BUCKET_BYTES set"])
-def test_members_without_a_cpu_to_spare_reduce_their_gradients_in_one_bucket(bucket_bytes):
+def test_members_without_a_cpu_to_spare_reduce_their_gradients_in_one_bucket(bucket_bytes, monkeypatch):
     # three gradients of 600 KB: in 1 MiB buckets, two all-reduces during the backward; where the
     # members have no CPU beside their own, one after it (a reducing thread would only take turns
     # with the backward), unless the user set the buckets' size
+    monkeypatch.setattr(dctx, "FLUSH_IDLE", 30.0)  # (one program: the backward, then the reductions, even
+    monkeypatch.setattr(dctx, "FLUSH_AGE", 30.0)  # when a loaded machine pauses the controller mid-step)
     rng = np.random.default_rng(3)
     W = [rng.standard_normal((1, 2, 150_000)).astype("float32") for _ in range(3)]
     env = {} if bucket_bytes is None else {"MESHARRAY_BUCKET_BYTES": bucket_bytes}
