@@ -2,8 +2,9 @@
 #
 # The instructions of a training step that every rank runs most: a recipe's ``call`` turned back
 # into the ``apply`` of its function (``expand_calls``), an ``apply`` or an ``ew`` whose operands
-# are at hand (``fast_op``), and the frees of torch blocks (``free_blocks``). Each does exactly what
-# the Python path of DataActor does, and hands back to it what it does not know (None / False).
+# are at hand (``fast_op``), the frees of torch blocks (``free_blocks``), and the gradient buckets'
+# look-ahead over a program (``bucket_scan``, for darray.overlap.prepare). Each does exactly what
+# the Python path does, and hands back to it what it does not know (None / False).
 
 
 def expand_calls(program, dict calls, dict plans, missing):
@@ -15,8 +16,7 @@ def expand_calls(program, dict calls, dict plans, missing):
         code = item[0]
         if code == "def" or code == "undef" or code == "replay":
             return None
-    for item in program:
-        raw = item
+    for raw in program:
         code = raw[0]
         if code == "call":
             fn = calls.get(raw[2])
@@ -35,8 +35,7 @@ def expand_calls(program, dict calls, dict plans, missing):
 cdef object _fast_operands(list ops, dict blocks):
     # the operands' values where all are blocks of this rank (made, not failed) or plain values
     cdef list vals = []
-    for item in ops:
-        o = item
+    for o in ops:
         tag = o[0]
         if tag == "b":
             v = blocks.get(o[1], _MISSING_BLOCK)
@@ -55,7 +54,7 @@ cdef object _MISSING_BLOCK = object()
 
 def fast_op(raw, dict blocks, dict engines, dict failed):
     """``("apply", out, fn, operands)`` or ``("ew", out, name, operands, kwargs)`` run where its operands
-    are at hand, as ``darray.worker._fast_apply`` / ``_fast_elementwise`` run it. Returns None when
+    are at hand, as the worker's general path runs it (``darray.worker._fast_apply``). Returns None when
     it is not such a case (nothing done), True when its block is stored, the exception it raised
     (nothing stored: the caller keeps it as the block's failure), or ``(out, value, engine)`` for an
     apply whose value is not a block (the caller converts it)."""
@@ -142,6 +141,8 @@ def bucket_scan(list program, Py_ssize_t i, grad_of, barriers, plan_of, block_id
         ins = program[j]
         code = ins[0]
         if code in barriers:
+            # another backward (an effect), a backward through mesh ops (effects, collectives, moves),
+            # a wait's check: gradients may change or be read after it, so nothing beyond is bucketed
             end = j
             break
         if code == "apply":
@@ -163,6 +164,10 @@ def bucket_scan(list program, Py_ssize_t i, grad_of, barriers, plan_of, block_id
             entries.append((program[gi][3][0][1], ins[2], ins[1], gi, j, ins[5]))
     if not entries or plan is None:
         return None
+    # a gradient some other instruction reads or changes (g.mul_(0.5) before its reduction: named
+    # by more than its grad_of and its plan), or a parameter changed in place before its gradient
+    # is read, is left to the instructions (frees of the gradients come last: they are freed after
+    # the buckets stored them)
     touched = {}
     for e in entries:
         touched[e[1]] = 0
@@ -175,8 +180,7 @@ def bucket_scan(list program, Py_ssize_t i, grad_of, barriers, plan_of, block_id
             b = ins[1]
             if b in touched:
                 touched[b] = touched[b] + 1
-            for item in ins[3]:
-                o = item
+            for o in ins[3]:
                 if o[0] == "b" and o[1] in touched:
                     touched[o[1]] = touched[o[1]] + 1
             continue
