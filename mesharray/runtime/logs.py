@@ -3,8 +3,8 @@
 Forwarding (worker side)
 ------------------------
 A worker that owns its process (``run_worker(exit_process=True)``) replaces
-its file descriptors 1 and 2 by pipes (:func:`forward_process_output`); a
-thread per pipe sends what is written (by ``print``, ``logging``, C code,
+its file descriptors 1 and 2 by pipes (:func:`forward_process_output`); one
+thread sends what is written (by ``print``, ``logging``, C code,
 anything) to the controller as LOG frames on the worker's controller
 connection. :func:`flush_forwarding` closes the pipes before the process exits
 so that the pumps send what is left. On by default;
@@ -32,7 +32,7 @@ import time
 
 from . import protocol as P
 
-__all__ = ["forward_process_output", "flush_forwarding", "drain_output", "sync_replies", "LogSink",
+__all__ = ["forward_process_output", "prepare_logging", "flush_forwarding", "drain_output", "sync_replies", "LogSink",
            "set_worker_label", "compress_labels"]
 
 _threads: list[threading.Thread] = []
@@ -49,39 +49,62 @@ _pipe_lock = threading.Lock()  # held while a pipe's bytes go from read to sent:
 _log_conn = None
 
 
+#: the root logger's handler of a worker that forwards its output (see prepare_logging)
+_handler: logging.Handler | None = None
+
+
+def prepare_logging() -> None:
+    """Make the handler :func:`forward_process_output` gives the root logger (``INFO``, to
+    ``sys.stderr``) now: a zygote does it once before it forks, for all its workers."""
+    global _handler
+    if _handler is None:
+        h = logging.StreamHandler()  # (sys.stderr: after the fork, the pipe to the controller)
+        h.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        _handler = h
+
+
 def forward_process_output(conn) -> None:
     """Redirect fds 1 and 2 of this process to ``conn`` as LOG frames.
 
-    A thread per pipe waits for output (``poll``) and then, holding a lock
-    shared with :func:`drain_output`, reads what is there (non-blocking) and
-    sends it: bytes read are always sent before anyone else may read the pipe.
+    One thread waits for output on both pipes (``poll``) and then, holding a
+    lock shared with :func:`drain_output`, reads what a pipe holds
+    (non-blocking) and sends it: bytes read are always sent before anyone
+    else may read the pipe. The root logger, if it has no handler, logs
+    ``INFO`` and above to the forwarded ``sys.stderr``.
     """
     global _log_conn
     _log_conn = conn
-    for fd, stream in ((1, 1), (2, 2)):
+    live: dict[int, int] = {}  # read end -> stream
+    for fd in (1, 2):
         r, w = os.pipe()
         os.dup2(w, fd)
         os.close(w)
         os.set_blocking(r, False)
-        _pipes.append((r, stream))
+        _pipes.append((r, fd))
+        live[r] = fd
 
-        def pump(r=r, stream=stream):
-            p = select.poll()
+    def pump() -> None:
+        p = select.poll()
+        for r in live:
             p.register(r, select.POLLIN)
-            while True:
-                try:
-                    p.poll()
+        while live:
+            try:
+                for r, _ in p.poll():
+                    stream = live.get(r)
+                    if stream is None:
+                        continue
                     with _pipe_lock:
                         if not _pump_once(r, stream):
+                            p.unregister(r)
+                            del live[r]
                             _pipes.remove((r, stream))  # (before its fd number can be reused)
                             os.close(r)
-                            return
-                except (OSError, ConnectionError):
-                    return
+            except (OSError, ConnectionError):
+                return
 
-        t = threading.Thread(target=pump, name=f"mesharray-log-{fd}", daemon=True)
-        t.start()
-        _threads.append(t)
+    t = threading.Thread(target=pump, name="mesharray-log", daemon=True)
+    t.start()
+    _threads.append(t)
     for out in (sys.stdout, sys.stderr):
         try:
             out.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # a TextIOWrapper, or replaced
@@ -89,7 +112,9 @@ def forward_process_output(conn) -> None:
             pass
     root = logging.getLogger()
     if not root.handlers:
-        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        prepare_logging()
+        root.addHandler(_handler)  # type: ignore[arg-type]  # (made just above)
+        root.setLevel(logging.INFO)
 
 
 def _pump_once(r: int, stream: int) -> bool:

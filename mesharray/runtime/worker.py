@@ -71,7 +71,7 @@ from . import debugger
 from . import protocol as P
 from .channel import Channel
 from .context import Context, current
-from .logs import flush_forwarding, forward_process_output, set_worker_label, sync_replies
+from .logs import flush_forwarding, forward_process_output, prepare_logging, set_worker_label, sync_replies
 from .recorder import ENABLED as RECORD
 from .recorder import MAX_ROWS, REC, SPAN, set_title, thread_stacks
 from .router import set_secret
@@ -147,14 +147,17 @@ _prepared = False  # this process (or the zygote it was forked from) ran prepare
 
 def prepare_process() -> None:
     """What every worker process sets up before anything else, done once: :func:`set_sched_class`,
-    :func:`set_spin` and the lookup of ``prctl``. A zygote runs it before it forks: the forks inherit
-    the scheduling class (Linux keeps it across fork), the spin setting and the lookup, and
-    :func:`run_worker` then has nothing to do here but ``PR_SET_PDEATHSIG`` (which fork resets)."""
+    :func:`set_spin`, the lookup of ``prctl``, the host's memory domain and the handler of forwarded
+    logs. A zygote runs it before it forks: the forks inherit the scheduling class (Linux keeps it
+    across fork), the spin setting, the lookup, the domain and the handler, and :func:`run_worker`
+    then has nothing to do here but ``PR_SET_PDEATHSIG`` (which fork resets)."""
     global _prepared, _prctl
     if _prepared:
         return
     set_sched_class()
     set_spin()
+    memory_domain()  # (cached: its files are read once, not by each fork)
+    prepare_logging()
     if sys.platform.startswith("linux") and _prctl is None:
         try:
             import ctypes

@@ -41,9 +41,17 @@ def _machine(named: str) -> str:
 def memory_domain() -> str:
     """A short key equal for exactly the processes that may share memory with this one.
 
+    Computed once per ``MESHARRAY_HOST_ID`` (a process keeps its kernel and PID namespace),
+    so a zygote that asks before it forks answers for its forks too.
+
     Examples
     --------
     >>> len(memory_domain())
     16
     """
-    return hashlib.sha256(_machine(os.environ.get("MESHARRAY_HOST_ID", "")).encode()).hexdigest()[:16]
+    return _domain(os.environ.get("MESHARRAY_HOST_ID", ""))
+
+
+@functools.lru_cache(maxsize=4)
+def _domain(named: str) -> str:
+    return hashlib.sha256(_machine(named).encode()).hexdigest()[:16]

@@ -9,6 +9,7 @@ docstring and ``docs/internals.md``, "Wire".
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import selectors
@@ -20,7 +21,7 @@ import time
 from .. import _platform
 from ..errors import AuthenticationError, BrokenTransportError
 from . import auth
-from .sockio import shut_and_close
+from .sockio import shut
 
 __all__ = ["Listener", "peer_uid", "MAX_HANDSHAKES"]
 
@@ -35,9 +36,10 @@ class Listener:
     """Accepts connections on a unix or TCP address; authenticates each one.
 
     ``on_connection(sock)`` receives every authenticated socket (a blocking
-    socket, in the listener's thread: it must return quickly). One thread per
-    listener accepts and runs every pending handshake without blocking (a
-    selector), so that peers cannot exhaust it:
+    socket, in the accept thread: it must return quickly). One thread per
+    process accepts for all its listeners and runs every pending handshake
+    without blocking (one selector: a worker's unix, TCP and data-plane
+    listeners cost one thread, not three), so that peers cannot exhaust it:
 
     - a unix-socket peer of another uid (``SO_PEERCRED``; root excepted) is
       closed before the handshake: abstract sockets have no file permissions;
@@ -97,51 +99,41 @@ class Listener:
         self.sock.setblocking(False)
         # unauthenticated sockets, oldest first (so also in order of their deadlines)
         self._pending: dict[socket.socket, auth.ServerHandshake] = {}
-        self._sel = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._sel.register(self.sock, selectors.EVENT_READ)
-        self._sel.register(self._wake_r, selectors.EVENT_READ)
         self._evicted = 0
         self._t_evict_log = 0.0
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="mesharray-accept", daemon=True)
-        self._thread.start()
+        self._dropped = threading.Event()
+        self._acc = _acceptor()
+        self._sel = self._acc.sel
+        self._acc.post(self._join)  # (peers that come first wait in the listen backlog)
 
-    # -- the listener's thread ----------------------------------------------------
-    def _loop(self) -> None:
-        while not self._closed:
-            try:
-                self._step()
-            except BaseException:  # nothing may end the thread: every later peer would time out
-                if self._closed:
-                    break
-                log.exception("listener %s: unexpected error; still accepting", self.address)
-                time.sleep(0.01)
+    # -- in the accept thread ----------------------------------------------------------
+    def _join(self) -> None:
+        if self._closed:  # (closed before the accept thread got to it)
+            self._drop()
+            return
+        self._sel.register(self.sock, selectors.EVENT_READ, self)
+        self._acc.listeners.append(self)
+
+    def _drop(self) -> None:
+        """Leave the accept thread: the listening socket and the pending handshakes closed."""
+        try:
+            self._sel.unregister(self.sock)
+        except (KeyError, ValueError):
+            pass
+        self.sock.close()
         for s in list(self._pending):
+            try:
+                self._sel.unregister(s)
+            except (KeyError, ValueError):
+                pass
             s.close()
         self._pending.clear()
-        self._sel.close()
-        self._wake_r.close()
-        self._wake_w.close()
+        if self in self._acc.listeners:
+            self._acc.listeners.remove(self)
+        self._dropped.set()
 
-    def _step(self) -> None:
-        timeout = None
-        if self._pending:
-            first = next(iter(self._pending.values()))
-            timeout = max(0.0, first.deadline - time.monotonic())
-        for key, _ in self._sel.select(timeout):
-            obj = key.fileobj
-            if obj is self.sock:
-                self._accept()
-            elif obj is self._wake_r:
-                try:
-                    self._wake_r.recv(64)
-                except OSError:
-                    pass
-            else:
-                self._advance(obj)  # type: ignore[arg-type]  # a pending socket
-        now = time.monotonic()
+    def _expire(self, now: float) -> None:
         while self._pending:  # deadlines passed (the oldest first)
             s, hs = next(iter(self._pending.items()))
             if hs.deadline > now:
@@ -194,7 +186,7 @@ class Listener:
         if len(self._pending) >= self.max_handshakes:
             self._evict()
         self._pending[s] = hs
-        self._sel.register(s, selectors.EVENT_READ)
+        self._sel.register(s, selectors.EVENT_READ, self)
 
     def _evict(self) -> None:
         oldest = next(iter(self._pending))
@@ -256,16 +248,18 @@ class Listener:
         return len(self._pending)
 
     def close(self) -> None:
+        """Stop accepting: new peers are refused from now on, pending handshakes are closed, and
+        ``on_connection`` is not called again once this returns (within 2 s of a handler that
+        holds the accept thread)."""
         if self._closed:
             return
         self._closed = True
-        shut_and_close(self.sock)  # new peers are refused from now on
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
-        if self._thread is not threading.current_thread():
-            self._thread.join(2.0)
+        shut(self.sock)  # new peers are refused from now on (closed by the accept thread: see _drop)
+        if threading.current_thread() is self._acc.thread:
+            self._drop()
+        else:
+            self._acc.post(self._drop)
+            self._dropped.wait(2.0)
         if self._path is not None:
             try:
                 os.unlink(self._path)
@@ -273,6 +267,102 @@ class Listener:
                     os.rmdir(self._dir)
             except OSError:
                 pass
+
+
+class _Acceptor:
+    """The accept thread of this process: one selector over the listening sockets of every
+    :class:`Listener` and their pending handshakes (a key's data is its listener).
+
+    Only this thread touches the selector; other threads hand it work with :meth:`post`
+    (a listener joining or leaving). Nothing ends the thread: an error is logged, naming
+    the listener where it has one, and it goes on accepting.
+    """
+
+    def __init__(self) -> None:
+        self.sel = selectors.DefaultSelector()
+        self.listeners: list[Listener] = []
+        self._todo: collections.deque = collections.deque()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self.sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self.thread = threading.Thread(target=self._loop, name="mesharray-accept", daemon=True)
+        self.thread.start()
+
+    def post(self, fn) -> None:
+        """Run ``fn()`` in the accept thread, soon."""
+        self._todo.append(fn)
+        try:
+            self._wake_w.send(b"x")
+        except OSError:  # (its buffer is full of wake-ups: it is awake anyway)
+            pass
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                self._step()
+            except BaseException:  # nothing may end the thread: every later peer would time out
+                log.exception("accept thread: unexpected error; still accepting")
+                time.sleep(0.01)
+
+    def _step(self) -> None:
+        while self._todo:
+            self._todo.popleft()()
+        deadline = None
+        for lst in self.listeners:
+            if lst._pending:
+                first = next(iter(lst._pending.values())).deadline
+                deadline = first if deadline is None else min(deadline, first)
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        for key, _ in self.sel.select(timeout):
+            lst = key.data
+            if lst is None:
+                try:
+                    self._wake_r.recv(4096)
+                except OSError:
+                    pass
+                continue
+            if lst._closed:
+                continue
+            try:
+                if key.fileobj is lst.sock:
+                    lst._accept()
+                else:
+                    lst._advance(key.fileobj)
+            except Exception:
+                log.exception("listener %s: unexpected error; still accepting", lst.address)
+                time.sleep(0.01)
+        now = time.monotonic()
+        for lst in list(self.listeners):
+            try:
+                lst._expire(now)
+            except Exception:
+                log.exception("listener %s: unexpected error; still accepting", lst.address)
+
+
+_acc: _Acceptor | None = None
+_acc_lock = threading.Lock()
+
+
+def _acceptor() -> _Acceptor:
+    global _acc
+    acc = _acc
+    if acc is None:
+        with _acc_lock:
+            if _acc is None:
+                _acc = _Acceptor()
+            acc = _acc
+    return acc
+
+
+def _forget_acceptor() -> None:
+    # a fork has no accept thread (and a lock another thread held stays held): it starts its own
+    global _acc, _acc_lock
+    _acc = None
+    _acc_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_acceptor)
 
 
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
