@@ -168,4 +168,4 @@ bench: $(VENV)/.installed-test
 
 clean:
 	rm -rf build dist $(VENV) *.egg-info mesharray/*.so mesharray/_core.c mesharray/transport/*.so \
-	  mesharray/transport/_ucp.c
+	  mesharray/transport/_ucp.c mesharray/transport/_wire.c

@@ -1,4 +1,5 @@
-"""Build the compiled core, ``mesharray._core``, and, where UCX is installed, ``mesharray.transport._ucp``.
+"""Build the compiled core, ``mesharray._core``, the transport's ``mesharray.transport._wire`` (a connection's
+per-message read and write) and, where UCX is installed, ``mesharray.transport._ucp``.
 
 Compiler directives live in the ``.pyx`` headers (as mpi4py does), not here.
 
@@ -44,7 +45,9 @@ extensions = [
         include_dirs=[numpy.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=["-O3"],
-    )
+    ),
+    # a connection's per-message read and write (the transport's I/O: not in _core, which has none)
+    Extension("mesharray.transport._wire", ["mesharray/transport/_wire.pyx"], extra_compile_args=["-O3"]),
 ]
 
 ucx = ucx_prefix() if sys.platform.startswith("linux") else None

@@ -65,7 +65,7 @@ from ..errors import (
     SerializationError,
     TransportError,
 )
-from . import framing
+from . import _wire, framing
 from .interrupt import blocking_read, guard, unwinding
 from .poller import Poller, Writer, _poller_thread, default_poller, default_writer, read_all, socket_closed
 from .sockio import shut
@@ -211,32 +211,8 @@ class Connection:
         except OSError as exc:
             raise BrokenTransportError(f"connection {self.name} broke while sending: {exc}") from exc
 
-    def write_frame(self, frame: bytes) -> bool:
-        """Write a whole small frame now if nothing waits ahead of it; False, having done nothing, otherwise.
-
-        The lean path of a caller sending to many peers at once (a ``call()``):
-        ``frame`` is packed by :func:`~mesharray._core.pack_calls` (or
-        :func:`~mesharray._core.pack_frame`), its payload at most
-        :data:`SMALL_FRAME` bytes and under this connection's limit. False when
-        frames are corked or unwritten on this connection, when it is closed
-        or failed, or while :meth:`inject` is on: the caller then sends with
-        :meth:`send`, which handles all of those. What the socket does not
-        take at once goes to the backlog, as with :meth:`send`.
-        """
-        with self._send_lock:
-            if self._out or self._backlog or self._closed or self._faulty or self._write_error is not None:
-                return False
-            try:
-                sent = self.sock.send(frame, _DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError as exc:
-                raise BrokenTransportError(f"connection {self.name} broke while sending: {exc}") from exc
-            if sent != len(frame):
-                self._rest_locked(frame, sent)
-        self.bytes_out += len(frame)
-        self.frames_out += 1
-        return True
+    #: write a whole small frame now if nothing waits ahead of it, else False (compiled: :mod:`._wire`)
+    write_frame = _wire.write_frame
 
     def route(self, kind: int, table: dict | None, counts: list | None = None) -> None:
         """Send frames of ``kind`` to callbacks instead of the handler: ``table.pop(msg_id)(target, payload)``.
@@ -666,52 +642,9 @@ class Connection:
             self._read_exc = self._read_error(e)
         return False
 
-    def _read_polled(self) -> bool:
-        """:meth:`_read_some` of a polled connection that poll found readable: one non-blocking read.
-
-        The same steps, for the common case of a caller reading its replies
-        (no frame longer than the buffer in progress: that one goes to
-        :meth:`_read_some`), with fewer steps in Python.
-        """
-        if self._big is not None:
-            return self._read_some()
-        view, start, end = self._view, self._start, self._end
-        try:
-            n = self.sock.recv_into(view[end:], 0, _DONTWAIT)
-            if not n:
-                raise EOFError
-            self.bytes_in += n
-            end += n
-            while True:  # (_read_some's dispatch step, inline here: one Python call less per read)
-                try:
-                    start, status, err = dispatch_frames(self.handler, self, view, start, end, self.limit, False,
-                                                         _clock, _CORK_AGE, self._route_kind, self._route,
-                                                         self._route_counts)
-                except ValueError as e:
-                    raise FrameError(f"bad frame from {self.name}: {e}") from None
-                if err is not None:
-                    raise err  # (a handler's: start is past its frame)
-                if self._out and _clock() - self._out_t0 > _CORK_AGE:
-                    self.flush()  # (frames corked by the handlers or the caller: out within _CORK_AGE)
-                if status != -1:
-                    break  # (-1: it stopped after _CORK_AGE of a long batch, to flush: the rest)
-            if status:  # (> 0: a frame longer than the receive buffer)
-                self._big = self._start_big(start, end, status)
-                start = end = 0
-            elif start == end:
-                start = end = 0
-            elif start and len(self._buf) - end < 65536:
-                view[0:end - start] = view[start:end]
-                end -= start
-                start = 0
-        except (BlockingIOError, InterruptedError):
-            pass
-        except BaseException as e:
-            self._start, self._end = start, end
-            self._read_exc = self._read_error(e)
-            return False
-        self._start, self._end = start, end
-        return True
+    #: :meth:`_read_some` of a polled connection that poll found readable: one non-blocking read,
+    #: its frames handed over (compiled: :mod:`._wire`)
+    _read_polled = _wire.read_polled
 
     def _start_big(self, start: int, end: int, length: int) -> tuple:
         """The state of a frame of ``length`` bytes, longer than the receive buffer, whose first
@@ -808,11 +741,13 @@ class Connection:
             t.join(5.0)
 
 
+_wire.setup(_clock, _CORK_AGE, FrameError, BrokenTransportError)
+
 # a Ctrl-C in the caller's thread never cuts a frame nor loses bytes read (see .interrupt)
-guard(Connection.send, Connection.write_frame, Connection._flush_locked, Connection.flush, Connection._write_locked,
+guard(Connection.send, Connection._flush_locked, Connection.flush, Connection._write_locked,
       Connection._rest_locked, Connection._write_parts_locked, Connection._own_backlog_locked,
       Connection._send_views, Connection._fail_writes_locked, Connection._watch_locked, Connection._wait_locked,
-      Connection.read_until, Connection._read_some, Connection._read_polled, Connection._start_big,
+      Connection.read_until, Connection._read_some, Connection._start_big,
       Connection._read_error, Connection._reader_done, Connection._end_polled, Connection._poll_done,
       Connection._finish, Connection._drop_backlog, Connection.route)
 blocking_read(Connection.read_until, lambda loc: loc["self"].sock if loc.get("deadline") is None else None)
