@@ -7,7 +7,7 @@ its file descriptors 1 and 2 by pipes (:func:`forward_process_output`); one
 thread sends what is written (by ``print``, ``logging``, C code,
 anything) to the controller as LOG frames on the worker's controller
 connection. :func:`flush_forwarding` closes the pipes before the process exits
-so that the pumps send what is left. On by default;
+so that the pump sends what is left. On by default;
 ``proc_mesh(..., forward_logs=False)`` leaves the workers' output on the
 terminal they inherited, unprefixed.
 
@@ -75,8 +75,8 @@ def forward_process_output(conn) -> None:
     global _log_conn
     _log_conn = conn
     live: dict[int, int] = {}  # read end -> stream
-    for fd in (1, 2):
-        r, w = os.pipe()
+    pipes = [os.pipe(), os.pipe()]  # (both made before either fd moves: a failure leaves both alone)
+    for fd, (r, w) in zip((1, 2), pipes):
         os.dup2(w, fd)
         os.close(w)
         os.set_blocking(r, False)
@@ -168,7 +168,7 @@ def sync_replies(conn, reply_kind: int) -> None:
 
 
 def flush_forwarding(timeout: float = 1.0) -> None:
-    """Close fds 1 and 2 and let the pumps send what is left (before ``os._exit``)."""
+    """Close fds 1 and 2 and let the pump send what is left (before ``os._exit``)."""
     if not _threads:
         return
     for fd in (1, 2):

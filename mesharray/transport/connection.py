@@ -211,7 +211,9 @@ class Connection:
         except OSError as exc:
             raise BrokenTransportError(f"connection {self.name} broke while sending: {exc}") from exc
 
-    #: write a whole small frame now if nothing waits ahead of it, else False (compiled: :mod:`._wire`)
+    #: write a whole small frame now if nothing waits ahead of it, else False (compiled: :mod:`._wire`;
+    #: no Python frame of its own, so a Ctrl-C waits for its guarded caller's next marked line: the
+    #: lines that call it, and ``_read_polled``, must stay unmarked)
     write_frame = _wire.write_frame
 
     def route(self, kind: int, table: dict | None, counts: list | None = None) -> None:

@@ -134,7 +134,7 @@ class Listener:
         self._dropped.set()
 
     def _expire(self, now: float) -> None:
-        while self._pending:  # deadlines passed (the oldest first)
+        while self._pending and not self._closed:  # deadlines passed (the oldest first)
             s, hs = next(iter(self._pending.items()))
             if hs.deadline > now:
                 break
@@ -249,13 +249,16 @@ class Listener:
 
     def close(self) -> None:
         """Stop accepting: new peers are refused from now on, pending handshakes are closed, and
-        ``on_connection`` is not called again once this returns (within 2 s of a handler that
-        holds the accept thread)."""
+        ``on_connection`` is not called again once this returns (within 2 s of any listener's
+        handler that holds the accept thread)."""
         if self._closed:
             return
         self._closed = True
-        shut(self.sock)  # new peers are refused from now on (closed by the accept thread: see _drop)
-        if threading.current_thread() is self._acc.thread:
+        # new peers are refused from now on (Linux; where a listening socket cannot be shut down,
+        # from _drop on, which closes it in the accept thread: never under a selector that holds it)
+        shut(self.sock)
+        acc = self._acc
+        if threading.current_thread() is acc.thread or not acc.thread.is_alive():  # (or inherited by a fork)
             self._drop()
         else:
             self._acc.post(self._drop)
@@ -284,6 +287,7 @@ class _Acceptor:
         self._todo: collections.deque = collections.deque()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         self.sel.register(self._wake_r, selectors.EVENT_READ, None)
         self.thread = threading.Thread(target=self._loop, name="mesharray-accept", daemon=True)
         self.thread.start()

@@ -42,6 +42,9 @@ def test_listeners_of_a_process_share_one_accept_thread_and_each_still_authentic
             s.close()
         with pytest.raises((AuthenticationError, BrokenTransportError, OSError)):
             connect(listeners["tcp"].address, b"the wrong secret, 32 bytes long!", timeout=2.0)
+        deadline = time.monotonic() + 5  # (the accept thread counts it after the peer saw the refusal)
+        while listeners["tcp"].refused < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
         assert listeners["tcp"].refused == 1 and listeners["unix"].refused == 0
     finally:
         for lst in listeners.values():
@@ -96,20 +99,23 @@ def test_a_listener_closed_from_its_own_handler_closes_at_once():
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-def test_a_forked_child_listens_with_an_accept_thread_of_its_own():
+def test_a_forked_child_closes_what_it_inherited_and_listens_with_an_accept_thread_of_its_own():
     parent = Listener(SECRET, lambda s: s.close(), kind="unix")
     code = (
         "import os, sys\n"
         "from mesharray.transport.listener import Listener\n"
         "from mesharray.transport.address import connect\n"
         f"SECRET = {SECRET!r}\n"
-        "Listener(SECRET, lambda s: s.close(), kind='unix')\n"
+        "inherited = Listener(SECRET, lambda s: s.close(), kind='unix')\n"
         "pid = os.fork()\n"
         "if pid == 0:\n"
+        "    import time\n"
+        "    t0 = time.monotonic()\n"
+        "    inherited.close()  # (its accept thread is the parent's: the child closes it itself)\n"
+        "    if time.monotonic() - t0 > 1.0 or inherited.sock.fileno() != -1: os._exit(4)\n"
         "    got = []\n"
         "    lst = Listener(SECRET, got.append, kind='unix')\n"
         "    s = connect(lst.address, SECRET, timeout=5.0)\n"
-        "    import time\n"
         "    t0 = time.monotonic()\n"
         "    while not got and time.monotonic() - t0 < 5: time.sleep(0.005)\n"
         "    os._exit(0 if got else 3)\n"
