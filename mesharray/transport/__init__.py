@@ -16,6 +16,8 @@ Control messages:
 - :mod:`.connection` — :class:`~.connection.Connection`: one socket with
                        framing (a send lock, the write backlog, a reader thread
                        or the poller); no runtime state.
+- :mod:`._wire`      — its two per-message steps compiled (Cython): a polled
+                       connection's read, and ``write_frame``.
 - :mod:`.poller`     — the process's I/O threads: the :class:`~.poller.Poller`
                        that reads polled connections, the :class:`~.poller.Writer`
                        that drains backlogs, and a caller reading several
