@@ -254,14 +254,23 @@ class Listener:
         if self._closed:
             return
         self._closed = True
+        acc = self._acc
+        if not acc.thread.is_alive():
+            # inherited by a fork: the socket, its file and the selector are the parent's too (the
+            # same open files): close this process's descriptors, and leave the parent listening
+            self.sock.close()
+            for s in list(self._pending):
+                s.close()
+            self._pending.clear()
+            self._dropped.set()
+            return
         # new peers are refused from now on (Linux; where a listening socket cannot be shut down,
         # from _drop on, which closes it in the accept thread: never under a selector that holds it)
         shut(self.sock)
-        acc = self._acc
-        if threading.current_thread() is acc.thread or not acc.thread.is_alive():  # (or inherited by a fork)
+        if threading.current_thread() is acc.thread:
             self._drop()
         else:
-            self._acc.post(self._drop)
+            acc.post(self._drop)
             self._dropped.wait(2.0)
         if self._path is not None:
             try:

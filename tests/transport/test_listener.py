@@ -113,6 +113,8 @@ def test_a_forked_child_closes_what_it_inherited_and_listens_with_an_accept_thre
         "    t0 = time.monotonic()\n"
         "    inherited.close()  # (its accept thread is the parent's: the child closes it itself)\n"
         "    if time.monotonic() - t0 > 1.0 or inherited.sock.fileno() != -1: os._exit(4)\n"
+        "    try: connect(inherited.address, SECRET, timeout=5.0).close()  # (the parent still listens)\n"
+        "    except OSError: os._exit(5)\n"
         "    got = []\n"
         "    lst = Listener(SECRET, got.append, kind='unix')\n"
         "    s = connect(lst.address, SECRET, timeout=5.0)\n"
