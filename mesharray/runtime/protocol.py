@@ -5,7 +5,9 @@ kind        direction          header fields / payload
 ==========  =================  ===================================================
 HELLO       any -> listener    first frame of a connection; pickled dict (role, rank,
                                pid, host, address)
-CONFIG      ctl -> worker      pickled dict: options (heartbeat interval, labels)
+CONFIG      ctl -> worker      pickled dict: options (heartbeat interval, labels); from a
+                               relay: ``beat_slot`` = (pid, memfd, offset), where the rank
+                               writes its heartbeats (``BEAT_SLOT``) instead of sending them
 CALL        caller -> worker   msg_id=call id, target=actor id, view=view id,
                                flags & F_REPLY; payload: u8 n + method name + pickled
                                ``(args, kwargs)``
@@ -14,7 +16,7 @@ REPLY       worker -> caller   msg_id=call id, target=status (OK, ERR); pickled 
 SPAWN       ctl -> worker      msg_id=call id, target=actor id; pickled (cloudpickle)
                                ``(name, cls, args, kwargs, shape)``
 VIEW        caller -> worker   view id (per connection) -> pickled ``Shape``
-HEARTBEAT   worker -> ctl      empty
+HEARTBEAT   worker -> ctl      empty (to a relay too, until it gives a ``beat_slot``)
 LOG         worker -> ctl      target=stream (1 stdout, 2 stderr); utf-8 text
 STOP        ctl -> worker      msg_id=call id; the worker replies, then exits
 STOP_ACTOR  ctl -> worker      target=actor id; the worker drops the actor
@@ -57,7 +59,7 @@ from array import array
 
 __all__ = [
     "HELLO", "CONFIG", "CALL", "REPLY", "SPAWN", "VIEW", "HEARTBEAT", "LOG", "STOP", "STOP_ACTOR", "INTROSPECT", "DEBUG",
-    "RELAY", "FENCE", "BEAT", "GONE", "F_REPLY", "OK", "ERR", "DIED", "GATHERED", "encode_method", "decode_method",
+    "RELAY", "FENCE", "BEAT", "GONE", "BEAT_SLOT", "F_REPLY", "OK", "ERR", "DIED", "GATHERED", "encode_method", "decode_method",
     "pack_targets", "unpack_targets", "pack_gathered", "unpack_gathered", "uniform_gathered",
 ]
 
@@ -67,6 +69,10 @@ RELAY, FENCE, BEAT, GONE = 13, 14, 15, 16
 F_REPLY = 1
 
 OK, ERR, DIED, GATHERED = 0, 1, 2, 3
+
+#: a rank's heartbeat in its slot of its relay's shared segment (``beat_slot`` of the relay's CONFIG):
+#: its ``time.monotonic()``, a clock every process of a host shares (runtime.relay)
+BEAT_SLOT = struct.Struct("<d")
 
 _U32 = struct.Struct("<I")
 _ENTRY = struct.Struct("<III")  # position, status, length of one gathered reply

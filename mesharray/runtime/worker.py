@@ -48,12 +48,14 @@ import concurrent.futures
 import functools
 import inspect
 import logging
+import mmap
 import os
 import pickle
 import queue
 import socket
 import sys
 import threading
+import time
 import traceback
 from threading import get_ident
 from time import perf_counter_ns
@@ -328,6 +330,8 @@ class Worker:
         self._loop_thread: threading.Thread | None = None
         self._loop_lock = threading.Lock()
         self.heartbeat_interval = 0.5
+        #: (the relay's segment, this rank's offset in it): where heartbeats go, if the relay gave one
+        self.beat_slot: tuple | None = None
         self.exitcode = 0
         self.host_id = host_id()
         self.label: str | None = None
@@ -483,7 +487,12 @@ class Worker:
             log.warning("worker %d: ignoring frame of unknown kind %d", self.rank, kind)
 
     def _configure(self, conn, cfg: dict) -> None:
-        """The controller's settings: all of them once adopted, then any of them (``procs.logging``)."""
+        """The controller's settings: all of them once adopted, then any of them (``procs.logging``);
+        from the host's relay, the slot its heartbeats go to (``beat_slot``)."""
+        if "beat_slot" in cfg:
+            self._open_beat_slot(*cfg.pop("beat_slot"))
+            if not cfg:
+                return
         if "pid" in cfg:
             conn.peer["pid"] = cfg["pid"]
         self.heartbeat_interval = cfg.get("heartbeat_interval", self.heartbeat_interval)
@@ -811,6 +820,19 @@ class Worker:
         set_title(f"mesharray {self.mesh_name} rank {self.rank} [{self.label or ''}]" + (f" {actors}" if actors else ""))
 
     # -- life ---------------------------------------------------------------
+    def _open_beat_slot(self, pid: int, fd: int, offset: int) -> None:
+        """Send heartbeats into the relay's segment (its ``memfd``, opened through ``/proc``) at
+        ``offset``; where it cannot be opened, they go on as frames."""
+        try:
+            f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+            try:
+                mm = mmap.mmap(f, 0)
+            finally:
+                os.close(f)
+        except (OSError, ValueError):
+            return
+        self.beat_slot = (mm, offset)
+
     def heartbeat_loop(self) -> None:
         conn = self.relay or self.controller  # (a relay watches its host's heartbeats)
         if conn is None:
@@ -819,10 +841,13 @@ class Worker:
         beat = _HEARTBEAT_FRAME
         beats = 0
         while not self.done.wait(self.heartbeat_interval):
+            slot = self.beat_slot
             try:
-                # the frame packed once, written by the compiled path (a thousand ranks beat twice a
-                # second each); through send when frames wait ahead of it, which keeps their order
-                if not c.write_frame(beat):
+                if slot is not None:  # the relay reads it once per interval (runtime.relay)
+                    P.BEAT_SLOT.pack_into(slot[0], slot[1], time.monotonic())
+                # else the frame packed once, written by the compiled path (a thousand ranks beat twice
+                # a second each); through send when frames wait ahead of it, which keeps their order
+                elif not c.write_frame(beat):
                     conn.send(P.HEARTBEAT)
             except ConnectionError:
                 return

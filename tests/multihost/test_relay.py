@@ -12,6 +12,7 @@ import pytest
 from mh_agents import SECRET, agents, wait_until
 
 import mesharray as ma
+from mesharray import _platform
 from mesharray.runtime.router import get_router
 from tests.support.actors import Counter, Probe
 from tests.support.procs import gone
@@ -225,11 +226,23 @@ def test_a_dead_relay_is_the_death_of_its_hosts_ranks():
         ags.__exit__(None, None, None)
 
 
+class _BeatSlot(ma.Actor):
+    @ma.endpoint
+    def beat_slot(self):
+        from mesharray.runtime import worker
+
+        w = worker._main_worker
+        return None if w is None or w.beat_slot is None else w.beat_slot[1]
+
+
 def test_a_stopped_rank_is_reported_unresponsive_through_its_relay():
     ags, hosts, procs = _two_hosts(20, "u", heartbeat_timeout=1.0, heartbeat_interval=0.2)
     try:
         p = procs.spawn("p", Probe)
         pids = np.asarray(p.pid.call().get(timeout=30))
+        if _platform.memfd_via_proc():  # (Linux: the ranks write their heartbeats into the relay's slots)
+            slots = procs.spawn("slots", _BeatSlot).beat_slot.call().get(timeout=30)
+            assert sorted(np.asarray(slots).ravel().tolist()) == [0, 0, 8, 8]
         time.sleep(1.5)
         assert procs.stats()["unresponsive_now"] == 0  # idle: no false report
         os.kill(int(pids[1, 0]), signal.SIGSTOP)
