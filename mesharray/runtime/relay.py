@@ -15,13 +15,14 @@ its controller (a unix socket) and:
   passes them on to another host);
 - sends its heartbeats to the relay, which watches them and reports the host
   in one ``BEAT`` frame per heartbeat interval: the ranks whose heartbeats are
-  late and for how long. Where shared memory is a ``memfd`` opened through
-  ``/proc`` (Linux), a heartbeat is the rank's ``time.monotonic()`` written
-  into its 8-byte slot of one segment of the relay (``CONFIG`` names it after
-  the rank's ``HELLO``), which the relay reads once per interval: no frame and
-  no wake-up of the relay per heartbeat (at 1,024 ranks, 2,048 a second) (the controller applies ``heartbeat_timeout`` and
+  late and for how long (the controller applies ``heartbeat_timeout`` and
   ``kill_unresponsive`` as for a direct heartbeat); a pause of the relay itself
-  (its loop woke late) is not blamed on the workers, as at the controller;
+  (its loop woke late) is not blamed on the workers, as at the controller.
+  Where shared memory is a ``memfd`` opened through ``/proc`` (Linux), a
+  heartbeat is the rank's ``time.monotonic()`` written into its 8-byte slot of
+  one segment of the relay (``CONFIG`` names it after the rank's ``HELLO``),
+  which the relay reads once per interval: no frame and no wake-up of the relay
+  per heartbeat (at 1,024 ranks, 2,048 a second);
 - exits when the relay's connection ends, as when its controller's does: a
   relay that dies takes its host's ranks with it, and the controller reports
   them dead at once (:meth:`.hosts.HostPlane.relay_lost`).
