@@ -138,3 +138,37 @@ def expand_calls(program: list, calls: dict, plans: dict, missing: Any) -> list 
 def fast_op(raw: tuple, blocks: dict, engines: dict, failed: dict) -> Any: ...
 def free_blocks(store: Any, bids: list) -> bool: ...
 def bucket_scan(program: list, i: int, grad_of: Any, barriers: Any, plan_of: Any, block_ids: Any) -> Any: ...
+
+# --- _serve.pxi ---
+def serve_setup(kinds: dict[str, int], counted: Any, decode: Callable[..., Any], names: dict[bytes, str],
+                no_args: bytes, empty_ok: Any, empty_ok_bytes: int, current: Any, clock_ns: Callable[[], int],
+                rec: Any, record: bool, max_rows: int, send_errors: Any, small: int,
+                write_frame: Callable[[Any, bytes], bool]) -> None: ...
+
+class ActorSlot:
+    actor_id: Any
+    name: Any
+    obj: Any
+    shape: Any
+    lock: Any
+    is_async: bool
+    failure: Any
+    queue: Any
+    concurrent: Any
+    endpoints: Any
+    ctx: Any
+    bound: dict[str, Any]
+    broadcast_error: dict[Any, Any]
+
+class CallServer:
+    @property
+    def worker(self) -> Any: ...
+    @property
+    def chan(self) -> Any: ...
+    @property
+    def counted(self) -> int: ...
+    def __init__(self, worker: Any, chan: Any, counted: int = 0) -> None: ...
+    def __call__(self, conn: Any, kind: int, flags: int, msg_id: int, target: int, view: int, payload: Any) -> None: ...
+
+def serve_sync(worker: Any, chan: Any, conn: Any, slot: ActorSlot, flags: int, msg_id: int, view: int,
+               payload: bytearray) -> None: ...

@@ -15,6 +15,8 @@ file so that the parts can be read (and owned) separately:
 - ``_dispatch.pxi``: the signature of an op's arguments (the recipe caches' keys), and an op's
                      tail at the controller (its instruction queued, its result made).
 - ``_worker.pxi``  : a rank's common instructions of a distributed-array program.
+- ``_serve.pxi``   : a worker's call path: each frame of its connections routed, a
+                     call to a synchronous actor run and answered.
 """
 
 include "_shape.pxi"
@@ -22,6 +24,7 @@ include "_frame.pxi"
 include "_kernels.pxi"
 include "_dispatch.pxi"
 include "_worker.pxi"
+include "_serve.pxi"
 
 
 # --- public names -------------------------------------------------------------

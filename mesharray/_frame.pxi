@@ -94,6 +94,11 @@ def pack_frame(unsigned int kind, unsigned int flags, unsigned long long msg_id,
     >>> pack_frame(1, 0, 7, 2, 3, [b"abcde"], 64, 4)
     (5, None)
     """
+    return _pack_frame(kind, flags, msg_id, target, view, parts, small, limit)
+
+
+cdef tuple _pack_frame(unsigned int kind, unsigned int flags, unsigned long long msg_id, unsigned long long target,
+                       unsigned long long view, parts, Py_ssize_t small, unsigned long long limit):
     cdef Py_ssize_t n = 0, i, m, pos = 24
     parts = tuple(parts)  # (what is sized is what is copied; a no-op for a tuple)
     m = len(parts)
@@ -339,7 +344,10 @@ def dispatch_frames(handler, conn, data, Py_ssize_t start, Py_ssize_t end, unsig
                 if more:
                     conn.more = end - start >= 24
                 try:
-                    handler(conn, h.kind, h.flags, h.msg_id, h.target, h.view, payload)
+                    if type(handler) is CallServer:  # (a worker's connection: no Python call)
+                        (<CallServer>handler).frame(conn, h.kind, h.flags, h.msg_id, h.target, h.view, payload)
+                    else:
+                        handler(conn, h.kind, h.flags, h.msg_id, h.target, h.view, payload)
                 except BaseException as exc:
                     return start, 0, exc
             if clock is not None and end - start >= 24 and clock() - t0 > budget:

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import inspect
 import logging
 import mmap
@@ -57,15 +56,15 @@ import sys
 import threading
 import time
 import traceback
-from threading import get_ident
 from time import perf_counter_ns
 from typing import Any, Callable, TypeVar
 
-from .._core import pack_header
+from .._core import ActorSlot, CallServer, pack_header, serve_setup, serve_sync
 from .._platform import sched_batch, worker_sched, worker_spin
 from ..errors import SerializationError
 from ..transport import framing
 from ..transport.address import connect, dual_address
+from ..transport.connection import SMALL_FRAME, Connection
 from ..transport.dataplane import start_process_plane
 from ..transport.hostid import host_id, memory_domain
 from ..transport.listener import Listener
@@ -91,10 +90,7 @@ _NO_ARGS_BYTES = b"".join(framing.encode(framing.dumps(((), {}))))
 _NO_ARGS_LEN = len(_NO_ARGS_BYTES)
 _names: dict[bytes, str] = {}  # u8 n + method name -> name
 _record = REC.call
-_current = REC.current
-_rows = REC.rows
-_MAX_ROWS = MAX_ROWS
-_CALL, _REPLY, _OK = P.CALL, P.REPLY, P.OK
+_CALL = P.CALL
 _T = TypeVar("_T")
 
 #: the worker that owns this process's main thread (run_worker with exit_process=True)
@@ -264,11 +260,10 @@ def _error_parts(rec: dict) -> list:
         return framing.encode(framing.dumps(rec))
 
 
-class _Slot:
-    """One actor hosted by this worker."""
+class _Slot(ActorSlot):
+    """One actor hosted by this worker (its fields: :class:`~mesharray._core.ActorSlot`'s)."""
 
-    __slots__ = ("actor_id", "name", "obj", "shape", "lock", "is_async", "failure", "queue",
-                 "concurrent", "endpoints", "ctx", "bound", "broadcast_error")
+    __slots__ = ()
 
     def __init__(self, actor_id, name, shape) -> None:
         self.actor_id = actor_id
@@ -307,6 +302,10 @@ class _Order:
 
 _COUNTED = frozenset((P.CALL, P.SPAWN, P.STOP_ACTOR, P.STOP))  # (runtime.hosts.COUNTED)
 _HEARTBEAT_FRAME: bytes = pack_header(P.HEARTBEAT, 0, 0)  # (a frame with no payload: its header)
+# the compiled call path (mesharray._core's _serve.pxi): this module's constants and tables
+serve_setup({"CALL": P.CALL, "REPLY": P.REPLY, "OK": P.OK, "FENCE": P.FENCE, "F_REPLY": P.F_REPLY}, _COUNTED,
+            framing.decode, _names, _NO_ARGS_BYTES, _EMPTY_OK, _EMPTY_OK_BYTES, current, perf_counter_ns, REC,
+            RECORD, MAX_ROWS, (SerializationError, ConnectionError), SMALL_FRAME, Connection.write_frame)
 
 
 class Worker:
@@ -390,9 +389,9 @@ class Worker:
     # -- connections ------------------------------------------------------
     def on_peer_socket(self, sock) -> None:
         chan = Channel(sock, handler=self.on_frame, on_close=self._peer_closed, name="peer", on_call=self._call)
-        # calls go straight from the reader to _frame (on_call stays the channel's own route to
-        # them, for a connection whose handler is the channel's again)
-        chan.conn.handler = functools.partial(self._frame, chan)
+        # calls go straight from the reader to the compiled call path (on_call stays the channel's
+        # own route to them, for a connection whose handler is the channel's again)
+        chan.conn.handler = CallServer(self, chan)
         self.inbound.add(chan)
         try:
             chan.start()
@@ -421,30 +420,6 @@ class Worker:
                     o.cond.wait(0.2)
             finally:
                 o.waiting -= 1
-
-    def _frame_direct(self, conn, _c, kind, flags, msg_id, actor_id, view, payload) -> None:
-        """A frame of the controller's connection of a rank with a relay: :meth:`_frame`, counted."""
-        self._frame_counted(False, conn, _c, kind, flags, msg_id, actor_id, view, payload)
-
-    def _frame_relayed(self, conn, _c, kind, flags, msg_id, actor_id, view, payload) -> None:
-        """A frame of the relay's connection: :meth:`_frame`, counted."""
-        self._frame_counted(True, conn, _c, kind, flags, msg_id, actor_id, view, payload)
-
-    def _frame_counted(self, relayed: bool, conn, _c, kind, flags, msg_id, actor_id, view, payload) -> None:
-        """:meth:`_frame` of a frame that came by one path (``relayed`` or direct), after a fence on it
-        has waited for that many frames of the other path, counted for the other path's fences."""
-        if kind == P.FENCE:
-            self._await(not relayed, msg_id)
-            return
-        self._frame(conn, _c, kind, flags, msg_id, actor_id, view, payload)
-        if kind in _COUNTED:
-            o = self.order
-            if relayed:
-                o.relayed += 1
-            else:
-                o.direct += 1
-            if o.waiting:
-                o.wake()
 
     # -- the event loop for async actors ------------------------------------
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -565,9 +540,10 @@ class Worker:
         self._frame(conn, None, _CALL, flags, msg_id, actor_id, view, payload)
 
     def _frame(self, conn, _c, kind, flags, msg_id, actor_id, view, payload) -> None:
-        """A frame of channel ``conn``, straight from its connection's reader (``_c``): a call
-        runs here, any other kind goes to the channel (this is the per-message path of every
-        call and broadcast: one Python frame less than through ``Channel._on_frame``)."""
+        """A frame of channel ``conn`` (from its connection ``_c``): a call runs here, any other
+        kind goes to the channel. A call to a synchronous actor runs in the compiled
+        :func:`~mesharray._core.serve_sync`; the connections' handlers (:class:`~mesharray._core.CallServer`)
+        run those themselves and come here for the rest (a missing or failed actor, an async one)."""
         if kind != _CALL:
             conn._on_frame(_c, kind, flags, msg_id, actor_id, view, payload)
             return
@@ -585,87 +561,16 @@ class Worker:
                 print(f"broadcast of {P.decode_method(payload)[0]!r} to a missing actor dropped: "
                       f"{rec['exc']}", file=sys.stderr, flush=True)
             return
+        if not slot.is_async:
+            serve_sync(self, conn, conn.conn, slot, flags, msg_id, view, payload)
+            return
         n = payload[0]
         key = bytes(payload[:1 + n])
         method = _names.get(key)
         if method is None:
             method = _names[key] = key[1:].decode()
         vshape = conn.views_in.get(view) if view else None
-        if slot.is_async:
-            self.loop().call_soon_threadsafe(slot.queue.put_nowait,
-                                             (conn, msg_id, reply, method, payload, n, vshape))
-            return
-        if not RECORD:
-            self._run_sync(slot, conn, msg_id, reply, method, payload, n, vshape)
-            return
-        # telemetry: one row per call (see runtime.recorder); the span is (caller pid, msg id),
-        # found by nested calls through the thread's entry in _current
-        # (the body of _run_sync, inlined: this is the per-message path of every call and broadcast)
-        tid = get_ident()
-        t0 = perf_counter_ns()
-        caller = conn.peer.get("pid") or 0
-        _current[tid] = (slot.name, method, t0, caller, msg_id)
-        status, out = "ok", 0
-        try:
-            with slot.lock:
-                if reply and slot.broadcast_error and self._tell_broadcast_error(conn, msg_id, slot):
-                    return
-                ctx = slot.ctx  # one per actor: sync endpoints of an actor never overlap
-                ctx._view = vshape
-                token = current.set(ctx)
-                try:
-                    # (_invoke, inlined: this is the per-message path of every call)
-                    fn = slot.bound.get(method) or self._endpoint(slot, method)
-                    if len(payload) - 1 - n == _NO_ARGS_LEN and payload.endswith(_NO_ARGS_BYTES):
-                        result = fn()
-                    else:
-                        args, kwargs = framing.decode(memoryview(payload)[1 + n:])
-                        result = fn(*args, **kwargs)
-                except BaseException as exc:
-                    self._fail(conn, msg_id, reply, slot, exc, method)
-                    status = type(exc).__name__
-                finally:
-                    current.reset(token)
-            parts = None
-            if reply and status == "ok":
-                if result is None:
-                    parts, out = _EMPTY_OK, _EMPTY_OK_BYTES
-                else:
-                    parts = self._reply_parts(conn, msg_id, slot, method, result)
-                    if parts is not None:
-                        out = 24 + sum(map(len, parts))
-        finally:
-            _current.pop(tid, None)
-        # the row before the reply goes out: a caller that reads telemetry once it has its reply
-        # finds it, even through another connection of this worker (a nested call's caller)
-        _rows.append((t0 + REC.wall_offset, perf_counter_ns() - t0, slot.name, method, caller, msg_id, len(payload),
-                      out, status))
-        if parts is not None:
-            c = conn.conn  # (_send_reply, inlined: corked only while more frames of this read follow)
-            try:
-                c.send(_REPLY, 0, msg_id, _OK, 0, parts, c.more)
-            except (SerializationError, ConnectionError) as exc:
-                self._reply_failed(conn, msg_id, slot, method, result, exc)
-        if len(_rows) > _MAX_ROWS:
-            REC.trim()
-
-    def _run_sync(self, slot, conn, msg_id, reply, method, payload, n, vshape) -> None:
-        """Run a call of a synchronous actor inline (telemetry off; ``_call`` has it inlined with recording)."""
-        with slot.lock:
-            if reply and slot.broadcast_error and self._tell_broadcast_error(conn, msg_id, slot):
-                return
-            ctx = slot.ctx  # one per actor: sync endpoints of an actor never overlap
-            ctx._view = vshape
-            token = current.set(ctx)
-            try:
-                result = self._invoke(slot, method, payload, n)
-            except BaseException as exc:
-                self._fail(conn, msg_id, reply, slot, exc, method)
-                return
-            finally:
-                current.reset(token)
-        if reply:
-            self._reply(conn, msg_id, slot, method, result, cork=True)
+        self.loop().call_soon_threadsafe(slot.queue.put_nowait, (conn, msg_id, reply, method, payload, n, vshape))
 
     def _invoke(self, slot, method, payload, n):
         """Run endpoint ``method`` on a CALL payload (``n``: its method name's length): what sync and
@@ -682,22 +587,6 @@ class Worker:
             raise AttributeError(f"actor {slot.name!r} ({type(slot.obj).__name__}) has no endpoint {method!r}")
         fn = slot.bound[method] = getattr(slot.obj, method)
         return fn
-
-    def _reply(self, chan, msg_id, slot, method, result, cork=False) -> int:
-        """Send ``result`` as the reply to ``msg_id``; the frame's size (0: nothing sent, the caller
-        was told why or is gone).
-
-        ``cork=True`` in a reader thread: queued while more frames of the same read follow (the
-        reader flushes before it blocks again, so the frame goes to the connection itself, not
-        through the channel's flusher); the reply to the last one is written at once.
-        """
-        parts = self._reply_parts(chan, msg_id, slot, method, result)
-        if parts is None or not self._send_reply(chan, msg_id, slot, method, result, parts, cork):
-            return 0
-        if parts is _EMPTY_OK:
-            return _EMPTY_OK_BYTES
-        # (framing's parts are bytes and 1-d byte memoryviews: len is their size)
-        return 24 + sum(map(len, parts))
 
     def _reply_parts(self, chan, msg_id, slot, method, result):
         """The payload of the reply ``result`` (None: it cannot be pickled, and the caller was told)."""
@@ -957,7 +846,7 @@ def run_worker(controller_address: str, secret: bytes, rank: int, *, listen: str
     sock = connect(controller_address, secret)
     chan = Channel(sock, handler=w.on_frame, on_close=w.on_controller_closed, name="controller",
                    on_call=w._call)
-    chan.conn.handler = functools.partial(w._frame, chan)  # (calls straight from the reader; see on_peer_socket)
+    chan.conn.handler = CallServer(w, chan)  # (calls straight from the reader; see on_peer_socket)
     w.controller = chan
     if exit_process and forward_logs:
         forward_process_output(chan.conn)
@@ -967,10 +856,10 @@ def run_worker(controller_address: str, secret: bytes, rank: int, *, listen: str
              "address": address, "forward_logs": forward_logs, **extra}
     chan.send(P.HELLO, parts=[pickle.dumps(hello)])
     if relay is not None:
-        chan.conn.handler = functools.partial(w._frame_direct, chan)
+        chan.conn.handler = CallServer(w, chan, 1)  # (counted: see _Order)
         rsock = connect(relay, secret)
         rchan = Channel(rsock, handler=w.on_frame, on_close=w.on_controller_closed, name="relay", on_call=w._call)
-        rchan.conn.handler = functools.partial(w._frame_relayed, rchan)
+        rchan.conn.handler = CallServer(w, rchan, 2)
         rchan.conn.same_host = False  # (replies go on to the controller's host: in the frame, never shared memory)
         w.relay = rchan
         rchan.send(P.HELLO, parts=[pickle.dumps({"role": "worker", "rank": rank, "pid": w.pid,

@@ -2,7 +2,34 @@
 
 from typing import Any, Callable
 
+class Wire:
+    sock: Any
+    name: Any
+    handler: Any
+    limit: int
+    more: bool
+    bytes_in: int
+    bytes_out: int
+    frames_out: int
+    _out: list[Any]
+    _out_t0: float
+    _backlog: Any
+    _closed: bool
+    _faulty: bool
+    _write_error: BaseException | None
+    _send_lock: Any
+    _route_kind: int
+    _route: dict[int, Callable[[int, Any], Any]] | None
+    _route_counts: list[int] | None
+    _big: Any
+    _view: Any
+    _start: int
+    _end: int
+    _read_exc: BaseException | None
+
 def setup(clock: Callable[[], float], cork_age: float, frame_error: type[BaseException],
-          broken_transport_error: type[BaseException]) -> None: ...
+          broken_transport_error: type[BaseException], settings: dict[str, Any]) -> None: ...
 def read_polled(conn: Any) -> bool: ...
 def write_frame(conn: Any, frame: bytes) -> bool: ...
+def read_loop(conn: Any) -> None: ...
+def spin_recv(sock: Any, buf: Any, spin: float, state: list[int]) -> int: ...

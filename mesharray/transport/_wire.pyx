@@ -1,30 +1,34 @@
 # cython: language_level=3
 # cython: boundscheck=False, wraparound=False, initializedcheck=False
 # cython: embedsignature=True, binding=True
-"""mesharray.transport._wire — a connection's two per-message steps, compiled.
+"""mesharray.transport._wire — a connection's per-message steps, compiled.
 
-The transport's I/O stays in :mod:`.connection`; these are two of its methods,
-bound there (``Connection._read_polled``, ``Connection.write_frame``), written
-here because every call's reply and every relayed frame runs them and their
-Python was most of a round trip's interpreter time (``_core`` holds no I/O:
-this module is the transport's own):
+The transport's I/O stays in :mod:`.connection`; these are three of its methods,
+bound there (``Connection._read_polled``, ``Connection.write_frame``,
+``Connection._read_loop``), written here because every call, its reply and
+every relayed frame run them and their Python was most of a round trip's
+interpreter time (``_core`` holds no I/O: this module is the transport's own):
 
 - :func:`read_polled`: one non-blocking ``recv`` of a polled connection into
   its receive buffer, then its complete frames handed over by
   :func:`mesharray._core.dispatch_frames`;
 - :func:`write_frame`: a whole small frame written now with one non-blocking
-  ``send``, or ``False`` so that the caller goes through ``Connection.send``.
+  ``send``, or ``False`` so that the caller goes through ``Connection.send``;
+- :func:`read_loop`: a reader thread's loop (thread mode): a ``recv`` without
+  the GIL, polled first for the read spin (:func:`spin_recv`,
+  :mod:`.spin`), the frames handed over, what the handlers corked flushed
+  before the next blocking read, until the connection ends.
 
 Everything unusual goes back to the connection's Python: a frame longer than
 the receive buffer (``_read_some``, ``_start_big``), what the socket did not
 take (``_rest_locked``: the backlog and its writer), and every failure
 (``_read_error``). They hold no Python frame of their own, so a Ctrl-C lands
 in the guarded caller (:mod:`.interrupt`), which waits for a marked line as
-before.
+before (a reader thread is never the main thread: it gets none).
 """
 
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_WRITABLE
-from libc.errno cimport errno
+from libc.errno cimport errno, EINTR
 from libc.string cimport memmove, strerror
 
 cdef extern from "<sys/types.h>":
@@ -34,6 +38,24 @@ cdef extern from "<sys/socket.h>" nogil:
     ssize_t c_recv "recv" (int fd, void* buf, size_t n, int flags)
     ssize_t c_send "send" (int fd, const void* buf, size_t n, int flags)
     enum: MSG_DONTWAIT
+
+cdef extern from "<poll.h>" nogil:
+    struct pollfd:
+        int fd
+        short events
+        short revents
+    int c_poll "poll" (pollfd* fds, unsigned long nfds, int timeout)
+    enum: POLLIN
+
+cdef extern from "<sched.h>" nogil:
+    int sched_yield()
+
+cdef extern from "<time.h>" nogil:
+    struct timespec:
+        long tv_sec
+        long tv_nsec
+    int clock_gettime(int clk, timespec* ts)
+    enum: CLOCK_MONOTONIC
 
 cdef extern from *:
     """
@@ -49,29 +71,162 @@ cdef extern from *:
 
 from mesharray._core import dispatch_frames as _dispatch_frames
 
-__all__ = ["read_polled", "write_frame", "setup"]
+__all__ = ["Wire", "read_polled", "write_frame", "read_loop", "spin_recv", "setup"]
+
+
+cimport cython
+
+
+@cython.auto_pickle(False)
+cdef class Wire:
+    """The base of :class:`~.connection.Connection`: the state every message reads or writes, as C
+    fields. The compiled steps below use them without an attribute lookup (each lookup of a
+    Python attribute costs a walk of the type's dictionaries, slow once a thousand other processes
+    have run on the CPU); Python reads and sets them as attributes, as before. The rest of a
+    connection's state lives in its instance dictionary."""
+
+    cdef public object sock
+    cdef public object name
+    cdef public object handler
+    #: the largest frame this connection reads or writes
+    cdef public unsigned long long limit
+    #: set by the reader before each frame it hands over: more frames of the same read follow
+    cdef public bint more
+    cdef public long long bytes_in
+    cdef public long long bytes_out
+    cdef public long long frames_out
+    cdef public list _out              # corked frames
+    cdef public double _out_t0         # when the first of them was corked
+    cdef public object _backlog        # written frames the socket has not taken yet (a deque)
+    cdef public bint _closed
+    cdef public bint _faulty           # send is replaced (inject): write_frame leaves every frame to it
+    cdef public object _write_error
+    cdef public object _send_lock
+    cdef public unsigned int _route_kind
+    cdef public object _route
+    cdef public object _route_counts
+    cdef public object _big            # a frame longer than the receive buffer, in progress
+    cdef public object _view           # the receive buffer's memoryview
+    cdef public Py_ssize_t _start      # its frames not handed over yet: _view[_start:_end]
+    cdef public Py_ssize_t _end
+    cdef public object _read_exc       # why the reader ended
 
 cdef object _clock = None
 cdef double _cork_age = 0.0
 cdef object _FrameError = RuntimeError
 cdef object _Broken = RuntimeError
+cdef dict _settings = {"_spin": 0.0}  # (the globals of .connection: its copy of the read spin)
 
 
-def setup(clock, double cork_age, frame_error, broken_transport_error):
+def setup(clock, double cork_age, frame_error, broken_transport_error, dict settings):
     """What :mod:`.connection` gives this module once: its clock and cork age (``_clock``,
-    ``_CORK_AGE``), and the errors it raises (``FrameError``, ``BrokenTransportError``)."""
-    global _clock, _cork_age, _FrameError, _Broken
+    ``_CORK_AGE``), the errors it raises (``FrameError``, ``BrokenTransportError``) and its
+    globals, whose ``_spin`` (the read spin, kept by :func:`.spin.mirror`) each read tests."""
+    global _clock, _cork_age, _FrameError, _Broken, _settings
     _clock = clock
     _cork_age = cork_age
     _FrameError = frame_error
     _Broken = broken_transport_error
+    _settings = settings
+
+
+cdef inline double _now() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <double>ts.tv_sec + <double>ts.tv_nsec * 1e-9
+
+
+cdef ssize_t _recv_wait(int fd, char* buf, size_t n, int timeout_ms, int* err) noexcept nogil:
+    # a blocking recv: on a socket without a timeout, one syscall; on one with a timeout (or a
+    # non-blocking one), poll for it first; a signal retries. -2: the timeout passed
+    cdef ssize_t got
+    cdef pollfd p
+    cdef int r
+    if timeout_ms < 0:
+        while True:
+            got = c_recv(fd, buf, n, 0)
+            if got >= 0:
+                return got
+            err[0] = errno
+            if err[0] == EINTR:
+                continue
+            if not _again(err[0]):
+                return -1
+            break  # (a non-blocking socket: poll below)
+    while True:
+        p.fd = fd
+        p.events = POLLIN
+        p.revents = 0
+        r = c_poll(&p, 1, timeout_ms)
+        if r == 0:
+            return -2
+        if r < 0:
+            err[0] = errno
+            if err[0] == EINTR:
+                continue
+            return -1
+        got = c_recv(fd, buf, n, MSG_DONTWAIT)
+        if got >= 0:
+            return got
+        err[0] = errno
+        if not _again(err[0]):
+            return -1
+
+
+cdef ssize_t _spin_recv(int fd, char* buf, size_t n, double spin, int* skip, int* backoff, int timeout_ms,
+                        int* err) noexcept nogil:
+    # the read spin (spin.set_read_spin): poll without waiting for up to ``spin`` seconds, yielding
+    # the CPU between tries, then block; after a spin that found nothing, the next 1, 2, 4 ... 64
+    # reads block at once, and a message found while polling resets that
+    cdef ssize_t got
+    cdef double deadline
+    if spin <= 0.0:
+        return _recv_wait(fd, buf, n, timeout_ms, err)
+    if skip[0]:
+        skip[0] -= 1
+        return _recv_wait(fd, buf, n, timeout_ms, err)
+    deadline = _now() + spin
+    while True:
+        got = c_recv(fd, buf, n, MSG_DONTWAIT)
+        if got >= 0:
+            backoff[0] = 0
+            return got
+        err[0] = errno
+        if not _again(err[0]):
+            return -1
+        if _now() > deadline:
+            break
+        sched_yield()  # (a thread that wants this CPU runs: see spin.set_read_spin)
+    backoff[0] = min(64, 2 * backoff[0] if backoff[0] else 1)
+    skip[0] = backoff[0]
+    return _recv_wait(fd, buf, n, timeout_ms, err)
+
+
+def spin_recv(sock, buf, double spin, list state not None):
+    """One read of a reader thread (:func:`read_loop`'s): ``sock.recv_into(buf)`` polled first for
+    up to ``spin`` seconds (:func:`.spin.set_read_spin`). ``state``: ``[reads left to block at once,
+    back-off]``, updated. Returns what ``recv`` returned (0: the peer closed)."""
+    cdef Py_buffer b
+    cdef int skip = state[0], backoff = state[1], err = 0, fd = sock.fileno()
+    cdef ssize_t got
+    PyObject_GetBuffer(buf, &b, PyBUF_WRITABLE)
+    try:
+        with nogil:
+            got = _spin_recv(fd, <char*>b.buf, <size_t>b.len, spin, &skip, &backoff, -1, &err)
+    finally:
+        PyBuffer_Release(&b)
+    state[0] = skip
+    state[1] = backoff
+    if got < 0:
+        raise _os_error(err)
+    return got
 
 
 cdef inline object _os_error(int err):
     return OSError(err, strerror(err).decode("utf-8", "replace"))
 
 
-def read_polled(conn):
+def read_polled(Wire conn):
     """``Connection._read_polled``: one non-blocking read of a polled connection that poll found
     readable, its complete frames handed over; False once the connection ended (its reason in
     ``conn._read_exc``).
@@ -85,8 +240,9 @@ def read_polled(conn):
     cdef int fd, err = 0
     cdef Py_ssize_t status = 0  # (a frame's whole size when it is longer than the buffer: up to 4 GiB)
     cdef bint held = False
+    c = <object>conn  # (its Python methods)
     if conn._big is not None:
-        return conn._read_some()
+        return c._read_some()
     view = conn._view
     start = conn._start
     end = conn._end
@@ -117,11 +273,11 @@ def read_polled(conn):
             if e is not None:
                 raise e  # (a handler's: start is past its frame)
             if conn._out and _clock() - conn._out_t0 > _cork_age:
-                conn.flush()  # (frames corked by the handlers or the caller: out within the cork age)
+                c.flush()  # (frames corked by the handlers or the caller: out within the cork age)
             if status != -1:
                 break  # (-1: it stopped after the cork age of a long batch, to flush: the rest)
         if status:  # (> 0: a frame longer than the receive buffer)
-            conn._big = conn._start_big(start, end, status)
+            conn._big = c._start_big(start, end, status)
             start = end = 0
         elif start == end:
             start = end = 0
@@ -132,7 +288,7 @@ def read_polled(conn):
     except BaseException as exc:
         conn._start = start
         conn._end = end
-        conn._read_exc = conn._read_error(exc)
+        conn._read_exc = c._read_error(exc)
         return False
     finally:
         if held:
@@ -142,7 +298,7 @@ def read_polled(conn):
     return True
 
 
-def write_frame(conn, bytes frame not None):
+def write_frame(Wire conn, bytes frame not None):
     """``Connection.write_frame``: write a whole small frame now if nothing waits ahead of it;
     False, having done nothing, otherwise.
 
@@ -175,9 +331,93 @@ def write_frame(conn, bytes frame not None):
                 exc = _os_error(err)
                 raise _Broken(f"connection {conn.name} broke while sending: {exc}") from exc
         if sent != n:
-            conn._rest_locked(frame, sent)
+            (<object>conn)._rest_locked(frame, sent)
     finally:
         lock.release()
     conn.bytes_out += n
     conn.frames_out += 1
     return True
+
+
+def read_loop(Wire conn):
+    """``Connection._read_loop``: the reader thread of a connection in thread mode, until it ends; the
+    reason is left in ``conn._read_exc`` (None: an EOF or a local close).
+
+    Each read is one ``recv`` without the GIL (polled first for the read spin, :func:`spin_recv`'s
+    rules; the spin is read from the connection module on every read, so a new setting takes
+    effect at once); its complete frames go to ``conn.handler`` (``conn.more`` set before each:
+    whether more of this read follows, so that a reply corks only then); what the handlers corked
+    is flushed once the batch is handed over (or at the cork age within a long batch), before the
+    next blocking read. A frame longer than the receive buffer is read by ``Connection._read_some``.
+    Only this thread reads and closes the socket, so its descriptor stays valid until this returns.
+    """
+    cdef Py_buffer buf
+    cdef Py_ssize_t start, end, cap, status = 0
+    cdef ssize_t got
+    cdef int fd, err = 0, skip = 0, backoff = 0, timeout_ms = -1
+    cdef double spin
+    cdef bint held = False
+    c = <object>conn  # (its Python methods)
+    view = conn._view
+    start = conn._start
+    end = conn._end
+    limit = conn.limit
+    sock = conn.sock
+    fd = sock.fileno()
+    timeout = sock.gettimeout()
+    if timeout is not None:
+        timeout_ms = max(0, <int>(timeout * 1000.0))
+    try:
+        PyObject_GetBuffer(view, &buf, PyBUF_WRITABLE)
+        held = True
+        cap = buf.len
+        while True:
+            if conn._big is not None:  # (only when a frame was too long for the buffer: see below)
+                conn._start = conn._end = 0
+                if not c._read_some(0):
+                    return  # (the reason is in _read_exc)
+                if conn._big is None and conn._out:
+                    c.flush()  # the reply to a large frame: out now, not at the flusher's next round
+                continue
+            spin = _settings["_spin"]
+            with nogil:
+                got = _spin_recv(fd, <char*>buf.buf + end, <size_t>(cap - end), spin, &skip, &backoff, timeout_ms,
+                                 &err)
+            if got < 0:
+                if got == -2:
+                    raise TimeoutError("timed out")
+                raise _os_error(err)
+            if got == 0:
+                raise EOFError
+            conn.bytes_in += got
+            end += got
+            while True:
+                # every complete frame to the handler (read per batch: inject() may swap it)
+                try:
+                    start, status, e = _dispatch_frames(conn.handler, conn, view, start, end, limit, True, _clock,
+                                                        _cork_age, conn._route_kind, conn._route, conn._route_counts)
+                except ValueError as ve:
+                    raise _FrameError(f"bad frame from {conn.name}: {ve}") from None
+                if e is not None:
+                    raise e  # (a handler's: start is past its frame)
+                if conn._out and _clock() - conn._out_t0 > _cork_age:
+                    c.flush()  # frames corked while handling a long batch
+                if status == -1:
+                    continue  # stopped after the cork age to flush: the rest of the batch
+                if status:  # (> 0: a frame longer than the receive buffer)
+                    conn._big = c._start_big(start, end, status)
+                    start = end = 0
+                break
+            if start == end:
+                start = end = 0
+            elif start and cap - end < 65536:
+                memmove(buf.buf, <char*>buf.buf + start, <size_t>(end - start))
+                end -= start
+                start = 0
+            if conn._out:
+                c.flush()  # replies queued while handling this batch
+    except BaseException as exc:
+        conn._read_exc = c._read_error(exc)
+    finally:
+        if held:
+            PyBuffer_Release(&buf)

@@ -69,7 +69,7 @@ from . import _wire, framing
 from .interrupt import blocking_read, guard, unwinding
 from .poller import Poller, Writer, _poller_thread, default_poller, default_writer, read_all, socket_closed
 from .sockio import shut
-from .spin import _spin_poll, _spin_recv, mirror
+from .spin import _spin_poll, mirror
 
 __all__ = ["Connection", "BACKLOG_MAX", "SMALL_FRAME"]
 
@@ -108,12 +108,14 @@ def _grow(payload: bytearray, length: int) -> None:
     payload += bytes(min(length - n, max(n, _GROW_MIN), _GROW_MAX))
 
 
-class Connection:
+class Connection(_wire.Wire):
     """One authenticated socket: thread-safe ``send``; frames go to ``handler``.
 
     ``handler(conn, kind, flags, msg_id, target, view, payload)`` runs in the
     reader thread; ``on_close(conn, exc)`` runs once when the connection ends
-    (``exc`` is ``None`` for a clean EOF or a local close).
+    (``exc`` is ``None`` for a clean EOF or a local close). The state of every
+    message is in C fields of its base (:class:`._wire.Wire`), the rest in
+    its instance dictionary.
     """
 
     dropped_out = 0  # frames lost on purpose (inject)
@@ -478,13 +480,12 @@ class Connection:
         self._big = None  # (payload, its view, bytes read, length) of a frame longer than _buf; header in _big_hdr
         self._big_hdr: tuple = ()
         self._read_exc: BaseException | None = None
-        self._spin_skip = self._spin_backoff = 0  # (the read spin's back-off: spin._spin_recv)
 
     def _read_loop(self) -> None:
-        # thread mode: the same reader as poll mode, blocking, looping inside (its state
-        # stays in locals) until the connection ends
+        # thread mode: the reader, compiled (_wire.read_loop), blocking and looping inside
+        # (its state stays in locals) until the connection ends
         try:
-            self._read_some(0, True)
+            _wire.read_loop(self)
         finally:
             self._reader_done()
 
@@ -556,86 +557,71 @@ class Connection:
     #: calling thread with one ``poll``: :func:`~.poller.read_all`
     read_all = staticmethod(read_all)
 
-    def _read_some(self, flags: int = socket.MSG_DONTWAIT, loop: bool = False) -> bool:
-        """The reader of both modes: read what is there, hand every complete frame to the
-        handler in order; False once the connection ended (the reason in ``_read_exc``).
+    def _read_some(self, flags: int = socket.MSG_DONTWAIT) -> bool:
+        """One read: what is there (``flags=0``: block until something comes), every complete frame
+        handed to the handler in order; False once the connection ended (the reason in ``_read_exc``).
 
-        ``flags=0``: block until something comes (thread mode, or a caller
-        waiting for its reply). ``loop=True`` (thread mode): go on reading
-        until the connection ends, flushing what the handlers corked (replies)
-        before blocking again. A frame longer than the receive buffer gets a
-        buffer of exactly its length (after the limit check) and is read into
-        it over as many reads as it takes.
+        The general reader of a polled connection (a caller waiting for its reply, a frame too
+        long for :meth:`_read_polled`) and of a reader thread's long frame (:func:`._wire.read_loop`
+        reads the rest). A frame longer than the receive buffer gets a buffer of exactly its
+        length (after the limit check) and is read into it over as many reads as it takes.
         """
         sock, view, big = self.sock, self._view, self._big
         start, end = self._start, self._end
         limit, cap = self.limit, len(self._buf)
         try:
-            while True:
-                if big is not None:
-                    payload, pv, have, length = big
-                    if have == len(payload):  # it grows with the bytes, never ahead of them
-                        pv.release()
-                        _grow(payload, length)
-                        pv = memoryview(payload)
-                    n = sock.recv_into(pv[have:], 0, flags)
-                    if n == 0:
-                        raise EOFError
-                    self.bytes_in += n
-                    have += n
-                    if have < length:
-                        big = (payload, pv, have, length)
-                    else:
-                        big = None
-                        pv.release()
-                        self.handler(self, *self._big_hdr, payload)
-                    if not loop:
-                        self._big = big
-                        return True
-                    if big is None and self._out:
-                        self.flush()  # the reply to a large frame: out now, not at the flusher's next round
-                    continue
-                if loop and _spin:
-                    n = _spin_recv(self, sock, view[end:])
-                else:
-                    n = sock.recv_into(view[end:], 0, flags)
+            if big is not None:
+                payload, pv, have, length = big
+                if have == len(payload):  # it grows with the bytes, never ahead of them
+                    pv.release()
+                    _grow(payload, length)
+                    pv = memoryview(payload)
+                n = sock.recv_into(pv[have:], 0, flags)
                 if n == 0:
                     raise EOFError
                 self.bytes_in += n
-                end += n
-                while True:
-                    # every complete frame to the handler (per read, not per connection: inject()
-                    # may swap it), its header checked and its payload copied out, in one call.
-                    # A reader thread's handlers learn whether more of this read follows
-                    # (conn.more: a reply corks only then, a lone call's is written at once)
-                    try:
-                        start, status, err = dispatch_frames(self.handler, self, view, start, end, limit, loop,
-                                                             _clock, _CORK_AGE, self._route_kind, self._route,
-                                                             self._route_counts)
-                    except ValueError as e:
-                        raise FrameError(f"bad frame from {self.name}: {e}") from None
-                    if err is not None:
-                        raise err  # (a handler's: start is past its frame)
-                    if self._out and _clock() - self._out_t0 > _CORK_AGE:
-                        self.flush()  # frames corked while handling a long batch
-                    if status <= 0:
-                        if status == 0:
-                            break
-                        continue  # stopped after _CORK_AGE to flush: the rest of the batch
-                    big = self._start_big(start, end, status)
-                    start = end = 0
-                    break
-                if start == end:
-                    start = end = 0
-                elif start and cap - end < 65536:
-                    view[0:end - start] = view[start:end]
-                    end -= start
-                    start = 0
-                if not loop:
-                    self._start, self._end, self._big = start, end, big
-                    return True
-                if self._out:
-                    self.flush()  # replies queued while handling this batch
+                have += n
+                if have < length:
+                    big = (payload, pv, have, length)
+                else:
+                    big = None
+                    pv.release()
+                    self.handler(self, *self._big_hdr, payload)
+                self._big = big
+                return True
+            n = sock.recv_into(view[end:], 0, flags)
+            if n == 0:
+                raise EOFError
+            self.bytes_in += n
+            end += n
+            while True:
+                # every complete frame to the handler (per read, not per connection: inject()
+                # may swap it), its header checked and its payload copied out, in one call
+                try:
+                    start, status, err = dispatch_frames(self.handler, self, view, start, end, limit, False,
+                                                         _clock, _CORK_AGE, self._route_kind, self._route,
+                                                         self._route_counts)
+                except ValueError as e:
+                    raise FrameError(f"bad frame from {self.name}: {e}") from None
+                if err is not None:
+                    raise err  # (a handler's: start is past its frame)
+                if self._out and _clock() - self._out_t0 > _CORK_AGE:
+                    self.flush()  # frames corked while handling a long batch
+                if status <= 0:
+                    if status == 0:
+                        break
+                    continue  # stopped after _CORK_AGE to flush: the rest of the batch
+                big = self._start_big(start, end, status)
+                start = end = 0
+                break
+            if start == end:
+                start = end = 0
+            elif start and cap - end < 65536:
+                view[0:end - start] = view[start:end]
+                end -= start
+                start = 0
+            self._start, self._end, self._big = start, end, big
+            return True
         except (BlockingIOError, InterruptedError):
             self._start, self._end, self._big = start, end, big
             return True
@@ -743,7 +729,7 @@ class Connection:
             t.join(5.0)
 
 
-_wire.setup(_clock, _CORK_AGE, FrameError, BrokenTransportError)
+_wire.setup(_clock, _CORK_AGE, FrameError, BrokenTransportError, globals())
 
 # a Ctrl-C in the caller's thread never cuts a frame nor loses bytes read (see .interrupt)
 guard(Connection.send, Connection._flush_locked, Connection.flush, Connection._write_locked,

@@ -7,8 +7,8 @@ of waiting thread, both ``0`` (block at once) unless set:
 
 - :func:`set_read_spin`: a thread-mode reader
   (:meth:`~mesharray.transport.connection.Connection.start`) before each
-  blocking ``recv`` (:func:`_spin_recv`). Workers set it from
-  ``MESHARRAY_WORKER_SPIN_US``.
+  blocking ``recv`` (compiled: :func:`mesharray.transport._wire.spin_recv`,
+  run by its reader loop). Workers set it from ``MESHARRAY_WORKER_SPIN_US``.
 - :func:`set_reply_spin`: a caller waiting for the reply of its call
   (:meth:`~mesharray.transport.connection.Connection.read_until`,
   :class:`~mesharray.transport.poller.ReadSet`) before each blocking ``poll``
@@ -29,7 +29,6 @@ its copies and the setters keep every copy equal to the setting.
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 __all__ = ["set_read_spin", "set_reply_spin", "mirror"]
@@ -40,7 +39,6 @@ _spin = 0.0
 _reply_spin = 0.0
 _clock = time.perf_counter
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
-_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0x40)
 #: the globals of the modules that keep copies of ``_spin`` and ``_reply_spin`` (see mirror)
 _mirrors: list[dict] = []
 
@@ -119,26 +117,3 @@ def _spin_poll(p, state: list, deadline: float | None = None) -> list:
         _yield()  # (a thread that wants this CPU runs: see set_read_spin)
     state[0] = state[1] = min(64, 2 * state[1] or 1)
     return ready
-
-
-def _spin_recv(conn, sock: socket.socket, buf) -> int:
-    """``sock.recv_into(buf)`` for the reader thread of ``conn`` (a :class:`Connection
-    <mesharray.transport.connection.Connection>`), polled first (:func:`set_read_spin`);
-    its back-off is in ``conn._spin_skip`` (reads left to block at once) and ``conn._spin_backoff``."""
-    if conn._spin_skip:
-        conn._spin_skip -= 1
-        return sock.recv_into(buf, 0, 0)
-    deadline = _clock() + _spin
-    while True:
-        try:
-            n = sock.recv_into(buf, 0, _DONTWAIT)
-        except BlockingIOError:
-            pass
-        else:
-            conn._spin_backoff = 0
-            return n
-        if _clock() > deadline:
-            break
-        _yield()
-    conn._spin_skip = conn._spin_backoff = min(64, 2 * conn._spin_backoff or 1)
-    return sock.recv_into(buf, 0, 0)

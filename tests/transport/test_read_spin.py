@@ -3,17 +3,18 @@ settings' copies that the per-message paths read."""
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import time
 
 import pytest
 
+from mesharray.errors import BrokenTransportError
 from mesharray.transport import connection, poller
 from mesharray.transport import spin as policy
+from mesharray.transport._wire import spin_recv
 from mesharray.transport.connection import Connection
-from mesharray.transport.spin import _spin_recv, set_read_spin, set_reply_spin
+from mesharray.transport.spin import set_read_spin, set_reply_spin
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -52,38 +53,39 @@ def test_a_polling_reader_gets_every_frame_in_order(spin):
         reader.close()
 
 
-def test_a_poll_that_finds_nothing_backs_off_and_a_message_while_polling_resets_it(spin):
-    spin(50e-6)
+def test_a_poll_that_finds_nothing_backs_off_and_a_message_while_polling_resets_it():
+    # a reader thread's read (the compiled loop's): state is [reads left to block at once, back-off]
     a, b = socket.socketpair()
-    conn = Connection(a, name="backoff")
-    conn._init_reading()  # (what start() does before its reader thread reads)
     buf = bytearray(16)
+    st = [0, 0]
     try:
         late = threading.Timer(0.3, b.send, (b"x",))
         late.start()
-        assert _spin_recv(conn, a, buf) == 1  # polled 50 µs, then blocked until it came (0.3 s)
+        assert spin_recv(a, buf, 50e-6, st) == 1  # polled 50 µs, then blocked until it came (0.3 s)
         late.join()
-        assert (conn._spin_backoff, conn._spin_skip) == (1, 1)
+        assert st == [1, 1]
         b.send(b"y")
-        assert _spin_recv(conn, a, buf) == 1  # (skipped: a blocking read)
-        assert (conn._spin_backoff, conn._spin_skip) == (1, 0)
+        assert spin_recv(a, buf, 50e-6, st) == 1  # (skipped: a blocking read)
+        assert st == [0, 1]
         # (8 -> 16 -> 32 are the same step, not timed: from 32 it doubles to the cap, and stays)
         for expect, preset in ((2, None), (4, None), (8, None), (64, 32), (64, None)):
             if preset is not None:
-                conn._spin_backoff = preset
+                st[1] = preset
             late = threading.Timer(0.3, b.send, (b"z",))
             late.start()
-            assert _spin_recv(conn, a, buf) == 1
+            assert spin_recv(a, buf, 50e-6, st) == 1
             late.join()
-            assert conn._spin_backoff == expect
-            for _ in range(conn._spin_skip):
+            assert st[1] == expect
+            for _ in range(st[0]):
                 b.send(b"s")
-                _spin_recv(conn, a, buf)
+                spin_recv(a, buf, 50e-6, st)
         b.send(b"w")
-        assert _spin_recv(conn, a, buf) == 1  # there while polling: polls every read again
-        assert (conn._spin_backoff, conn._spin_skip) == (0, 0)
+        assert spin_recv(a, buf, 50e-6, st) == 1  # there while polling: polls every read again
+        assert st == [0, 0]
+        b.send(b"v")
+        assert spin_recv(a, buf, 0.0, st) == 1 and st == [0, 0]  # no spin: a blocking read, no state
     finally:
-        conn.close()
+        a.close()
         b.close()
 
 
@@ -110,14 +112,53 @@ def test_the_setters_keep_every_copy_the_hot_paths_read(spin):
         set_reply_spin(before)
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_yield"), reason="no sched_yield on this system")
-def test_the_end_of_a_spin_returns_the_eof(spin):
-    spin(100e-6)
+def test_the_end_of_a_spin_returns_the_eof():
     a, b = socket.socketpair()
-    conn = Connection(a, name="eof")
-    conn._init_reading()
     try:
         threading.Timer(0.3, b.close).start()
-        assert _spin_recv(conn, a, bytearray(8)) == 0  # the peer closed: recv's 0, as without polling
+        assert spin_recv(a, bytearray(8), 100e-6, [0, 0]) == 0  # the peer closed: recv's 0, as without polling
     finally:
-        conn.close()
+        a.close()
+
+
+def test_a_reader_thread_takes_a_new_spin_at_its_next_read(spin):
+    # the compiled loop reads the setting on every read: a worker's set_spin after its
+    # connections started applies to them
+    a, b = socket.socketpair()
+    got: list[bytes] = []
+    reader = Connection(a, handler=lambda conn, kind, f, m, t, v, p: got.append(bytes(p)), name="r")
+    reader.start()
+    writer = Connection(b, name="w")
+    try:
+        spin(0.0)
+        writer.send(1, 0, 1, 0, 0, [b"blocking"])
+        _until(lambda: len(got) == 1)
+        spin(300e-6)
+        for i in range(200):
+            writer.send(1, 0, i, 0, 0, [b"%d" % i])
+        _until(lambda: len(got) == 201)
+        assert got[1:] == [b"%d" % i for i in range(200)]
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_a_socket_with_a_timeout_ends_its_reader_when_nothing_comes():
+    a, b = socket.socketpair()
+    a.settimeout(0.2)
+    ended = threading.Event()
+    reader = Connection(a, handler=lambda *f: None, on_close=lambda conn, exc: ended.set(), name="quiet")
+    reader.start()
+    try:
+        assert ended.wait(10)
+        assert isinstance(reader.closed_error, BrokenTransportError) and "timed out" in str(reader.closed_error)
+    finally:
+        reader.close()
+        b.close()
+
+
+def _until(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)

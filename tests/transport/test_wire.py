@@ -32,10 +32,15 @@ def test_the_stub_names_what_the_extension_has():
     tree = ast.parse((Path(__file__).resolve().parents[2] / "mesharray" / "transport" / "_wire.pyi").read_text())
     stub = {n.name: [a.arg for a in n.args.args] for n in tree.body if isinstance(n, ast.FunctionDef)}
     binary = {k: v for k, v in vars(_wire).items() if not k.startswith("_") and not isinstance(v, types.ModuleType)
-              and callable(v)}
+              and callable(v) and not isinstance(v, type)}
     assert set(stub) == set(binary)
     for name, fn in binary.items():
         assert list(fn.__code__.co_varnames[:fn.__code__.co_argcount]) == stub[name], name
+    # the class: every C field of Wire, and nothing else, annotated in the stub
+    stub_cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Wire")
+    fields = {a.target.id for a in stub_cls.body if isinstance(a, ast.AnnAssign)}
+    assert fields == {k for k, v in vars(_wire.Wire).items() if type(v).__name__ == "getset_descriptor"}
+    assert {k for k, v in vars(_wire).items() if isinstance(v, type) and not k.startswith("_")} == {"Wire"}
 
 
 class _Polled:

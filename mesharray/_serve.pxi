@@ -1,0 +1,215 @@
+# A worker's call path (mesharray.runtime.worker.Worker), compiled.
+#
+# Every call and broadcast a rank serves runs this: its reader's frame loop (dispatch_frames)
+# hands each frame of a connection to that connection's CallServer, which routes it and runs a
+# call to a synchronous actor (serve_sync) inline, as Worker._frame did in Python. The cases it
+# does not handle go back to the worker's Python (Worker._frame: a missing or failed actor, an
+# async one; the channel's _on_frame: every kind but CALL; the worker's methods for a failure,
+# a reply that is not None, a broadcast's error told at the next call). No I/O here: the reply
+# goes through the connection's own methods (write_frame, send). serve_setup gives this part
+# the worker module's constants and telemetry tables once, at its import.
+
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
+from cpython.contextvars cimport PyContextVar_Set, PyContextVar_Reset
+from libc.string cimport memcmp
+
+cdef extern from "pythread.h":
+    unsigned long _thread_ident "PyThread_get_thread_ident" ()
+
+cdef object _sv_decode = None        # framing.decode
+cdef dict _sv_names = None           # u8 n + method name -> name (worker._names)
+cdef bytes _sv_no_args = b""         # the pickled payload of a call without arguments
+cdef object _sv_empty_ok = None      # the parts of a reply of None
+cdef Py_ssize_t _sv_empty_ok_bytes = 0
+cdef object _sv_current = None       # the ContextVar of the running actor's Context
+cdef object _sv_clock_ns = None      # time.perf_counter_ns
+cdef object _sv_rec = None           # the Recorder (wall_offset, trim)
+cdef dict _sv_running = None         # REC.current: thread id -> the call it runs
+cdef list _sv_rows = None            # REC.rows
+cdef Py_ssize_t _sv_max_rows = 0
+cdef bint _sv_record = False         # telemetry on (MESHARRAY_TELEMETRY)
+cdef tuple _sv_send_errors = ()      # what a reply's send raises that the worker reports
+cdef Py_ssize_t _sv_small = 0        # SMALL_FRAME: a reply written whole by write_frame
+cdef object _sv_write_frame = None   # transport._wire.write_frame (Connection.write_frame)
+cdef unsigned int _sv_CALL = 0, _sv_REPLY = 0, _sv_OK = 0, _sv_FENCE = 0, _sv_F_REPLY = 0
+cdef frozenset _sv_counted = frozenset()
+
+
+def serve_setup(dict kinds, counted, decode, dict names, bytes no_args, empty_ok, Py_ssize_t empty_ok_bytes,
+                current, clock_ns, rec, bint record, Py_ssize_t max_rows, send_errors, Py_ssize_t small,
+                write_frame):
+    """What :mod:`mesharray.runtime.worker` gives this part once: the frame kinds and flag it
+    routes by (``kinds``: CALL, REPLY, OK, FENCE, F_REPLY), the kinds a fence counts, the payload
+    decoder, its method-name cache, the no-arguments payload, the reply of None (parts and frame
+    size), the actors' ContextVar, the clock, the recorder and whether it records, the errors of
+    a reply's send it reports, and the largest payload written whole."""
+    global _sv_decode, _sv_names, _sv_no_args, _sv_empty_ok, _sv_empty_ok_bytes, _sv_current, _sv_clock_ns
+    global _sv_rec, _sv_running, _sv_rows, _sv_max_rows, _sv_record, _sv_send_errors, _sv_small, _sv_write_frame
+    global _sv_CALL, _sv_REPLY, _sv_OK, _sv_FENCE, _sv_F_REPLY, _sv_counted
+    _sv_CALL, _sv_REPLY, _sv_OK = kinds["CALL"], kinds["REPLY"], kinds["OK"]
+    _sv_FENCE, _sv_F_REPLY = kinds["FENCE"], kinds["F_REPLY"]
+    _sv_counted = frozenset(counted)
+    _sv_decode, _sv_names, _sv_no_args = decode, names, no_args
+    _sv_empty_ok, _sv_empty_ok_bytes = empty_ok, empty_ok_bytes
+    _sv_current, _sv_clock_ns = current, clock_ns
+    _sv_rec, _sv_record = rec, record
+    _sv_running, _sv_rows, _sv_max_rows = rec.current, rec.rows, max_rows
+    _sv_send_errors, _sv_small, _sv_write_frame = tuple(send_errors), small, write_frame
+
+
+cdef class ActorSlot:
+    """One actor hosted by a worker: the base of ``runtime.worker._Slot``, its fields in C so that
+    the call path reads them without attribute lookups (``_Slot.__init__`` sets them)."""
+
+    cdef public object actor_id
+    cdef public object name
+    cdef public object obj
+    cdef public object shape
+    cdef public object lock
+    cdef public bint is_async
+    cdef public object failure          # the error record when the constructor raised
+    cdef public object queue            # the asyncio.Queue of an async actor
+    cdef public object concurrent
+    cdef public object endpoints
+    cdef public object ctx              # its Context (one per actor: sync endpoints never overlap)
+    cdef public dict bound              # endpoint name -> bound method
+    cdef public dict broadcast_error    # sender -> the error of a broadcast, told at its next call
+
+
+cdef class CallServer:
+    """The handler of one of a worker's connections: ``Worker._frame`` (``counted=0``), or
+    ``Worker._frame_counted`` of the controller's connection (1) or the relay's (2) of a rank
+    with a relay, with a call to a synchronous actor run by :func:`serve_sync`.
+
+    Called as any handler (``server(conn, kind, flags, msg_id, target, view, payload)``);
+    :func:`dispatch_frames` calls it without a Python call.
+    """
+
+    cdef readonly object worker
+    cdef readonly object chan
+    cdef readonly int counted
+    cdef dict actors
+    cdef object on_frame
+    cdef object order
+
+    def __init__(self, worker, chan, int counted=0):
+        if counted not in (0, 1, 2):
+            raise ValueError(f"counted must be 0 (not counted), 1 (direct) or 2 (relayed), got {counted}")
+        self.worker = worker
+        self.chan = chan
+        self.counted = counted
+        self.actors = worker.actors
+        self.on_frame = chan._on_frame
+        self.order = worker.order
+
+    def __call__(self, conn, kind, flags, msg_id, target, view, payload):
+        self.frame(conn, kind, flags, msg_id, target, view, payload)
+
+    cdef int frame(self, conn, unsigned int kind, unsigned int flags, unsigned long long msg_id,
+                   unsigned long long target, unsigned long long view, payload) except -1:
+        if kind == _sv_FENCE and self.counted:
+            self.worker._await(self.counted == 1, msg_id)  # (a fence waits for the other path's frames)
+            return 0
+        cdef ActorSlot slot
+        if kind == _sv_CALL:
+            found = self.actors.get(target)
+            slot = <ActorSlot?>found if found is not None else None
+            if slot is None or slot.failure is not None or slot.is_async:
+                self.worker._frame(self.chan, conn, kind, flags, msg_id, target, view, payload)
+            else:
+                serve_sync(self.worker, self.chan, conn, slot, flags, msg_id, view, payload)
+        else:
+            self.on_frame(conn, kind, flags, msg_id, target, view, payload)
+        if self.counted and kind in _sv_counted:
+            o = self.order
+            if self.counted == 2:
+                o.relayed += 1
+            else:
+                o.direct += 1
+            if o.waiting:
+                o.wake()
+        return 0
+
+
+def serve_sync(worker, chan, conn, ActorSlot slot not None, unsigned int flags, unsigned long long msg_id, unsigned long long view,
+               payload):
+    """A call (or broadcast) of channel ``chan`` (its connection ``conn``) to the synchronous actor of
+    ``slot``, run here under the actor's lock: ``Worker._frame``'s per-message path. With telemetry, a
+    row per call (``runtime.recorder``) and the call in ``REC.current`` while it runs; the reply of a
+    call (``flags & F_REPLY``) goes back on ``conn``, written at once unless more frames of the same
+    read follow (``conn.more``: corked then)."""
+    cdef bint reply = (flags & _sv_F_REPLY) != 0
+    cdef const unsigned char* p = <const unsigned char*>PyByteArray_AS_STRING(payload)
+    cdef Py_ssize_t size = PyByteArray_GET_SIZE(payload)
+    cdef Py_ssize_t n, out = 0
+    cdef unsigned long tid = 0
+    cdef bint ok = True
+    if size < 1 or size < 1 + p[0]:
+        raise ValueError(f"call payload of {size} bytes has no method name")
+    n = p[0]
+    key = PyBytes_FromStringAndSize(<const char*>p, 1 + n)
+    method = _sv_names.get(key)
+    if method is None:
+        method = key[1:].decode()
+        _sv_names[key] = method
+    vshape = chan.views_in.get(view) if view else None
+    result = None
+    status = "ok"
+    parts = None
+    if _sv_record:
+        tid = _thread_ident()
+        t0 = _sv_clock_ns()
+        caller = chan.peer.get("pid") or 0
+        _sv_running[tid] = (slot.name, method, t0, caller, msg_id)
+    try:
+        lock = slot.lock
+        lock.acquire()
+        try:
+            if reply and slot.broadcast_error and worker._tell_broadcast_error(chan, msg_id, slot):
+                return
+            ctx = slot.ctx  # one per actor: sync endpoints of an actor never overlap
+            ctx._view = vshape
+            token = PyContextVar_Set(_sv_current, ctx)
+            try:
+                fn = slot.bound.get(method) or worker._endpoint(slot, method)
+                if size - 1 - n == len(_sv_no_args) and memcmp(p + 1 + n, <const char*>_sv_no_args,
+                                                                size - 1 - n) == 0:
+                    result = fn()  # no arguments: nothing to unpickle
+                else:
+                    args, kwargs = _sv_decode(memoryview(payload)[1 + n:])
+                    result = fn(*args, **kwargs)
+            except BaseException as exc:
+                ok = False
+                worker._fail(chan, msg_id, reply, slot, exc, method)
+                status = type(exc).__name__
+            finally:
+                PyContextVar_Reset(_sv_current, token)
+        finally:
+            lock.release()
+        if reply and ok:
+            if result is None:
+                parts, out = _sv_empty_ok, _sv_empty_ok_bytes
+            else:
+                parts = worker._reply_parts(chan, msg_id, slot, method, result)
+                if parts is not None and _sv_record:
+                    out = 24 + sum(map(len, parts))
+    finally:
+        if _sv_record:
+            _sv_running.pop(tid, None)
+    if _sv_record:
+        # the row before the reply goes out: a caller that reads telemetry once it has its reply
+        # finds it, even through another connection of this worker (a nested call's caller)
+        _sv_rows.append((t0 + _sv_rec.wall_offset, _sv_clock_ns() - t0, slot.name, method, caller, msg_id, size,
+                         out, status))
+    if parts is not None:
+        try:
+            if conn.more:  # corked: more frames of this read follow, and the reader flushes after them
+                conn.send(_sv_REPLY, 0, msg_id, _sv_OK, 0, parts, True)
+            else:
+                n, frame = _pack_frame(_sv_REPLY, 0, msg_id, _sv_OK, 0, parts, _sv_small, conn.limit)
+                if frame is None or n > _sv_small or not _sv_write_frame(conn, frame):
+                    conn.send(_sv_REPLY, 0, msg_id, _sv_OK, 0, parts, False)
+        except _sv_send_errors as exc:
+            worker._reply_failed(chan, msg_id, slot, method, result, exc)
+    if _sv_record and len(_sv_rows) > _sv_max_rows:
+        _sv_rec.trim()
