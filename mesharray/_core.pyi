@@ -150,7 +150,10 @@ class ActorSlot:
     name: Any
     obj: Any
     shape: Any
-    lock: Any
+    @property
+    def lock(self) -> Any: ...
+    @lock.setter
+    def lock(self, value: Any) -> None: ...
     is_async: bool
     failure: Any
     queue: Any
@@ -159,6 +162,12 @@ class ActorSlot:
     ctx: Any
     bound: dict[str, Any]
     broadcast_error: dict[Any, Any]
+
+class CallOrder:
+    direct: int
+    relayed: int
+    waiting: int
+    cond: Any
 
 class CallServer:
     @property

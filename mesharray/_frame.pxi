@@ -341,12 +341,13 @@ def dispatch_frames(handler, conn, data, Py_ssize_t start, Py_ssize_t end, unsig
                     except BaseException as exc:
                         return start, 0, exc
             else:
-                if more:
-                    conn.more = end - start >= 24
                 try:
                     if type(handler) is CallServer:  # (a worker's connection: no Python call)
-                        (<CallServer>handler).frame(conn, h.kind, h.flags, h.msg_id, h.target, h.view, payload)
+                        (<CallServer>handler).frame(conn, h.kind, h.flags, h.msg_id, h.target, h.view, payload,
+                                                    more and end - start >= 24)
                     else:
+                        if more:
+                            conn.more = end - start >= 24
                         handler(conn, h.kind, h.flags, h.msg_id, h.target, h.view, payload)
                 except BaseException as exc:
                     return start, 0, exc

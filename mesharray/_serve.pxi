@@ -65,7 +65,7 @@ cdef class ActorSlot:
     cdef public object name
     cdef public object obj
     cdef public object shape
-    cdef public object lock
+    cdef object _lock, _acquire, _release  # (the lock's methods, looked up once)
     cdef public bint is_async
     cdef public object failure          # the error record when the constructor raised
     cdef public object queue            # the asyncio.Queue of an async actor
@@ -74,6 +74,26 @@ cdef class ActorSlot:
     cdef public object ctx              # its Context (one per actor: sync endpoints never overlap)
     cdef public dict bound              # endpoint name -> bound method
     cdef public dict broadcast_error    # sender -> the error of a broadcast, told at its next call
+
+    @property
+    def lock(self):
+        """The actor's lock: its synchronous endpoints run one at a time, whoever sends."""
+        return self._lock
+
+    @lock.setter
+    def lock(self, value):
+        self._lock, self._acquire, self._release = value, value.acquire, value.release
+
+
+cdef class CallOrder:
+    """The base of ``runtime.worker._Order``: the counted frames handled from the controller's
+    connection (``direct``) and the relay's (``relayed``) of a rank with a relay, and how many
+    readers wait at a fence (``waiting``, on ``cond``), in C fields."""
+
+    cdef public long long direct
+    cdef public long long relayed
+    cdef public long long waiting
+    cdef public object cond
 
 
 cdef class CallServer:
@@ -89,8 +109,9 @@ cdef class CallServer:
     cdef readonly object chan
     cdef readonly int counted
     cdef dict actors
+    cdef dict peer
     cdef object on_frame
-    cdef object order
+    cdef CallOrder order
 
     def __init__(self, worker, chan, int counted=0):
         if counted not in (0, 1, 2):
@@ -99,26 +120,33 @@ cdef class CallServer:
         self.chan = chan
         self.counted = counted
         self.actors = worker.actors
+        self.peer = chan.peer
         self.on_frame = chan._on_frame
         self.order = worker.order
 
     def __call__(self, conn, kind, flags, msg_id, target, view, payload):
-        self.frame(conn, kind, flags, msg_id, target, view, payload)
+        self.frame(conn, kind, flags, msg_id, target, view, payload, conn.more)
 
     cdef int frame(self, conn, unsigned int kind, unsigned int flags, unsigned long long msg_id,
-                   unsigned long long target, unsigned long long view, payload) except -1:
+                   unsigned long long target, unsigned long long view, payload, bint more) except -1:
+        # ``more``: other frames of the same read follow (a reader thread's reply corks only then);
+        # set as ``conn.more`` for the Python paths, which read it there
+        cdef ActorSlot slot = None
+        cdef CallOrder o
         if kind == _sv_FENCE and self.counted:
             self.worker._await(self.counted == 1, msg_id)  # (a fence waits for the other path's frames)
             return 0
-        cdef ActorSlot slot
         if kind == _sv_CALL:
             found = self.actors.get(target)
-            slot = <ActorSlot?>found if found is not None else None
+            if found is not None:
+                slot = <ActorSlot?>found
             if slot is None or slot.failure is not None or slot.is_async:
+                conn.more = more
                 self.worker._frame(self.chan, conn, kind, flags, msg_id, target, view, payload)
             else:
-                serve_sync(self.worker, self.chan, conn, slot, flags, msg_id, view, payload)
+                _serve(self.worker, self.chan, conn, slot, flags, msg_id, view, payload, more, self.peer)
         else:
+            conn.more = more
             self.on_frame(conn, kind, flags, msg_id, target, view, payload)
         if self.counted and kind in _sv_counted:
             o = self.order
@@ -127,17 +155,22 @@ cdef class CallServer:
             else:
                 o.direct += 1
             if o.waiting:
-                o.wake()
+                (<object>o).wake()
         return 0
 
 
-def serve_sync(worker, chan, conn, ActorSlot slot not None, unsigned int flags, unsigned long long msg_id, unsigned long long view,
-               payload):
+def serve_sync(worker, chan, conn, ActorSlot slot not None, unsigned int flags, unsigned long long msg_id,
+               unsigned long long view, payload):
     """A call (or broadcast) of channel ``chan`` (its connection ``conn``) to the synchronous actor of
     ``slot``, run here under the actor's lock: ``Worker._frame``'s per-message path. With telemetry, a
     row per call (``runtime.recorder``) and the call in ``REC.current`` while it runs; the reply of a
     call (``flags & F_REPLY``) goes back on ``conn``, written at once unless more frames of the same
     read follow (``conn.more``: corked then)."""
+    _serve(worker, chan, conn, slot, flags, msg_id, view, payload, conn.more, chan.peer)
+
+
+cdef _serve(worker, chan, conn, ActorSlot slot, unsigned int flags, unsigned long long msg_id,
+            unsigned long long view, payload, bint more, dict peer):
     cdef bint reply = (flags & _sv_F_REPLY) != 0
     cdef const unsigned char* p = <const unsigned char*>PyByteArray_AS_STRING(payload)
     cdef Py_ssize_t size = PyByteArray_GET_SIZE(payload)
@@ -159,11 +192,10 @@ def serve_sync(worker, chan, conn, ActorSlot slot not None, unsigned int flags, 
     if _sv_record:
         tid = _thread_ident()
         t0 = _sv_clock_ns()
-        caller = chan.peer.get("pid") or 0
+        caller = peer.get("pid") or 0
         _sv_running[tid] = (slot.name, method, t0, caller, msg_id)
     try:
-        lock = slot.lock
-        lock.acquire()
+        slot._acquire()
         try:
             if reply and slot.broadcast_error and worker._tell_broadcast_error(chan, msg_id, slot):
                 return
@@ -185,7 +217,7 @@ def serve_sync(worker, chan, conn, ActorSlot slot not None, unsigned int flags, 
             finally:
                 PyContextVar_Reset(_sv_current, token)
         finally:
-            lock.release()
+            slot._release()
         if reply and ok:
             if result is None:
                 parts, out = _sv_empty_ok, _sv_empty_ok_bytes
@@ -203,7 +235,7 @@ def serve_sync(worker, chan, conn, ActorSlot slot not None, unsigned int flags, 
                          out, status))
     if parts is not None:
         try:
-            if conn.more:  # corked: more frames of this read follow, and the reader flushes after them
+            if more:  # corked: more frames of this read follow, and the reader flushes after them
                 conn.send(_sv_REPLY, 0, msg_id, _sv_OK, 0, parts, True)
             else:
                 n, frame = _pack_frame(_sv_REPLY, 0, msg_id, _sv_OK, 0, parts, _sv_small, conn.limit)

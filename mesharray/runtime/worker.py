@@ -59,7 +59,7 @@ import traceback
 from time import perf_counter_ns
 from typing import Any, Callable, TypeVar
 
-from .._core import ActorSlot, CallServer, pack_header, serve_setup, serve_sync
+from .._core import ActorSlot, CallOrder, CallServer, pack_header, serve_setup, serve_sync
 from .._platform import sched_batch, worker_sched, worker_spin
 from ..errors import SerializationError
 from ..transport import framing
@@ -283,11 +283,12 @@ class _Slot(ActorSlot):
         self.broadcast_error: dict = {}
 
 
-class _Order:
+class _Order(CallOrder):
     """Counted frames handled from the controller's connection (``direct``) and the relay's (``relayed``),
-    and the wait of a reader that met a ``FENCE`` (see the module docstring)."""
+    and the wait of a reader that met a ``FENCE`` (see the module docstring; the fields are
+    :class:`~mesharray._core.CallOrder`'s: the compiled call path counts)."""
 
-    __slots__ = ("direct", "relayed", "cond", "waiting")
+    __slots__ = ()
 
     def __init__(self) -> None:
         self.direct = 0

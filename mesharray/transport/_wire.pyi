@@ -17,7 +17,10 @@ class Wire:
     _closed: bool
     _faulty: bool
     _write_error: BaseException | None
-    _send_lock: Any
+    @property
+    def _send_lock(self) -> Any: ...
+    @_send_lock.setter
+    def _send_lock(self, value: Any) -> None: ...
     _route_kind: int
     _route: dict[int, Callable[[int, Any], Any]] | None
     _route_counts: list[int] | None

@@ -101,7 +101,7 @@ cdef class Wire:
     cdef public bint _closed
     cdef public bint _faulty           # send is replaced (inject): write_frame leaves every frame to it
     cdef public object _write_error
-    cdef public object _send_lock
+    cdef object _lock, _acquire, _release  # (the send lock and its methods, looked up once)
     cdef public unsigned int _route_kind
     cdef public object _route
     cdef public object _route_counts
@@ -110,6 +110,15 @@ cdef class Wire:
     cdef public Py_ssize_t _start      # its frames not handed over yet: _view[_start:_end]
     cdef public Py_ssize_t _end
     cdef public object _read_exc       # why the reader ended
+
+    @property
+    def _send_lock(self):
+        """The lock of the connection's writes (sends, flushes, the backlog)."""
+        return self._lock
+
+    @_send_lock.setter
+    def _send_lock(self, value):
+        self._lock, self._acquire, self._release = value, value.acquire, value.release
 
 cdef object _clock = None
 cdef double _cork_age = 0.0
@@ -314,8 +323,7 @@ def write_frame(Wire conn, bytes frame not None):
     cdef const char* p = frame
     cdef ssize_t sent
     cdef int fd, err = 0
-    lock = conn._send_lock
-    lock.acquire()
+    conn._acquire()
     try:
         if conn._out or conn._backlog or conn._closed or conn._faulty or conn._write_error is not None:
             return False
@@ -333,7 +341,7 @@ def write_frame(Wire conn, bytes frame not None):
         if sent != n:
             (<object>conn)._rest_locked(frame, sent)
     finally:
-        lock.release()
+        conn._release()
     conn.bytes_out += n
     conn.frames_out += 1
     return True
