@@ -169,7 +169,22 @@ class CallOrder:
     waiting: int
     cond: Any
 
-class CallServer:
+class FrameHandler: ...
+
+class Gathering:
+    pos: dict[int, int]
+    entries: list[tuple[int, int, Any]]
+    left: int
+    count: int
+    deadline: float
+
+class RelayReplies(FrameHandler):
+    @property
+    def relay(self) -> Any: ...
+    def __init__(self, relay: Any) -> None: ...
+    def __call__(self, conn: Any, kind: int, flags: int, msg_id: int, target: int, view: int, payload: Any) -> None: ...
+
+class CallServer(FrameHandler):
     @property
     def worker(self) -> Any: ...
     @property

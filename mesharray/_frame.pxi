@@ -342,8 +342,8 @@ def dispatch_frames(handler, conn, data, Py_ssize_t start, Py_ssize_t end, unsig
                         return start, 0, exc
             else:
                 try:
-                    if type(handler) is CallServer:  # (a worker's connection: no Python call)
-                        (<CallServer>handler).frame(conn, h.kind, h.flags, h.msg_id, h.target, h.view, payload,
+                    if isinstance(handler, FrameHandler):  # (a worker's or a relay's: no Python call)
+                        (<FrameHandler>handler).frame(conn, h.kind, h.flags, h.msg_id, h.target, h.view, payload,
                                                     more and end - start >= 24)
                     else:
                         if more:

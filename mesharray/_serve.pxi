@@ -1,11 +1,14 @@
-# A worker's call path (mesharray.runtime.worker.Worker), compiled.
+# A worker's call path (mesharray.runtime.worker.Worker), and a relay's gathering of its ranks'
+# replies (mesharray.runtime.relay.Relay), compiled.
 #
 # Every call and broadcast a rank serves runs this: its reader's frame loop (dispatch_frames)
 # hands each frame of a connection to that connection's CallServer, which routes it and runs a
 # call to a synchronous actor (serve_sync) inline, as Worker._frame did in Python. The cases it
 # does not handle go back to the worker's Python (Worker._frame: a missing or failed actor, an
 # async one; the channel's _on_frame: every kind but CALL; the worker's methods for a failure,
-# a reply that is not None, a broadcast's error told at the next call). No I/O here: the reply
+# a reply that is not None, a broadcast's error told at the next call). A relay's connections to
+# its ranks have a RelayReplies: each reply goes into its call's Gathering, and the last one
+# answers the controller (the relay's Python). No I/O here: the reply
 # goes through the connection's own methods (write_frame, send). serve_setup gives this part
 # the worker module's constants and telemetry tables once, at its import.
 
@@ -96,7 +99,71 @@ cdef class CallOrder:
     cdef public object cond
 
 
-cdef class CallServer:
+cdef class FrameHandler:
+    """A compiled connection handler: :func:`dispatch_frames` calls its ``frame`` without a Python call."""
+
+    cdef int frame(self, conn, unsigned int kind, unsigned int flags, unsigned long long msg_id,
+                   unsigned long long target, unsigned long long view, payload, bint more) except -1:
+        return 0
+
+
+cdef class Gathering:
+    """The replies of one relayed call that a relay still waits for: the base of
+    ``runtime.relay._Gather`` (C fields: :class:`RelayReplies` fills them per reply)."""
+
+    cdef public dict pos          # rank -> its position among the frame's targets (the ranks that answer)
+    cdef public list entries      # (position, status, payload) of each reply in
+    cdef public Py_ssize_t left   # replies still to come
+    cdef public Py_ssize_t count  # replies in all
+    cdef public double deadline   # (telemetry requests: when the rest count as not answered)
+
+
+cdef class RelayReplies(FrameHandler):
+    """The handler of a relay's connections to its ranks: a ``REPLY`` goes into its call's
+    :class:`Gathering` (by ``relay.gathers[msg_id]``, the rank by ``relay.rank_of[conn]``), and
+    the last one of a call is answered at once (``relay._answer``); every other frame goes to
+    ``relay._on_worker_frame``. What ``Relay._on_worker_frame`` did for a reply, compiled."""
+
+    cdef readonly object relay
+    cdef dict gathers
+    cdef dict rank_of
+    cdef object other
+    cdef object answer
+
+    def __init__(self, relay):
+        self.relay = relay
+        self.gathers = relay.gathers
+        self.rank_of = relay.rank_of
+        self.other = relay._on_worker_frame
+        self.answer = relay._answer
+
+    def __call__(self, conn, kind, flags, msg_id, target, view, payload):
+        self.frame(conn, kind, flags, msg_id, target, view, payload, conn.more)
+
+    cdef int frame(self, conn, unsigned int kind, unsigned int flags, unsigned long long msg_id,
+                   unsigned long long target, unsigned long long view, payload, bint more) except -1:
+        cdef Gathering g
+        if kind != _sv_REPLY:
+            conn.more = more
+            self.other(conn, kind, flags, msg_id, target, view, payload)
+            return 0
+        found = self.gathers.get(msg_id)
+        rank = self.rank_of.get(conn)
+        if found is None or rank is None:
+            return 0
+        g = <Gathering?>found
+        pos = g.pos.get(rank)
+        if pos is None:
+            return 0
+        g.entries.append((pos, target, payload))
+        g.left -= 1
+        if g.left == 0:
+            del self.gathers[msg_id]
+            self.answer(msg_id, g)
+        return 0
+
+
+cdef class CallServer(FrameHandler):
     """The handler of one of a worker's connections: ``Worker._frame`` (``counted=0``), or
     ``Worker._frame_counted`` of the controller's connection (1) or the relay's (2) of a rank
     with a relay, with a call to a synchronous actor run by :func:`serve_sync`.

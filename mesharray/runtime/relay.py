@@ -55,7 +55,7 @@ import threading
 import time
 
 from .. import _platform
-from .._core import pack_frame
+from .._core import Gathering, RelayReplies, pack_frame
 from ..transport.address import connect
 from ..transport.connection import SMALL_FRAME, Connection
 from ..transport.listener import Listener
@@ -68,10 +68,12 @@ log = logging.getLogger("mesharray.relay")
 _COUNTED = (P.CALL, P.SPAWN, P.STOP_ACTOR)
 
 
-class _Gather:
-    """The replies of one relayed call (or telemetry request) that the relay still waits for."""
+class _Gather(Gathering):
+    """The replies of one relayed call (or telemetry request) that the relay still waits for (its
+    fields: :class:`~mesharray._core.Gathering`'s, which the compiled handler of the ranks'
+    replies fills)."""
 
-    __slots__ = ("pos", "entries", "left", "deadline", "count")
+    __slots__ = ()
 
     def __init__(self, pos: dict[int, int], deadline: float = 0.0) -> None:
         self.pos = pos  # rank -> its position among the frame's targets (the ranks that answer)
@@ -127,6 +129,7 @@ class Relay:
         self.interval = 0.5
         self.done = threading.Event()
         self._ids = iter(range(1, 1 << 62)).__next__
+        self._replies = RelayReplies(self)
         self.listener = Listener(secret, self._on_socket, kind="unix")
         self.address = self.listener.address
         self.ctl = Connection(connect(controller, secret), handler=self._on_ctl_frame, on_close=self._on_ctl_close,
@@ -138,25 +141,14 @@ class Relay:
 
     # -- workers ---------------------------------------------------------------------
     def _on_socket(self, sock) -> None:
-        conn = Connection(sock, handler=self._on_worker_frame, on_close=self._on_worker_close, name="worker")
+        # replies gathered in compiled code (RelayReplies), every other frame by _on_worker_frame
+        conn = Connection(sock, handler=self._replies, on_close=self._on_worker_close, name="worker")
         conn.same_host = False  # (what it sends on goes to another host: no shared memory)
         conn.start_polled()
 
     def _on_worker_frame(self, conn: Connection, kind, flags, msg_id, target, view, payload) -> None:
-        if kind == P.REPLY:
-            g = self.gathers.get(msg_id)
-            rank = self.rank_of.get(conn)
-            if g is None or rank is None:
-                return
-            pos = g.pos.get(rank)
-            if pos is None:
-                return
-            g.entries.append((pos, target, payload))
-            g.left -= 1
-            if g.left == 0:
-                del self.gathers[msg_id]
-                self._answer(msg_id, g)
-        elif kind == P.HEARTBEAT:
+        """A rank's frame other than a reply (:class:`~mesharray._core.RelayReplies` gathers those)."""
+        if kind == P.HEARTBEAT:
             rank = self.rank_of.get(conn)
             if rank is not None:
                 self.last_seen[rank] = time.monotonic()

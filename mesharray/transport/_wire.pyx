@@ -11,7 +11,8 @@ interpreter time (``_core`` holds no I/O: this module is the transport's own):
 
 - :func:`read_polled`: one non-blocking ``recv`` of a polled connection into
   its receive buffer, then its complete frames handed over by
-  :func:`mesharray._core.dispatch_frames`;
+  :func:`mesharray._core.dispatch_frames` (:func:`poll_events`: the poller
+  thread's round of them);
 - :func:`write_frame`: a whole small frame written now with one non-blocking
   ``send``, or ``False`` so that the caller goes through ``Connection.send``;
 - :func:`read_loop`: a reader thread's loop (thread mode): a ``recv`` without
@@ -71,7 +72,7 @@ cdef extern from *:
 
 from mesharray._core import dispatch_frames as _dispatch_frames
 
-__all__ = ["Wire", "read_polled", "write_frame", "read_loop", "spin_recv", "setup"]
+__all__ = ["Wire", "read_polled", "poll_events", "write_frame", "read_loop", "spin_recv", "setup"]
 
 
 cimport cython
@@ -102,6 +103,9 @@ cdef class Wire:
     cdef public bint _faulty           # send is replaced (inject): write_frame leaves every frame to it
     cdef public object _write_error
     cdef object _lock, _acquire, _release  # (the send lock and its methods, looked up once)
+    cdef object _rl, _racquire, _rrelease  # (a polled connection's read lock and its methods)
+    #: a polled connection's descriptor (Poller.add; -1 until then)
+    cdef public int _fd
     cdef public unsigned int _route_kind
     cdef public object _route
     cdef public object _route_counts
@@ -110,6 +114,18 @@ cdef class Wire:
     cdef public Py_ssize_t _start      # its frames not handed over yet: _view[_start:_end]
     cdef public Py_ssize_t _end
     cdef public object _read_exc       # why the reader ended
+
+    def __cinit__(self):
+        self._fd = -1
+
+    @property
+    def _rlock(self):
+        """A polled connection's read lock: whoever holds it reads (the poller, or a waiting caller)."""
+        return self._rl
+
+    @_rlock.setter
+    def _rlock(self, value):
+        self._rl, self._racquire, self._rrelease = value, value.acquire, value.release
 
     @property
     def _send_lock(self):
@@ -243,6 +259,43 @@ def read_polled(Wire conn):
     The steps of ``Connection._read_some`` for the common case of a caller reading its
     replies; a frame longer than the receive buffer in progress goes to ``_read_some``.
     """
+    return _read_polled(conn)
+
+
+def poll_events(poller, events):
+    """``Poller._loop``'s round: each connection of ``events`` (the descriptors found readable) that
+    nobody else reads (its read lock free) read by :func:`read_polled` under that lock, then armed
+    again; one that ended is dropped from ``poller`` and finished, under the lock too."""
+    cdef dict conns = poller._conns
+    cdef dict parked = poller._parked
+    cdef Wire conn
+    cdef bint ok
+    arm = None
+    for fd in events:
+        got = conns.get(fd)
+        if got is None:  # discarded by a caller that saw it end
+            continue
+        conn = <Wire?>got
+        if not conn._racquire(False):
+            continue  # a caller is reading it; it re-arms when done
+        try:
+            ok = _read_polled(conn)
+            if not ok:  # finished under its read lock (see Connection.read_until)
+                poller.discard(conn)
+                (<object>conn)._poll_done()
+        finally:
+            conn._rrelease()
+        if ok:  # (Poller.rearm)
+            parked.pop(conn, None)
+            if arm is None:
+                arm = poller._readiness.arm
+            try:
+                arm(conn._fd)
+            except (OSError, ValueError):
+                pass
+
+
+cdef object _read_polled(Wire conn):
     cdef Py_buffer buf
     cdef Py_ssize_t start, end, cap
     cdef ssize_t got

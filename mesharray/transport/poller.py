@@ -27,6 +27,7 @@ from itertools import repeat
 from typing import TYPE_CHECKING
 
 from ..errors import ClosedTransportError
+from . import _wire
 from .interrupt import guard, unwinding
 from .readiness import READ, WRITE, readiness_set
 from .spin import _spin_poll, mirror
@@ -325,22 +326,8 @@ class Poller:
                         self._timeout = -1.0
                         if parked:  # a park that read the old timeout without the lock (_start_sweeping)
                             self._timeout = PARK_MAX
-            for fd in events:
-                got = self._conns.get(fd)
-                if got is None:  # discarded by a caller that saw it end
-                    continue
-                conn = got
-                if not conn._rlock.acquire(False):
-                    continue  # a caller is reading it; it re-arms when done
-                try:
-                    ok = conn._read_polled()
-                    if not ok:  # finished under its read lock (see read_until)
-                        self.discard(conn)
-                        conn._poll_done()
-                finally:
-                    conn._rlock.release()
-                if ok:
-                    self.rearm(conn)
+            if events:
+                _wire.poll_events(self, events)  # (each read under its read lock, re-armed: compiled)
 
 
 class Writer:
