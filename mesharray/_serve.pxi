@@ -8,7 +8,8 @@
 # async one; the channel's _on_frame: every kind but CALL; the worker's methods for a failure,
 # a reply that is not None, a broadcast's error told at the next call). A relay's connections to
 # its ranks have a RelayReplies: each reply goes into its call's Gathering, and the last one
-# answers the controller (the relay's Python). No I/O here: the reply
+# answers the controller (the relay's Python); relay_forward is its loop over the ranks of a
+# relayed frame. No I/O here: the reply
 # goes through the connection's own methods (write_frame, send). serve_setup gives this part
 # the worker module's constants and telemetry tables once, at its import.
 
@@ -312,3 +313,44 @@ cdef _serve(worker, chan, conn, ActorSlot slot, unsigned int flags, unsigned lon
             worker._reply_failed(chan, msg_id, slot, method, result, exc)
     if _sv_record and len(_sv_rows) > _sv_max_rows:
         _sv_rec.trim()
+
+
+cdef object _SV_UNSET = object()
+
+
+def relay_forward(relay, list ranks, mask, unsigned int inner, bint reply, unsigned long long msg_id,
+                  unsigned long long target, unsigned long long view, body, Gathering g):
+    """``Relay._relay``'s loop: the frame of kind ``inner`` (payload ``body``) to each of ``ranks``
+    that joined, with ``F_REPLY`` where ``reply`` and the ``mask`` (None: all) ask for a reply.
+    A small frame is packed once per flag and written whole (``write_frame``), else sent; a rank
+    not joined or gone goes to ``relay._absent``, a view a rank has not seen yet is defined by
+    ``relay._define_view`` first; a rank whose connection broke is answered by its close handler."""
+    cdef dict workers = relay.workers
+    cdef dict defined = relay.defined
+    cdef Py_ssize_t i, m, n = len(ranks)
+    cdef unsigned int f
+    frame_reply = frame_plain = _SV_UNSET
+    parts = [body]
+    for i in range(n):
+        r = ranks[i]
+        f = _sv_F_REPLY if reply and (mask is None or mask[i]) else 0
+        w = workers.get(r)
+        if w is None:
+            relay._absent(i, r, inner, f, msg_id, target, view, body, g)
+            continue
+        if view and view not in defined[w]:
+            relay._define_view(w, view)
+        frame = frame_reply if f else frame_plain
+        if frame is _SV_UNSET:
+            m, packed = _pack_frame(inner, f, msg_id, target, view, parts, _sv_small, w.limit)
+            # (a large frame's is its header alone: it goes through send, with its payload)
+            frame = packed if packed is not None and m <= _sv_small else None
+            if f:
+                frame_reply = frame
+            else:
+                frame_plain = frame
+        try:
+            if frame is None or not _sv_write_frame(w, frame):
+                w.send(inner, f, msg_id, target, view, parts)
+        except ConnectionError:
+            pass  # gone: its close handler answers for it

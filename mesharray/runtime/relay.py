@@ -55,9 +55,9 @@ import threading
 import time
 
 from .. import _platform
-from .._core import Gathering, RelayReplies, pack_frame
+from .._core import Gathering, RelayReplies, relay_forward
 from ..transport.address import connect
-from ..transport.connection import SMALL_FRAME, Connection
+from ..transport.connection import Connection
 from ..transport.listener import Listener
 from . import protocol as P
 
@@ -271,35 +271,25 @@ class Relay:
         if reply:
             pos = {r: i for i, r in enumerate(ranks) if mask is None or mask[i]}
             g = self.gathers[msg_id] = _Gather(pos)
-        frames: dict[int, bytes | None] = {}  # flags -> the whole frame (a small one: written as is to every rank)
-        workers = self.workers
-        for i, r in enumerate(ranks):
-            f = P.F_REPLY if reply and (mask is None or mask[i]) else 0
-            w = workers.get(r)
-            if w is None:
-                if r not in self.addresses and r in self.ranks and r not in self.gone:  # not joined yet: later
-                    self.waiting.setdefault(r, []).append((inner, f, msg_id, target, view, [bytes(body)]))
-                elif g is not None and f:  # gone: the controller says why
-                    g.entries.append((i, P.DIED, b""))
-                    g.left -= 1
-                continue
-            if view and view not in self.defined[w]:
-                self.defined[w].add(view)
-                w.send(P.VIEW, 0, 0, view, 0, [self.views[view]])
-            if f in frames:
-                frame = frames[f]
-            else:
-                n, packed = pack_frame(inner, f, msg_id, target, view, [body], SMALL_FRAME, w.limit)
-                # (a large frame's is its header alone: it goes through send, with its payload)
-                frame = frames[f] = packed if packed is not None and n <= SMALL_FRAME else None
-            try:
-                if frame is None or not w.write_frame(frame):
-                    w.send(inner, f, msg_id, target, view, [body])
-            except ConnectionError:
-                pass  # gone: its close handler answers for it
+        relay_forward(self, ranks, mask, inner, bool(reply), msg_id, target, view, body, g)  # (compiled)
         if g is not None and g.left == 0:
             del self.gathers[msg_id]
             self._answer(msg_id, g)
+
+    def _absent(self, i: int, r: int, inner: int, f: int, msg_id: int, target: int, view: int, body,
+                g: _Gather | None) -> None:
+        """A relayed frame for rank ``r`` (position ``i``), which has no connection here: kept for it
+        if it has not joined yet, else (gone) answered ``DIED`` if it asks for a reply."""
+        if r not in self.addresses and r in self.ranks and r not in self.gone:  # not joined yet: later
+            self.waiting.setdefault(r, []).append((inner, f, msg_id, target, view, [bytes(body)]))
+        elif g is not None and f:  # gone: the controller says why
+            g.entries.append((i, P.DIED, b""))
+            g.left -= 1
+
+    def _define_view(self, w: Connection, view: int) -> None:
+        """Send rank connection ``w`` the view ``view`` before its first frame that names it."""
+        self.defined[w].add(view)
+        w.send(P.VIEW, 0, 0, view, 0, [self.views[view]])
 
     def _answer(self, msg_id: int, g: _Gather) -> None:
         try:
