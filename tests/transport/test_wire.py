@@ -152,3 +152,38 @@ def test_a_bad_frame_drops_the_connection_and_says_why(caplog):
         assert p.closed and "magic" in str(p.closed[0])
     finally:
         p.close()
+
+
+def test_a_reader_thread_hands_over_small_and_large_frames_in_order_and_ends_on_eof():
+    # the compiled reader loop (_wire.read_loop): small frames in its buffer, a frame longer
+    # than the buffer read by the connection's Python and back, then an EOF ends it cleanly
+    sa, sb = socket.socketpair()
+    got: list = []
+    closed: list = []
+    ended = threading.Event()
+
+    def on_close(conn, exc):
+        closed.append(exc)
+        ended.set()
+
+    reader = Connection(sb, handler=lambda conn, kind, f, m, t, v, p: got.append((m, bytes(p))), on_close=on_close,
+                        name="reader")
+    reader.start()
+    writer = Connection(sa, name="writer")
+    big = bytes(range(256)) * ((1 << 20) // 256 + 5)
+    try:
+        for i in range(50):
+            writer.send(5, 0, i, 0, 0, [b"s%d" % i])
+        writer.send(5, 0, 50, 0, 0, [big])
+        for i in range(51, 100):
+            writer.send(5, 0, i, 0, 0, [b"s%d" % i])
+        deadline = time.monotonic() + 10
+        while len(got) < 100 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert [m for m, _ in got] == list(range(100))
+        assert got[50][1] == big and got[99][1] == b"s99"
+        assert reader.bytes_in == sum(24 + len(p) for _, p in got)
+        sa.close()  # (the peer goes away)
+        assert ended.wait(10) and closed == [None]
+    finally:
+        reader.close()
