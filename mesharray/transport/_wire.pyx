@@ -136,6 +136,7 @@ cdef class Wire:
     def _send_lock(self, value):
         self._lock, self._acquire, self._release = value, value.acquire, value.release
 
+
 cdef object _clock = None
 cdef double _cork_age = 0.0
 cdef object _FrameError = RuntimeError
