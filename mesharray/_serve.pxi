@@ -165,9 +165,12 @@ cdef class RelayReplies(FrameHandler):
 
 
 cdef class CallServer(FrameHandler):
-    """The handler of one of a worker's connections: ``Worker._frame`` (``counted=0``), or
-    ``Worker._frame_counted`` of the controller's connection (1) or the relay's (2) of a rank
-    with a relay, with a call to a synchronous actor run by :func:`serve_sync`.
+    """The handler of one of a worker's connections: a call to a synchronous actor runs here (what
+    :func:`serve_sync` does), a ``FENCE`` waits in ``Worker._await``, anything else goes to
+    ``Worker._frame`` (a call it does not run) or the channel. ``counted``: 0 for a connection
+    outside the fences, 1 for the controller's connection and 2 for the relay's of a rank with a
+    relay, whose calls, spawns, actor stops and stop each count in the worker's ``order`` (see
+    ``runtime.worker._Order``).
 
     Called as any handler (``server(conn, kind, flags, msg_id, target, view, payload)``);
     :func:`dispatch_frames` calls it without a Python call.

@@ -108,11 +108,14 @@ def _set_trace(*, header: str | None = None, _frame: Any = None) -> None:
 
 
 def _where(frame: Any) -> tuple[str, str]:
-    """(endpoint, file:line) of a paused frame: the endpoint is the outermost frame below the worker's loop."""
+    """(endpoint, file:line) of a paused frame: the endpoint is the outermost frame below the worker's code
+    (its reader thread's loop, whose call path is compiled and has no Python frame, or the worker's
+    own: an async actor's task, a main-thread task)."""
     endpoint = frame.f_code.co_name
-    worker_file = sys.modules[__name__.rsplit(".", 1)[0] + ".worker"].__file__
+    package = __name__.rsplit(".", 2)[0]
+    roots = {getattr(sys.modules.get(package + m), "__file__", None) for m in (".runtime.worker", ".transport.connection")}
     f = frame
-    while f is not None and f.f_code.co_filename != worker_file:
+    while f is not None and f.f_code.co_filename not in roots:
         if f.f_code.co_filename != pdb.__file__ and "bdb" not in f.f_code.co_filename:
             endpoint = f.f_code.co_name
         f = f.f_back

@@ -165,6 +165,7 @@ def sync_replies(conn, reply_kind: int) -> None:
         return send(kind, flags, msg_id, target, view, parts, cork)
 
     conn.send = synced_send
+    conn._faulty = True  # (send is replaced: write_frame, the compiled paths' writes, leaves every frame to it)
 
 
 def flush_forwarding(timeout: float = 1.0) -> None:

@@ -100,7 +100,7 @@ cdef class Wire:
     cdef public double _out_t0         # when the first of them was corked
     cdef public object _backlog        # written frames the socket has not taken yet (a deque)
     cdef public bint _closed
-    cdef public bint _faulty           # send is replaced (inject): write_frame leaves every frame to it
+    cdef public bint _faulty           # send is replaced (inject, sync_replies): write_frame leaves frames to it
     cdef public object _write_error
     cdef object _lock, _acquire, _release  # (the send lock and its methods, looked up once)
     cdef object _rl, _racquire, _rrelease  # (a polled connection's read lock and its methods)

@@ -147,7 +147,8 @@ class Connection(_wire.Wire):
         #: set by the reader before each frame it hands over: more frames of the same read follow
         self.more = False
         # frames of kind _route_kind go to _route.pop(msg_id)(target, payload), not to the handler
-        # (see route()); _faulty: inject() replaced send, so write_frame must leave frames to it
+        # (see route()); _faulty: send is replaced (inject(), the notebook's runtime.logs.sync_replies),
+        # so write_frame must leave frames to it
         self._route_kind = 0
         self._route: dict | None = None
         self._route_counts: list | None = None
