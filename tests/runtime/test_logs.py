@@ -64,3 +64,29 @@ def test_counters_as_dict():
     c.tally[1] += 1
     c.spawns += 2
     assert c.as_dict() == {"replies": 3, "errors": 1, "deaths": 0, "log_bytes": 0, "spawns": 2, "unresponsive": 0}
+
+
+def test_a_synced_connection_leaves_every_frame_to_its_send(monkeypatch):
+    # the notebook mode: a reply waits for the worker's output; the compiled paths write small
+    # frames with write_frame, which must then leave them to the replaced send
+    import socket
+
+    from mesharray._core import pack_frame
+    from mesharray.transport.connection import SMALL_FRAME, Connection
+
+    a, b = socket.socketpair()
+    conn = Connection(a, name="synced")
+    drained = []
+    monkeypatch.setattr(logs, "_pipes", [(-1, 1)])  # (as if this process forwarded its output)
+    monkeypatch.setattr(logs, "drain_output", lambda: drained.append(1))
+    try:
+        frame = pack_frame(4, 0, 7, 0, 0, [b"ok"], SMALL_FRAME, conn.limit)[1]
+        assert conn.write_frame(frame) is True  # (not synced: written at once)
+        logs.sync_replies(conn, 4)
+        assert conn.write_frame(frame) is False  # (left to send, which drains the output first)
+        conn.send(4, 0, 8, 0, 0, [b"ok"])
+        assert drained == [1]
+        assert len(b.recv(1024)) >= 2 * len(frame)
+    finally:
+        conn.close()
+        b.close()
