@@ -122,7 +122,14 @@ def torchrun_ddp():
     if torchrun is None:
         pytest.skip("torchrun is not installed")
     args = ["--steps", "6"]
-    r = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", _DDP_SCRIPT, *args],
-                       capture_output=True, text=True, timeout=300)
+    # torch's own launcher is the reference here, and its gloo teardown sometimes aborts a rank
+    # after the script finished ("terminate called without an active exception", ~1 run in 5
+    # on this machine, with or without a barrier before destroy_process_group): a run that
+    # died so is tried again, up to three times; any other failure fails at once
+    for _ in range(3):
+        r = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", _DDP_SCRIPT, *args],
+                           capture_output=True, text=True, timeout=300)
+        if r.returncode == 0 or "terminate called without an active exception" not in r.stderr:
+            break
     assert r.returncode == 0, r.stdout + r.stderr
     return SimpleNamespace(script=_DDP_SCRIPT, args=args, digest=_ddp_digest(r.stdout), digest_of=_ddp_digest)
