@@ -3,9 +3,12 @@
 # cython: cdivision=True, embedsignature=True, binding=False
 """mesharray._core — the compiled core.
 
-Pure, synchronous, allocation-light algebra and kernels: no I/O, no event loop,
-no policy. Everything with I/O is Python. Each part lives in its own include
-file so that the parts can be read (and owned) separately:
+Pure, synchronous, allocation-light algebra and kernels, and the per-message
+dispatch of the runtime's hot paths: no I/O, no event loop, no policy.
+Everything with I/O is Python or the transport's own extension (``_serve.pxi``
+writes a reply through the function the worker hands it, ``Connection.write_frame``).
+Each part lives in its own include file so that the parts can be read (and owned)
+separately:
 
 - ``_shape.pxi``   : ``Shape`` (named, strided views over global ranks), NumPy
                      indexing, ``broadcast_shapes``, ``reduction_plan``.

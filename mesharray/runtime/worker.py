@@ -14,7 +14,10 @@ Execution model
 - An actor whose endpoints are all synchronous runs them **inline in the
   reader thread**, under the actor's lock (so two senders never run one
   actor's code at the same time). No thread hop: this is what keeps a call
-  round trip in the tens of microseconds.
+  round trip in the tens of microseconds. That path is compiled: each
+  connection's handler is a ``_core.CallServer``, and the slots' fields and
+  the fences' counters are C fields (``_core.ActorSlot``, ``_core.CallOrder``);
+  :meth:`Worker._frame` takes what it does not run (see ``docs/internals.md``).
 - An actor with any ``async`` endpoint gets a mailbox on the worker's asyncio
   loop (one thread, started on first need); its messages run one at a time in
   arrival order (sync endpoints of such an actor too), except endpoints
