@@ -8,6 +8,7 @@ trees can be compared on a noisy machine by what each process spent:
   faults, threads;
 - ``calls``: per ``call()`` to all ranks, the relays', the workers' and the
   controller's CPU (per rank for the first two), and the p50 wall time;
+- ``sums``: the same per 1-element ``x.sum().fetch()`` over all ranks;
 - ``idle``: with the mesh at rest, a worker's heartbeat thread's CPU per beat and
   the share of one core the workers, the relays and the whole machine use.
 
@@ -15,6 +16,7 @@ Sixteen agents as in ``bench_scale.py`` (``--hosts``, 64 processes each)::
 
     python bench/scale_costs.py start --hosts 4
     python bench/scale_costs.py calls --hosts 16 --seconds 8
+    python bench/scale_costs.py sums --hosts 16 --seconds 8
     python bench/scale_costs.py idle --hosts 16 --seconds 8
 
 To compare with another commit, build it in a worktree and run this script with
@@ -100,23 +102,33 @@ def start(procs, b) -> str:
             f"minor faults {statistics.median(faults):.0f}, threads {statistics.median(threads):.0f}")
 
 
-def calls(procs, b, agents, seconds: float) -> str:
+def _per_op(what: str, op, procs, agents, seconds: float) -> str:
+    """The p50 wall of ``op`` and the relays', workers' and controller's CPU per run of it."""
     workers = set(procs.pids)
     relays = _relays(agents, workers)
     for _ in range(50):
-        b.noop.call().get(timeout=60)
+        op()
     r0, w0, c0 = sum(map(_cpu, relays)), sum(map(_cpu, workers)), time.process_time()
     walls = []
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         t = time.perf_counter()
-        b.noop.call().get(timeout=60)
+        op()
         walls.append(time.perf_counter() - t)
     r1, w1, c1 = sum(map(_cpu, relays)), sum(map(_cpu, workers)), time.process_time()
     n, ranks = len(walls), len(workers)
-    return (f"per call() to all: p50 {statistics.median(walls) * 1e3:.1f} ms; relays "
+    return (f"per {what}: p50 {statistics.median(walls) * 1e3:.1f} ms; relays "
             f"{(r1 - r0) / n / ranks * 1e6:.1f} us/rank, workers {(w1 - w0) / n / ranks * 1e6:.1f} us/rank, "
-            f"controller {(c1 - c0) / n * 1e3:.2f} ms ({n} calls)")
+            f"controller {(c1 - c0) / n * 1e3:.2f} ms ({n} runs)")
+
+
+def calls(procs, b, agents, seconds: float) -> str:
+    return _per_op("call() to all", lambda: b.noop.call().get(timeout=60), procs, agents, seconds)
+
+
+def sums(procs, agents, seconds: float) -> str:
+    x = procs.ones(())
+    return _per_op("1-element sum", lambda: float(x.sum().fetch()), procs, agents, seconds)
 
 
 def idle(procs, b, agents, seconds: float) -> str:
@@ -138,7 +150,7 @@ def idle(procs, b, agents, seconds: float) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["start", "calls", "idle"])
+    ap.add_argument("what", choices=["start", "calls", "sums", "idle"])
     ap.add_argument("--hosts", type=int, default=16, help="agents of 64 processes each")
     ap.add_argument("--seconds", type=float, default=8.0)
     args = ap.parse_args(argv)
@@ -157,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
                 out = start(procs, b)
             elif args.what == "calls":
                 out = calls(procs, b, agents, args.seconds)
+            elif args.what == "sums":
+                out = sums(procs, agents, args.seconds)
             else:
                 out = idle(procs, b, agents, args.seconds)
             print(f"{args.hosts * bs.PER_HOST} ranks (spawn + first call {spawn:.2f} s): {out}")

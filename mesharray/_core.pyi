@@ -110,6 +110,31 @@ def host_round(ctl: int, size: int, rank: int, r: int, src: int, nbytes: int, ds
                result: int, capacity: int, count: int, dtype: str, op: str, failed: bool, stage: int, cross: bool,
                leader: bool, seconds: float, futex: bool) -> int: ...
 
+# --- _rounds.pxi ---
+class HostRounds:
+    rank: int
+    size: int
+    capacity: int
+    timeout: float
+    _host_poll: float
+    _host_all: int
+    _seq: int
+    _hr: int
+    _last_host: int
+    _hctl: int
+    _res_addr: int
+    _done_at: int
+    _closed: bool
+    _futex: bool
+    _broken: Any
+    _pending: Any
+    _settling: Any
+    _slot_addr: Any
+    def _host_round(self, send: Any, out: Any, op: str, kdt: str, failed: bool, cross: bool = False,
+                    leader: bool = False, lazy: Any = None) -> tuple[int, list[int]]: ...
+    def settle(self) -> None: ...
+def arrive_lazy(target: tuple[Any, bool, Any], send: Any, out: Any, op: str, kdt: str, done: Any) -> list[int] | None: ...
+
 # --- _dispatch.pxi ---
 def signature_setup(stored: Any, other: Any) -> None: ...
 def signature(obj: Any, leaves: Any) -> Any: ...
@@ -138,6 +163,14 @@ def expand_calls(program: list, calls: dict, plans: dict, missing: Any) -> list 
 def fast_op(raw: tuple, blocks: dict, engines: dict, failed: dict) -> Any: ...
 def free_blocks(store: Any, bids: list) -> bool: ...
 def bucket_scan(program: list, i: int, grad_of: Any, barriers: Any, plan_of: Any, block_ids: Any) -> Any: ...
+
+class Settled:
+    def __call__(self, outcome: Any) -> None: ...
+
+class PlanRunner:
+    me: Any
+    def __init__(self, store: Any, plans: dict, cache: dict, last: list, planned: Any, settled: Any) -> None: ...
+    def run(self, program: list) -> bool: ...
 
 # --- _serve.pxi ---
 def serve_setup(kinds: dict[str, int], counted: Any, decode: Callable[..., Any], names: dict[bytes, str],

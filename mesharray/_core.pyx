@@ -15,6 +15,8 @@ separately:
 - ``_frame.pxi``   : the fixed frame header of the wire protocol, and the
                      frame loop of a read (each frame to the caller's handler).
 - ``_kernels.pxi`` : nogil reduction kernels over contiguous numeric buffers.
+- ``_rounds.pxi``  : ``HostRounds``, a shared-memory group's host rounds with their
+                     state in C fields (the base of ``collectives.shm.ShmCollective``).
 - ``_dispatch.pxi``: the signature of an op's arguments (the recipe caches' keys), and an op's
                      tail at the controller (its instruction queued, its result made).
 - ``_worker.pxi``  : a rank's common instructions of a distributed-array program.
@@ -25,6 +27,7 @@ separately:
 include "_shape.pxi"
 include "_frame.pxi"
 include "_kernels.pxi"
+include "_rounds.pxi"
 include "_dispatch.pxi"
 include "_worker.pxi"
 include "_serve.pxi"

@@ -21,6 +21,7 @@ cdef extern from "pythread.h":
     unsigned long _thread_ident "PyThread_get_thread_ident" ()
 
 cdef object _sv_decode = None        # framing.decode
+from pickle import loads as _sv_loads
 cdef dict _sv_names = None           # u8 n + method name -> name (worker._names)
 cdef bytes _sv_no_args = b""         # the pickled payload of a call without arguments
 cdef object _sv_empty_ok = None      # the parts of a reply of None
@@ -240,6 +241,17 @@ def serve_sync(worker, chan, conn, ActorSlot slot not None, unsigned int flags, 
     _serve(worker, chan, conn, slot, flags, msg_id, view, payload, conn.more, chan.peer)
 
 
+cdef inline object _sv_args(payload, const unsigned char* p, Py_ssize_t size, Py_ssize_t at):
+    # a call's (args, kwargs) from its payload at ``at``: framing.decode, whose common case (no
+    # out-of-band buffers: the prefix's second field 0) is read here, the pickle loaded in place
+    cdef Py_ssize_t plen
+    if size - at >= 8 and p[at + 4] == 0 and p[at + 5] == 0:
+        plen = p[at] | (p[at + 1] << 8) | (p[at + 2] << 16) | (<Py_ssize_t>p[at + 3] << 24)
+        if at + 8 + plen <= size:
+            return _sv_loads(memoryview(payload)[at + 8:at + 8 + plen])
+    return _sv_decode(memoryview(payload)[at:])
+
+
 cdef _serve(worker, chan, conn, ActorSlot slot, unsigned int flags, unsigned long long msg_id,
             unsigned long long view, payload, bint more, dict peer):
     cdef bint reply = (flags & _sv_F_REPLY) != 0
@@ -279,7 +291,7 @@ cdef _serve(worker, chan, conn, ActorSlot slot, unsigned int flags, unsigned lon
                                                                 size - 1 - n) == 0:
                     result = fn()  # no arguments: nothing to unpickle
                 else:
-                    args, kwargs = _sv_decode(memoryview(payload)[1 + n:])
+                    args, kwargs = _sv_args(payload, p, size, 1 + n)
                     result = fn(*args, **kwargs)
             except BaseException as exc:
                 ok = False

@@ -189,3 +189,134 @@ def bucket_scan(list program, Py_ssize_t i, grad_of, barriers, plan_of, block_id
                 touched[b] = touched[b] + 1
     kept = [e for e in entries if touched[e[1]] == 2 and first_apply.get(e[0], e[3]) >= e[3]]
     return plan, kept
+
+
+# --- a small reduction's program on a member (free, plan by key, check) ----------------------------
+
+cdef class Settled:
+    """The ``done`` of a block that a small allreduce makes lazily (``darray.worker._settled``, which
+    ``slow`` is): an outcome of ``[]`` stores ``res`` as block ``out`` if the store still awaits it
+    (``lazy``); any other outcome (failed inputs, an error) goes to ``slow(out, res, eng, outcome)``."""
+
+    cdef object out, res, eng, slow
+    cdef dict lazy, blocks, engines, failed
+
+    def __call__(self, outcome):
+        if type(outcome) is list and not outcome:
+            if self.lazy.pop(self.out, None) is None:
+                return  # (freed meanwhile)
+            self.blocks[self.out] = self.res
+            self.engines[self.out] = self.eng
+            self.failed.pop(self.out, None)
+            return
+        self.slow(self.out, self.res, self.eng, outcome)
+
+
+cdef class PlanRunner:
+    """``DataActor.run`` of the program a small reduction sends every member but its roots:
+    ``[("free", blocks), ("kplan", out, src, key, roots, nbytes), ("check", ranks)]``, in any
+    number and order, compiled.
+
+    :meth:`run` returns False (nothing done) unless every instruction is one of those three,
+    this rank (:attr:`me`, None until the Python path knows it) is none of the plans' roots nor
+    in a check's ranks, and each plan is known to be a small allreduce of a host round
+    (``darray.worker._PLANS``'s state, with its ``lazy_target()``): then it runs them as ``run``
+    would (a block that is not the plan's contiguous NumPy array goes to ``planned(me, out, src,
+    plan, True)``, the Python path) and returns True (``run``'s result is None). A member of 1,024 runs one such program per sum; its Python was most of the
+    member's CPU (``docs/internals.md``, "Hot paths in C")."""
+
+    cdef object store, planned, settled
+    cdef dict blocks, engines, failed, lazy, plans, cache
+    cdef list last
+    cdef public object me
+
+    def __init__(self, store, dict plans, dict cache, list last, planned, settled):
+        self.store = store
+        self.blocks, self.engines, self.failed, self.lazy = store.blocks, store.engines, store.failed, store.lazy
+        self.plans, self.cache, self.last = plans, cache, last
+        self.planned, self.settled = planned, settled
+        self.me = None
+
+    cdef object _state(self, key):
+        # a kplan's (plan bytes, state [fields, fast]) from its key; the last plan compared, not hashed
+        plan = self.plans.get(key)
+        if plan is None:
+            return None
+        last = self.last
+        if plan is last[0] or plan == last[0]:
+            return plan, last[1]
+        st = self.cache.get(plan)
+        if st is None:
+            return None
+        last[0] = plan
+        last[1] = st
+        return plan, st
+
+    def run(self, list program):
+        cdef Py_ssize_t n = len(program), i
+        cdef list states = []
+        cdef tuple fast
+        cdef cnp.ndarray block
+        me = self.me
+        if me is None:
+            return False
+        for raw in program:
+            code = raw[0]
+            if code == "free":
+                continue
+            if code == "check":
+                if me in raw[1]:
+                    return False
+                continue
+            if code != "kplan" or me in raw[4]:
+                return False
+            got = self._state(raw[3])
+            if got is None:
+                return False
+            fast = (<tuple>got)[1][1]
+            if fast is None or fast[6] is None:
+                return False
+            states.append(got)
+        i = 0
+        for raw in program:
+            code = raw[0]
+            if code == "free":
+                if not free_blocks(self.store, raw[1]):
+                    self.store.free(raw[1])
+                continue
+            if code != "kplan":
+                continue
+            plan, st = states[i]
+            i += 1
+            fast = st[1]
+            out, src = raw[1], raw[2]
+            if self.lazy and src in self.lazy:
+                self.store.settle()
+            g, op, dtype, eng, small, kdt, target = fast
+            self.blocks.pop(out, None)
+            obj = self.blocks.get(src)
+            if type(obj) is not _np.ndarray or self.engines.get(src) is not eng:
+                self.planned(me, out, src, plan, True)  # (the Python path: what it does with such a block)
+                continue
+            block = <cnp.ndarray>obj
+            if (<object>cnp.PyArray_DESCR(block) is not dtype or not cnp.PyArray_IS_C_CONTIGUOUS(block)
+                    or cnp.PyArray_NBYTES(block) > small):
+                self.planned(me, out, src, plan, True)
+                continue
+            res = cnp.PyArray_EMPTY(cnp.PyArray_NDIM(block), cnp.PyArray_DIMS(block),
+                                    cnp.PyArray_TYPE(block), 0)
+            done = Settled.__new__(Settled)
+            (<Settled>done).out, (<Settled>done).res, (<Settled>done).eng = out, res, eng
+            (<Settled>done).slow = self.settled
+            (<Settled>done).lazy, (<Settled>done).blocks = self.lazy, self.blocks
+            (<Settled>done).engines, (<Settled>done).failed = self.engines, self.failed
+            self.lazy[out] = g  # (first: another thread may finish the round at once)
+            try:
+                got = arrive_lazy(target, block, res, op, kdt, done)
+            except BaseException as exc:
+                self.lazy.pop(out, None)
+                self.store.fail(out, exc)
+                continue
+            if got is not None:  # (the result was in already: the outcome now)
+                done(got)
+        return True

@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .._core import arrive_lazy
 from ..errors import ActorDiedError, SupervisionError
 from ._args import as_contiguous, check_out, scatter_part_shape, split_mean
 from .ring import RingCollective
@@ -206,12 +207,20 @@ class HierCollective:
         member other than a leader of several hosts arrives at its host round and returns None, the
         round finished by :meth:`settle` (:meth:`ShmCollective.small_allreduce_lazy
         <.shm.ShmCollective.small_allreduce_lazy>`); a leader combines the hosts as ever."""
+        target = self.lazy_target()
+        if target is None:
+            return self._small(send, out, op, kdt, False)
+        return arrive_lazy(target, send, out, op, kdt, done)
+
+    def lazy_target(self) -> tuple | None:
+        """Where :meth:`small_allreduce_lazy` arrives (``_core.arrive_lazy``'s ``target``): ``(the host's
+        group, whether the group spans hosts, this group's finish)``; None for a leader of several
+        hosts (it combines the hosts at once) or a member alone on its host."""
         local = self.local
         cross = len(self.hosts) > 1
         if local is None or (cross and self.is_leader):
-            return self._small(send, out, op, kdt, False)
-        code, bad = local._host_round(send, out, op, kdt, False, cross=cross, lazy=(out, op, done, self._finish))
-        return None if code < 0 else self._finish(out, op, code, bad)
+            return None
+        return (local, cross, self._finish)
 
     def _finish(self, out: np.ndarray | None, op: str, code: int, bad: list[int]) -> list[int]:
         # a host round's end for a member that is not a leader of several hosts (code 0 or 1)

@@ -88,11 +88,12 @@ import numpy as np
 
 from .. import _platform, _proc_stat
 from .._core import (
+    HostRounds,
+    arrive_lazy,
     atomic_load,
     atomic_store,
     buffer_address,
     copy_bytes,
-    host_round,
     publish_word,
     reduce_addresses,
     reduce_remote,
@@ -179,7 +180,7 @@ def _pid_alive(pid: int) -> bool:
     return _pid_exists(pid) and _proc_stat.state(pid) not in (b"Z", b"X")  # unknown (None): alive
 
 
-class ShmCollective:
+class ShmCollective(HostRounds):
     """A group of ``size`` processes on one host doing collectives through shared memory.
 
     Every member constructs it with the same ``name``, ``size`` and
@@ -274,6 +275,8 @@ class ShmCollective:
         #: a host round this member arrived at and left before its result was in (:meth:`settle`)
         self._pending: tuple | None = None
         self._settling = threading.Lock()
+        self._futex = _platform.LINUX_NATIVE  # (a host round's sleepers sleep on a futex, else nap)
+        self._host_poll, self._host_all = _HOST_POLL, _HOST_ALL
         self.sleepy = False  # small allreduces are host rounds (agreed at the join)
         #: every member has a CPU more than the group has members (agreed at the join): a member's
         #: thread may reduce while its others compute (the gradient buckets, darray.overlap)
@@ -368,6 +371,7 @@ class ShmCollective:
         self._all = list(range(self.size))
         self._flags_at = self._flag(_ARRIVE, 0)  # the first flag line (small_round's ``flags``)
         self._hctl = self._base + _PAGE + (self.size * _NFLAGS + 3) * _LINE  # (host_round's ``ctl``)
+        self._done_at = self._flag(_DONE, self.rank)
         self._bad: np.ndarray | None = None  # small_round's failed-member bytes (made on first use)
         if self.rank == 0:
             atomic_store(self._base, _MAGIC)
@@ -806,10 +810,15 @@ class ShmCollective:
         raised. A member of many on few CPUs thus wakes once per reduction (for the message
         that starts it), not twice. Other groups run :meth:`small_allreduce_prechecked`.
         """
-        if not self.sleepy:
+        target = self.lazy_target()
+        if target is None:
             return self.small_allreduce_prechecked(send, out, op, kdt)
-        code, bad = self._host_round(send, out, op, kdt, False, lazy=(out, op, done, self._finish_small))
-        return None if code < 0 else self._finish_small(out, op, code, bad)
+        return arrive_lazy(target, send, out, op, kdt, done)
+
+    def lazy_target(self) -> tuple | None:
+        """Where :meth:`small_allreduce_lazy` arrives (``_core.arrive_lazy``'s ``target``): ``(this group,
+        False, its finish)`` in a host round (:attr:`sleepy`), else None. Fixed once the group joined."""
+        return (self, False, self._finish_small) if self.sleepy else None
 
     def _finish_small(self, out: np.ndarray, op: str, code: int, bad_idx: list[int]) -> list[int]:
         if code:
@@ -818,38 +827,6 @@ class ShmCollective:
             np.divide(out, self.size, out=out)
         return []
 
-    def settle(self) -> None:
-        """Finish the host round this member left pending (:meth:`small_allreduce_lazy`), if any:
-        wait until its result is published, copy it, mark the round done, and hand the outcome
-        to the round's ``done``. Also the first step of every operation of the group: a
-        member arrives at a round only once it no longer reads the round before."""
-        with self._settling:  # (a worker's actor threads may read the block while its program runs)
-            p = self._pending
-            if p is None:
-                return
-            self._pending = None
-            self._settle(*p)
-
-    def _settle(self, k: int, r: int, dst: int, nbytes: int, count: int, kdt: str, kop: str, cross: bool,
-                lazy: tuple) -> None:
-        out, op, done, finish = lazy
-        try:
-            polls = 0
-            deadline = time.monotonic() + self.timeout
-            while True:  # (stage 1: after the arrival)
-                code = host_round(self._hctl, self.size, self.rank, r, 0, nbytes, dst, self._slot_addr,
-                                  self._res_addr, self.capacity, count, kdt, kop, False, 1, cross, False,
-                                  _HOST_POLL, self._futex)
-                if code >= 0:
-                    break
-                polls += 1
-                self._check_host(r, polls % _HOST_ALL == 0, deadline)
-            outcome = finish(out, op, *self._host_done(code, k))
-        except BaseException as exc:
-            done(exc)
-            return
-        done(outcome)
-
     @property
     def small_bytes(self) -> int:
         """The largest message :meth:`small_allreduce_checked` takes (one round, every member reducing it all)."""
@@ -857,65 +834,23 @@ class ShmCollective:
 
     # --- host rounds (see the module docstring) -----------------------------------------
 
-    def _host_round(self, send: np.ndarray, out: np.ndarray | None, op: str, kdt: str, failed: bool,
-                    cross: bool = False, leader: bool = False, lazy: tuple | None = None) -> tuple[int, list[int]]:
-        """One host round (``_core.host_round``): ``(code, failed member indices)``.
+    def _wait_round(self, k: int) -> None:
+        # a host round after slot round k (HostRounds._host_round): nobody may still read the
+        # slots or the result area
+        self._wait(_DONE, k, self._all, "reduction")
 
-        Code 0: the result is in ``out``; 1: inputs failed (their indices); 2
-        (``cross`` and ``leader``): the host's partial result is in the result
-        area (:meth:`host_partial`), and this member must :meth:`host_publish`
-        the group's; -1 (``lazy``, not a leader of ``cross``): the member arrived
-        and the result is not in yet, the round is pending (:meth:`settle`).
-        ``send`` of at most :attr:`small_bytes` bytes.
-        """
-        if self._pending is not None:
-            self.settle()
-        if self._closed or self._broken is not None:
-            self._begin("reduction")  # raises the group's error
-        k = self._seq + 1
-        if k > 1 and self._last_host != k - 1:
-            # the round before was a slot round: nobody may still read the slots or the result area
-            self._wait(_DONE, k - 1, self._all, "reduction")
-        self._seq = k
-        r = self._hr = self._hr + 1
-        src, nb = (0, 0) if failed else buffer_address(send)
-        dst = 0 if out is None else buffer_address(out, True)[0]
-        count = 0 if failed else send.size
-        kop = "sum" if op == "mean" else op
-        stage = 0
-        polls = 0
-        deadline = time.monotonic() + self.timeout
-        wait = _HOST_POLL if lazy is None else 0.0
-        while True:
-            code = host_round(self._hctl, self.size, self.rank, r, src, nb, dst, self._slot_addr, self._res_addr,
-                              self.capacity, count, kdt, kop, failed, stage, cross, leader, wait, self._futex)
-            if code >= 0:
-                break
-            if lazy is not None:
-                self._pending = (k, r, dst, nb, count, kdt, kop, cross, lazy)
-                return -1, []
-            stage, polls = 1, polls + 1
-            self._check_host(r, polls % _HOST_ALL == 0, deadline)
-        return self._host_done(code, k)
-
-    def _host_done(self, code: int, k: int) -> tuple[int, list[int]]:
-        # the end of host round k (sequence number) that returned ``code`` >= 0
-        bad: list[int] = []
-        if code == 1:
-            if atomic_load(self._hctl + 192) < 0:  # the leader's cross-host step failed (host_fail)
-                self._last_host = k
-                atomic_store(self._flag(_DONE, self.rank), k)
-                err = self._broken = self._leader_error()
-                raise err
-            bad = self._host_failed()
+    def _host_failed_round(self, k: int) -> tuple[int, list[int]]:
+        """The end of host round ``k`` (sequence number) whose inputs failed (``_host_round``'s code 1):
+        ``(1, the failed members' indices)``, or raise the leader's error (:meth:`host_fail`)."""
+        if atomic_load(self._hctl + 192) < 0:  # the leader's cross-host step failed (host_fail)
+            self._last_host = k
+            atomic_store(self._done_at, k)
+            err = self._broken = self._leader_error()
+            raise err
+        bad = self._host_failed()
         self._last_host = k
-        if code != 2:
-            atomic_store(self._flag(_DONE, self.rank), k)  # (for a slot round that may come next)
-        return code, bad
-
-    @property
-    def _futex(self) -> bool:
-        return _platform.LINUX_NATIVE
+        atomic_store(self._done_at, k)  # (for a slot round that may come next)
+        return 1, bad
 
     def _host_failed(self) -> list[int]:
         assert self._arr is not None

@@ -25,7 +25,7 @@ import numpy as np
 import mesharray.darray.instructions as I
 from mesharray.darray.instructions import InputFailed
 
-from .._core import expand_calls, fast_op, free_blocks
+from .._core import PlanRunner, expand_calls, fast_op, free_blocks
 from ..actor import Actor, context, endpoint
 from ..collectives import new_group
 from ..collectives.hier import HierCollective
@@ -56,7 +56,8 @@ COLLECTIVE_OP = {"sum": "sum", "prod": "prod", "min": "min", "max": "max", "mean
 _CAPTURED = frozenset(("def", "replay", "undef", "call", "defcall", "uncall", "defplan"))
 
 #: Planned instructions' plans, by their bytes: [the Collective's fields after out and src,
-#: (group, op, dtype, engine) once the plan is known to run in shared memory]
+#: (group, op, dtype, engine, small bytes, kernel dtype, lazy target) once the plan is known to
+#: run in shared memory (see DataActor._planned; _core.PlanRunner reads them too)]
 _PLANS: dict[bytes, list] = {}
 _LAST_PLAN: list = [b"", None]  # the last plan's bytes and state: a loop of one reduction compares, not hashes
 _SHM_OPS = frozenset(("sum", "prod", "min", "max", "mean"))
@@ -709,10 +710,12 @@ class DataActor(Actor):
         self.plans: dict[int, bytes] = {}  # collectives' plans by key (``defplan``)
         #: the first failure of an effect (backward()) since this rank's last wait: raised there
         self.unreported: BaseException | None = None
+        #: a member's program of a small reduction (frees, plans by key, checks), compiled
+        self._runner = PlanRunner(STORE, self.plans, _PLANS, _LAST_PLAN, self._planned, _settled)
 
     def _me(self) -> int:
         if self.rank is None:
-            self.rank = int(context().global_rank)
+            self.rank = self._runner.me = int(context().global_rank)
         return self.rank
 
     @endpoint
@@ -740,6 +743,8 @@ class DataActor(Actor):
         whole program ran; an *effect* (``("effect", ins)``: ``backward()``) that fails
         keeps its failure for the next wait on this rank (``("check", ranks)``).
         """
+        if self._runner.run(program):  # (a member's part of a small reduction: _core.PlanRunner)
+            return None
         me = self._me()
         for raw in program:
             if raw[0] in _CAPTURED:  # (a captured step's definition or replay: see darray.function)
@@ -970,9 +975,9 @@ class DataActor(Actor):
                     _PLANS.clear()
                 st = _PLANS[plan] = [pickle.loads(plan), None]
             last[0], last[1] = plan, st
-        fast: tuple[ShmCollective | HierCollective, str, np.dtype, Engine, int, str] | None = st[1]
+        fast: tuple[ShmCollective | HierCollective, str, np.dtype, Engine, int, str, tuple | None] | None = st[1]
         if fast is not None:
-            g, op, dtype, eng, small, kdt = fast
+            g, op, dtype, eng, small, kdt, _target = fast
             blocks = STORE.blocks
             blocks.pop(out, None)
             block = blocks.get(src)
@@ -1013,7 +1018,7 @@ class DataActor(Actor):
                     kdt = grp._kernel_dtype(dtype, ins.op)
                 except (TypeError, ValueError):  # no kernel for it: the general path, which says so
                     return None
-                st[1] = (grp, ins.op, dtype, get_engine("numpy"), grp.small_bytes, kdt)
+                st[1] = (grp, ins.op, dtype, get_engine("numpy"), grp.small_bytes, kdt, grp.lazy_target())
         return None
 
     def _move(self, me: int, ins: I.Move | list[I.Move]) -> None:

@@ -70,7 +70,7 @@ max_frame_size = int(os.environ.get("MESHARRAY_MAX_FRAME", 1 << 31))
 #: buffers at least this large go through shared memory between same-host processes
 SHM_THRESHOLD = 1 << 16
 
-_PREFIX = struct.Struct("<IHH")
+_PREFIX = struct.Struct("<IHH")  # (_core._sv_args reads it too, for a payload without buffers)
 _DESC = struct.Struct("<BxHIIQQQ")  # kind, slot, pid, fd, serial, offset, length
 _INLINE, _SHM = 0, 1
 _EMPTY_PREFIX_CACHE: dict[int, bytes] = {}
