@@ -20,6 +20,7 @@ separately:
 - ``_dispatch.pxi``: the signature of an op's arguments (the recipe caches' keys), and an op's
                      tail at the controller (its instruction queued, its result made).
 - ``_worker.pxi``  : a rank's common instructions of a distributed-array program.
+- ``_rows.pxi``    : ``CallRows``, a process's telemetry rows of calls in C (the recorder's).
 - ``_serve.pxi``   : a worker's call path: each frame of its connections routed, a
                      call to a synchronous actor run and answered.
 """
@@ -30,6 +31,7 @@ include "_kernels.pxi"
 include "_rounds.pxi"
 include "_dispatch.pxi"
 include "_worker.pxi"
+include "_rows.pxi"
 include "_serve.pxi"
 
 

@@ -28,9 +28,9 @@ cdef object _sv_empty_ok = None      # the parts of a reply of None
 cdef Py_ssize_t _sv_empty_ok_bytes = 0
 cdef object _sv_current = None       # the ContextVar of the running actor's Context
 cdef object _sv_clock_ns = None      # time.perf_counter_ns
-cdef object _sv_rec = None           # the Recorder (wall_offset, trim)
+cdef object _sv_rec = None           # the Recorder (trim)
 cdef dict _sv_running = None         # REC.current: thread id -> the call it runs
-cdef list _sv_rows = None            # REC.rows
+cdef CallRows _sv_rows = None        # REC.rows
 cdef Py_ssize_t _sv_max_rows = 0
 cdef bint _sv_record = False         # telemetry on (MESHARRAY_TELEMETRY)
 cdef tuple _sv_send_errors = ()      # what a reply's send raises that the worker reports
@@ -259,6 +259,7 @@ cdef _serve(worker, chan, conn, ActorSlot slot, unsigned int flags, unsigned lon
     cdef Py_ssize_t size = PyByteArray_GET_SIZE(payload)
     cdef Py_ssize_t n, out = 0
     cdef unsigned long tid = 0
+    cdef long long t0 = 0, caller = 0
     cdef bint ok = True
     if size < 1 or size < 1 + p[0]:
         raise ValueError(f"call payload of {size} bytes has no method name")
@@ -314,8 +315,8 @@ cdef _serve(worker, chan, conn, ActorSlot slot, unsigned int flags, unsigned lon
     if _sv_record:
         # the row before the reply goes out: a caller that reads telemetry once it has its reply
         # finds it, even through another connection of this worker (a nested call's caller)
-        _sv_rows.append((t0 + _sv_rec.wall_offset, _sv_clock_ns() - t0, slot.name, method, caller, msg_id, size,
-                         out, status))
+        _sv_rows.push(t0 + _sv_rows.offset, <long long>_sv_clock_ns() - t0, slot.name, method, caller, msg_id,
+                      size, out, status)
     if parts is not None:
         try:
             if more:  # corked: more frames of this read follow, and the reader flushes after them

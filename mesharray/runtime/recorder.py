@@ -2,9 +2,10 @@
 
 On by default (``MESHARRAY_TELEMETRY=0`` turns recording off). Per call that
 a worker handles: a row ``(wall start ns, duration ns, actor, endpoint, caller
-pid, msg id, bytes in, bytes out, status)`` appended to a list — one tuple,
-two clock reads, no lock. Per actor: spawn, failed spawn, stop. Per error: its
-type, message and remote traceback. Per process: CPU, RSS, threads and fds,
+pid, msg id, bytes in, bytes out, status)`` appended to ``_core.CallRows`` (a
+ring of C structs that reads like a list of tuples) — two clock reads, no lock.
+Per actor: spawn, failed spawn, stop. Per error: its type, message and remote
+traceback. Per process: CPU, RSS, threads and fds,
 sampled every couple of seconds by the heartbeat thread.
 
 Spans need no bytes on the wire: a call's span id is ``(caller pid, msg id)``,
@@ -30,6 +31,8 @@ import time
 import traceback
 from bisect import bisect_left
 from typing import Any
+
+from .._core import CallRows
 
 __all__ = ["REC", "Recorder", "ENABLED", "SPAN", "BUCKETS", "process_sample", "thread_stacks"]
 
@@ -69,7 +72,8 @@ class Recorder:
     """This process's telemetry rows (appended by the runtime, read by the controller's queries)."""
 
     def __init__(self) -> None:
-        self.rows: list[tuple] = []
+        #: the call rows, oldest first (a list of tuples to Python; the call path pushes C structs)
+        self.rows = CallRows()
         self.rows_base = 0  # absolute index of rows[0]
         self.links = _Series(MAX_ROWS)
         self.actors = _Series(10000)
@@ -78,7 +82,7 @@ class Recorder:
         #: thread id -> (actor, endpoint, monotonic start ns, caller pid, msg id) of the call it runs now
         self.current: dict[int, tuple[str, str, int, int, int]] = {}
         #: wall clock minus the monotonic clock (ns): rows time calls with one monotonic read
-        self.wall_offset = time.time_ns() - time.perf_counter_ns()
+        self.wall_offset = self.rows.offset = time.time_ns() - time.perf_counter_ns()
         #: (actor, endpoint, status) -> [count, seconds, bytes in, bytes out, *bucket counts]
         self.agg: dict[tuple, list] = {}
         self._folded = 0  # rows[:_folded] are in agg
@@ -140,7 +144,7 @@ class Recorder:
 
     def sample(self) -> None:
         self.samples.append(process_sample())
-        self.wall_offset = time.time_ns() - time.perf_counter_ns()  # (follows clock adjustments)
+        self.wall_offset = self.rows.offset = time.time_ns() - time.perf_counter_ns()  # (follows clock adjustments)
 
     def snapshot(self, since: dict | None = None) -> dict:
         """What was recorded after the absolute indices in ``since``, the next indices, and the state now."""

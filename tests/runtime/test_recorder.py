@@ -57,3 +57,27 @@ def test_aggregates_between_trims_count_each_row_once(small_cap):
     for i in range(small_cap, small_cap + 100):
         rec.call(_row(i, 1_000))  # a trim now drops rows that were folded already
     assert rec.aggregates()[("actor", "ping", "ok")][0] == small_cap + 100
+
+
+def test_call_rows_read_like_the_list_of_tuples_they_replace():
+    from mesharray._core import CallRows
+
+    rows, ref = CallRows(), []
+    for i in range(300):  # (past the ring's first growths, with the oldest dropped in between)
+        r = _row(i, 1000 + i, "ok" if i % 3 else "KeyError")
+        rows.append(r)
+        ref.append(r)
+        if i % 97 == 96:
+            del rows[:40]
+            del ref[:40]
+    assert len(rows) == len(ref) and list(rows) == ref
+    assert rows[0] == ref[0] and rows[-1] == ref[-1] and rows[10:20] == ref[10:20] and rows[-3:] == ref[-3:]
+    with pytest.raises(IndexError, match="out of range"):
+        rows[len(ref)]
+    with pytest.raises(ValueError, match="9 fields"):
+        rows.append((1, 2))
+    with pytest.raises(TypeError, match="64-bit ints"):
+        rows.append((1, "2", "a", "e", 1, 2, 3, 4, "ok"))
+    with pytest.raises(ValueError, match="oldest first"):
+        del rows[5:]
+    assert list(rows) == ref  # (a refused row or deletion changes nothing)
