@@ -15,6 +15,9 @@
 # members had pushed out of the caches (docs/internals.md, "Hot paths in C").
 
 
+from time import monotonic as _monotonic
+
+
 cdef class HostRounds:
     """The host rounds of a shared-memory group, their state in C fields (the base of
     :class:`~mesharray.collectives.shm.ShmCollective`, which sets the fields).
@@ -139,7 +142,7 @@ cdef class HostRounds:
         self._seq = k
         self._hr += 1
         r = self._hr
-        deadline = _now() + self.timeout
+        deadline = _monotonic() + self.timeout  # (the clock _check_host reads)
         while True:
             code = self._round(r, src, nb, dst, count, dcode, opc, failed, stage, cross, leader,
                                0.0 if lazy is not None else self._host_poll)
@@ -150,7 +153,7 @@ cdef class HostRounds:
                 return -1, []
             stage = 1
             polls += 1
-            self._check_host(r, polls % self._host_all == 0, deadline)
+            self._check_host(r, polls % max(self._host_all, 1) == 0, deadline)
         return self._done_round(code, k)
 
     def settle(self):
@@ -158,9 +161,9 @@ cdef class HostRounds:
         wait until its result is published, copy it, mark the round done, and hand the outcome to
         the round's ``done``. Also the first step of every operation of the group: a member arrives
         at a round only once it no longer reads the round before."""
-        if self._pending is None:
-            return
         lock = self._settling  # (a worker's actor threads may read the block while its program runs)
+        if self._pending is None and not lock.locked():
+            return  # (nothing pending, and nobody settling it: a settler sets _pending to None first)
         lock.acquire()
         try:
             p = self._pending
@@ -183,13 +186,13 @@ cdef class HostRounds:
         try:
             code = self._round(r, 0, nb, dst, count, dcode, opc, False, 1, cross, False, 0.0)  # (in already?)
             if code < 0:
-                deadline = _now() + self.timeout
+                deadline = _monotonic() + self.timeout
             while code < 0:
                 code = self._round(r, 0, nb, dst, count, dcode, opc, False, 1, cross, False, self._host_poll)
                 if code >= 0:
                     break
                 polls += 1
-                self._check_host(r, polls % self._host_all == 0, deadline)
+                self._check_host(r, polls % max(self._host_all, 1) == 0, deadline)
             code, bad = self._done_round(code, k)
             # (every finish returns [] for a result in, unless it divides a mean)
             outcome = [] if code == 0 and op != "mean" else finish(out, op, code, bad)

@@ -317,6 +317,13 @@ cdef class PlanRunner:
                 self.lazy.pop(out, None)
                 self.store.fail(out, exc)
                 continue
-            if got is not None:  # (the result was in already: the outcome now)
-                done(got)
+            if got is not None:  # the result was in already: stored or failed now, as _planned does
+                self.lazy.pop(out, None)
+                if got:
+                    self.lazy[out] = g  # (``settled`` takes the mark, then fails the block: InputFailed)
+                    self.settled(out, res, eng, got)
+                else:
+                    self.blocks[out] = res
+                    self.engines[out] = eng
+                    self.failed.pop(out, None)
         return True

@@ -112,3 +112,36 @@ def test_a_member_that_left_its_round_learns_of_a_peer_that_died_before_arriving
     for rank in (0, 1):
         ranks, took = res[rank]
         assert list(ranks) == [2] and took < 10.0, (rank, res[rank])
+
+
+def _two_settlers(rank, size, name):
+    import threading
+
+    _one_cpu()
+    g = ShmCollective(name, rank, size, timeout=30)
+    assert g.sleepy
+    order: list = []
+    try:
+        if rank == 0:
+            time.sleep(0.5)  # (the other member left its round and two of its threads wait for it)
+            g.small_allreduce_prechecked(np.ones(1), np.empty(1), "sum", "float64")
+            return order
+        out = np.empty(1)
+        assert g.small_allreduce_lazy(np.ones(1), out, "sum", "float64", lambda o: order.append(("done", o))) is None
+        a = threading.Thread(target=lambda: (g.settle(), order.append("a settled")))
+        a.start()
+        time.sleep(0.1)  # (a is waiting for the result, without the GIL)
+        g.settle()  # a second thread: it returns once the round a settles is finished, not at once
+        order.append("b settled")
+        a.join(10)
+        order.append(float(out[0]))
+    finally:
+        g.close()
+    return order
+
+
+def test_a_second_thread_that_settles_waits_for_the_round_another_is_settling():
+    res = run_ranks(_two_settlers, 2, unique_segment_name("test"), timeout=60)
+    order = res[1]
+    assert order.index(("done", [])) < order.index("b settled"), order
+    assert order[-1] == 2.0
