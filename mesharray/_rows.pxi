@@ -3,10 +3,9 @@
 # A process's telemetry rows of the calls it handled (``runtime.recorder.Recorder.rows``) in
 # C: one struct per call in a ring that grows by doubling, instead of a list of 9-tuples.
 # The call path (``_serve.pxi``) pushes a row without making any Python object; Python
-# appends tuples and reads tuples back, as from a list. A row per call was ~300 bytes of
-# fresh objects (a tuple and five ints) on every call of every rank, and at 1,024 ranks on
-# two cores that fresh memory was a measurable part of a call's cost (bench/README.md,
-# "Scale", session 44).
+# appends tuples and reads tuples back, as from a list. As a tuple and five ints, a row
+# was ~300 bytes of fresh objects on every call of every rank; as a struct it is 72 bytes
+# of a buffer that is reused once the oldest rows are dropped.
 
 from cpython.ref cimport PyObject, Py_XINCREF, Py_XDECREF
 
