@@ -71,6 +71,9 @@ does not send it back) may leave a host round once it arrived
 (:meth:`ShmCollective.small_allreduce_lazy`) and finish it at the group's next
 operation, or sooner (:meth:`ShmCollective.settle`): it then wakes once per
 reduction, for the message that starts it, not a second time for the result.
+A host round's state and steps are compiled in the group's base class,
+``_core.HostRounds`` (every member of a host runs them for every small
+reduction); this module keeps the rest and the rounds' rare branches.
 """
 
 from __future__ import annotations
