@@ -12,7 +12,7 @@
 # mesh (a 1-element sum over 1,024 ranks is 1,024 of them). As Python, a member's
 # arrival and its settling of the round before were ~270 bytecodes, most of them
 # lookups of the group's attributes in instance dictionaries that the host's other
-# members had pushed out of the caches (docs/internals.md, "Hot paths in C").
+# members had pushed out of the caches (docs/internals.md, "Many hosts": the host rounds).
 
 
 from time import monotonic as _monotonic

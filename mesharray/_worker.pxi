@@ -222,8 +222,11 @@ cdef class PlanRunner:
     in a check's ranks, and each plan is known to be a small allreduce of a host round
     (``darray.worker._PLANS``'s state, with its ``lazy_target()``): then it runs them as ``run``
     would (a block that is not the plan's contiguous NumPy array goes to ``planned(me, out, src,
-    plan, True)``, the Python path) and returns True (``run``'s result is None). A member of 1,024 runs one such program per sum; its Python was most of the
-    member's CPU (``docs/internals.md``, "Hot paths in C")."""
+    plan, True)``, the Python path) and returns True (``run``'s result is None).
+
+    Each member of a mesh runs one such program per small sum (1,023 of them for a sum over
+    1,024 ranks), so its Python was most of a member's CPU per sum (``docs/internals.md``,
+    "Many hosts": the host rounds)."""
 
     cdef object store, planned, settled
     cdef dict blocks, engines, failed, lazy, plans, cache
