@@ -71,8 +71,9 @@ F_REPLY = 1
 OK, ERR, DIED, GATHERED = 0, 1, 2, 3
 
 #: a rank's heartbeat in its slot of its relay's shared segment (``beat_slot`` of the relay's CONFIG):
-#: its ``time.monotonic()``, a clock every process of a host shares (runtime.relay)
-BEAT_SLOT = struct.Struct("<d")
+#: its ``time.monotonic()``, a clock every process of a host shares (runtime.relay); native order, as the
+#: rank's compiled heartbeat (transport._wire.Beats) stores it
+BEAT_SLOT = struct.Struct("=d")
 
 _U32 = struct.Struct("<I")
 _ENTRY = struct.Struct("<III")  # position, status, length of one gathered reply

@@ -162,17 +162,46 @@ class Recorder:
         return out
 
 
+_statm: tuple[int, int] | None = None  # (pid, descriptor of its /proc/PID/statm), opened once per process
+
+
+def _rss() -> int:
+    """This process's resident bytes: ``/proc/self/statm`` read with one ``pread`` of a descriptor
+    kept open (a forked child opens its own: the inherited one reads its parent), else the peak
+    from ``getrusage``."""
+    global _statm
+    pid = os.getpid()
+    try:
+        if _statm is None or _statm[0] != pid:  # (a child forked without os.fork's hooks leaves it open)
+            _statm = (pid, os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC))
+        return int(os.pread(_statm[1], 128, 0).split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def _forget_statm() -> None:
+    global _statm
+    if _statm is not None:
+        try:
+            os.close(_statm[1])
+        except OSError:
+            pass
+        _statm = None
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_statm)
+
+
 def process_sample() -> tuple[int, float, int, int, int]:
     """``(wall ns, CPU seconds, RSS bytes, threads, open fds)`` of this process."""
     t = os.times()
-    rss = 0
+    rss = _rss()
     try:
-        with open("/proc/self/statm", "rb") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    try:
-        fds = len(os.listdir("/proc/self/fd"))
+        # Linux 6.2 and later give the count of open descriptors as the size of /proc/PID/fd (one
+        # stat, where listing it makes a string per descriptor); 0 before, which lists it
+        fds = os.stat("/proc/self/fd").st_size or len(os.listdir("/proc/self/fd"))
     except OSError:
         fds = -1
     return (time.time_ns(), t.user + t.system, rss, threading.active_count(), fds)

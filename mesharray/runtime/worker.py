@@ -24,7 +24,8 @@ Execution model
   declared ``@endpoint(concurrent=True)``, which start as their own task.
 - Replies go back on the connection that carried the call.
 - Heartbeats go to the controller every ``heartbeat_interval`` seconds from a
-  thread of their own; the controller declares a worker hung when they stop.
+  thread of their own (its loop compiled: ``transport._wire.Beats``); the
+  controller declares a worker hung when they stop.
 - The process's main thread runs what :func:`run_on_main_thread` hands it
   (``ma.spmd`` runs a user's script there, as ``python script.py`` would:
   signal handlers and libraries that check for the main thread work), one
@@ -59,6 +60,7 @@ import sys
 import threading
 import time
 import traceback
+from functools import partial
 from time import perf_counter_ns
 from typing import Any, Callable, TypeVar
 
@@ -67,7 +69,7 @@ from .._platform import sched_batch, worker_sched, worker_spin
 from ..errors import SerializationError
 from ..transport import framing
 from ..transport.address import connect, dual_address
-from ..transport.connection import SMALL_FRAME, Connection
+from ..transport.connection import SMALL_FRAME, Beats, Connection
 from ..transport.dataplane import start_process_plane
 from ..transport.hostid import host_id, memory_domain
 from ..transport.listener import Listener
@@ -306,6 +308,11 @@ class _Order(CallOrder):
 
 _COUNTED = frozenset((P.CALL, P.SPAWN, P.STOP_ACTOR, P.STOP))  # (runtime.hosts.COUNTED)
 _HEARTBEAT_FRAME: bytes = pack_header(P.HEARTBEAT, 0, 0)  # (a frame with no payload: its header)
+
+
+def _sample_every(interval: float) -> int:
+    """Heartbeats between two process samples of the recorder: one every 2 s."""
+    return max(1, round(2.0 / interval))
 # the compiled call path (mesharray._core's _serve.pxi): this module's constants and tables
 serve_setup({"CALL": P.CALL, "REPLY": P.REPLY, "OK": P.OK, "FENCE": P.FENCE, "F_REPLY": P.F_REPLY}, _COUNTED,
             framing.decode, _names, _NO_ARGS_BYTES, _EMPTY_OK, _EMPTY_OK_BYTES, current, perf_counter_ns, REC,
@@ -333,6 +340,9 @@ class Worker:
         self._loop_thread: threading.Thread | None = None
         self._loop_lock = threading.Lock()
         self.heartbeat_interval = 0.5
+        #: the heartbeat thread's loop (heartbeat_loop), stopped by stop_serving
+        self.beats = Beats(time.monotonic, self.heartbeat_interval, REC.sample if RECORD else None,
+                           _sample_every(self.heartbeat_interval))
         #: (the relay's segment, this rank's offset in it): where heartbeats go, if the relay gave one
         self.beat_slot: tuple | None = None
         self.exitcode = 0
@@ -355,6 +365,7 @@ class Worker:
         collective), a thread of its own ends the process instead.
         """
         self.done.set()
+        self.beats.stop()
         tasks = self.main_tasks
         if tasks is not None:
             tasks.put(None)
@@ -475,6 +486,7 @@ class Worker:
         if "pid" in cfg:
             conn.peer["pid"] = cfg["pid"]
         self.heartbeat_interval = cfg.get("heartbeat_interval", self.heartbeat_interval)
+        self.beats.interval, self.beats.sample_every = self.heartbeat_interval, _sample_every(self.heartbeat_interval)
         if "label" in cfg:
             set_worker_label(cfg["label"])
             self.label = cfg["label"] or self.label
@@ -724,30 +736,19 @@ class Worker:
                 os.close(f)
         except (OSError, ValueError):
             return
+        self.beats.slot(mm, offset)
         self.beat_slot = (mm, offset)
 
     def heartbeat_loop(self) -> None:
-        conn = self.relay or self.controller  # (a relay watches its host's heartbeats)
+        """The heartbeat thread: ``beats`` (compiled) until the worker stops serving. Into the relay's
+        slot once it gave one, else as frames to the relay (a relay watches its host's heartbeats)
+        or the controller: the frame packed once and written by the compiled path, through
+        ``send`` when frames wait ahead of it, which keeps their order."""
+        conn = self.relay or self.controller
         if conn is None:
             return
-        c = conn.conn
-        beat = _HEARTBEAT_FRAME
-        beats = 0
-        while not self.done.wait(self.heartbeat_interval):
-            slot = self.beat_slot
-            try:
-                if slot is not None:  # the relay reads it once per interval (runtime.relay)
-                    P.BEAT_SLOT.pack_into(slot[0], slot[1], time.monotonic())
-                # else the frame packed once, written by the compiled path (a thousand ranks beat twice
-                # a second each); through send when frames wait ahead of it, which keeps their order
-                elif not c.write_frame(beat):
-                    conn.send(P.HEARTBEAT)
-            except ConnectionError:
-                return
-            beats += 1
-            if RECORD and beats * self.heartbeat_interval >= 2.0:
-                beats = 0
-                REC.sample()
+        self.beats.to(conn.conn, _HEARTBEAT_FRAME, partial(conn.send, P.HEARTBEAT))
+        self.beats.run()
 
     def shutdown(self) -> None:
         for lst in (self.listener, self.local_listener):

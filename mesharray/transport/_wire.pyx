@@ -29,6 +29,17 @@ before (a reader thread is never the main thread: it gets none).
 """
 
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_WRITABLE
+from libc.string cimport memcpy
+
+cdef extern from "pythread.h":
+    ctypedef void* PyThread_type_lock
+    ctypedef enum PyLockStatus:
+        PY_LOCK_FAILURE, PY_LOCK_ACQUIRED, PY_LOCK_INTR
+    PyThread_type_lock PyThread_allocate_lock()
+    void PyThread_free_lock(PyThread_type_lock)
+    int PyThread_acquire_lock(PyThread_type_lock, int waitflag) nogil
+    PyLockStatus PyThread_acquire_lock_timed(PyThread_type_lock, long long microseconds, int intr_flag) nogil
+    void PyThread_release_lock(PyThread_type_lock) nogil
 from libc.errno cimport errno, EINTR
 from libc.string cimport memmove, strerror
 
@@ -72,7 +83,7 @@ cdef extern from *:
 
 from mesharray._core import dispatch_frames as _dispatch_frames
 
-__all__ = ["Wire", "read_polled", "poll_events", "write_frame", "read_loop", "spin_recv", "setup"]
+__all__ = ["Wire", "read_polled", "poll_events", "write_frame", "read_loop", "spin_recv", "setup", "Beats"]
 
 
 cimport cython
@@ -373,6 +384,10 @@ def write_frame(Wire conn, bytes frame not None):
     sends with ``Connection.send``, which handles all of those. What the socket does not
     take at once goes to the backlog, as with ``send``.
     """
+    return _write_frame(conn, frame) == 1
+
+
+cdef int _write_frame(Wire conn, bytes frame) except -1:
     cdef Py_ssize_t n = len(frame)
     cdef const char* p = frame
     cdef ssize_t sent
@@ -380,7 +395,7 @@ def write_frame(Wire conn, bytes frame not None):
     conn._acquire()
     try:
         if conn._out or conn._backlog or conn._closed or conn._faulty or conn._write_error is not None:
-            return False
+            return 0
         fd = conn.sock.fileno()
         with nogil:
             sent = c_send(fd, p, <size_t>n, MSG_DONTWAIT | MSG_NOSIGNAL)
@@ -398,7 +413,7 @@ def write_frame(Wire conn, bytes frame not None):
         conn._release()
     conn.bytes_out += n
     conn.frames_out += 1
-    return True
+    return 1
 
 
 def read_loop(Wire conn):
@@ -483,3 +498,106 @@ def read_loop(Wire conn):
     finally:
         if held:
             PyBuffer_Release(&buf)
+
+
+cdef class Beats:
+    """A worker's heartbeats, its heartbeat thread's loop compiled (``Worker.heartbeat_loop`` runs
+    :meth:`run`): every ``interval`` seconds the thread takes the GIL, which is what a beat proves
+    (a rank whose interpreter is stuck stops beating), and writes the time of ``clock``
+    (``time.monotonic``) into the relay's slot (:meth:`slot`: a native double, what the relay
+    reads with ``BEAT_SLOT``), else the heartbeat ``frame`` on the connection of :meth:`to`
+    with :func:`write_frame` (through its ``fallback``, ``send()``, when frames wait ahead of
+    it); every ``sample_every`` beats it calls ``sample`` (the recorder's process sample; None:
+    none).
+
+    Between beats the thread waits without the GIL on a lock of its own, held from the start,
+    which :meth:`stop` releases: the loop ends at once. A beat into a slot runs no Python (the
+    heartbeat threads of a thousand idle ranks wake twice a second each).
+    """
+
+    cdef PyThread_type_lock _lock
+    cdef bint _stopped
+    cdef char* _slot
+    cdef Py_buffer _buf
+    cdef bint _has_buf
+    cdef object _mm
+    cdef Wire conn
+    cdef bytes frame
+    cdef object fallback
+    cdef object clock
+    cdef object sample
+    #: seconds between beats (a new value applies from the next wait)
+    cdef public double interval
+    #: beats between two calls of ``sample``
+    cdef public int sample_every
+
+    def __cinit__(self):
+        self._lock = PyThread_allocate_lock()
+        if self._lock == NULL:
+            raise MemoryError("no lock for the heartbeats")
+        PyThread_acquire_lock(self._lock, 1)
+
+    def __init__(self, clock, double interval, sample=None, int sample_every=4):
+        if not interval > 0:
+            raise ValueError(f"heartbeat interval must be > 0 seconds, got {interval}")
+        self.clock, self.interval, self.sample, self.sample_every = clock, interval, sample, max(1, sample_every)
+
+    def __dealloc__(self):
+        if self._has_buf:
+            PyBuffer_Release(&self._buf)
+        if self._lock != NULL:
+            if not self._stopped:
+                PyThread_release_lock(self._lock)
+            PyThread_free_lock(self._lock)
+
+    def to(self, Wire conn not None, bytes frame not None, fallback):
+        """Beat as ``frame`` on ``conn`` (``fallback()`` sends one when it cannot be written now)."""
+        self.conn, self.frame, self.fallback = conn, frame, fallback
+
+    def slot(self, mm, Py_ssize_t offset):
+        """Beat into ``mm`` (a writable buffer: the relay's segment) at ``offset`` from now on."""
+        cdef Py_buffer buf
+        PyObject_GetBuffer(mm, &buf, PyBUF_WRITABLE)
+        if offset < 0 or offset % <Py_ssize_t>sizeof(double) or offset + <Py_ssize_t>sizeof(double) > buf.len:
+            n = buf.len
+            PyBuffer_Release(&buf)
+            raise ValueError(f"heartbeat slot at offset {offset} is not an aligned double within a segment of "
+                             f"{n} bytes")
+        if self._has_buf:
+            PyBuffer_Release(&self._buf)
+        self._buf, self._has_buf, self._mm = buf, True, mm
+        self._slot = <char*>buf.buf + offset
+
+    def stop(self):
+        """End :meth:`run` (at once, from any thread; again: nothing)."""
+        if not self._stopped:
+            self._stopped = True
+            PyThread_release_lock(self._lock)
+
+    def run(self):
+        """Beat until :meth:`stop` (returns then), or until the connection breaks (returns at the
+        ``ConnectionError``); an error of ``sample`` ends it too, raised."""
+        cdef PyLockStatus got
+        cdef long long us
+        cdef double t
+        cdef int beats = 0
+        while True:
+            us = <long long>(self.interval * 1e6)
+            with nogil:
+                got = PyThread_acquire_lock_timed(self._lock, us, 0)
+            if got == PY_LOCK_ACQUIRED:
+                PyThread_release_lock(self._lock)  # (free again: a later run ends at once too)
+                return
+            if self._slot != NULL:
+                t = self.clock()
+                memcpy(self._slot, &t, sizeof(double))  # (one aligned store: never read torn)
+            elif self.conn is not None:
+                try:
+                    if not _write_frame(self.conn, self.frame):
+                        self.fallback()
+                except ConnectionError:
+                    return
+            beats += 1
+            if self.sample is not None and beats >= self.sample_every:
+                beats = 0
+                self.sample()

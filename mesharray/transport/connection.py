@@ -66,12 +66,13 @@ from ..errors import (
     TransportError,
 )
 from . import _wire, framing
+from ._wire import Beats  # (a worker's heartbeats, compiled: they write on a connection)
 from .interrupt import blocking_read, guard, unwinding
 from .poller import Poller, Writer, _poller_thread, default_poller, default_writer, read_all, socket_closed
 from .sockio import shut
 from .spin import _spin_poll, mirror
 
-__all__ = ["Connection", "BACKLOG_MAX", "SMALL_FRAME"]
+__all__ = ["Connection", "Beats", "BACKLOG_MAX", "SMALL_FRAME"]
 
 log = logging.getLogger("mesharray.transport")
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import ast
 import logging
+import mmap
 import socket
+import struct
 import threading
 import time
 import types
@@ -41,7 +43,12 @@ def test_the_stub_names_what_the_extension_has():
     fields = {a.target.id for a in stub_cls.body if isinstance(a, ast.AnnAssign)}
     fields |= {f.name for f in stub_cls.body if isinstance(f, ast.FunctionDef)}  # (properties)
     assert fields == {k for k, v in vars(_wire.Wire).items() if type(v).__name__ == "getset_descriptor"}
-    assert {k for k, v in vars(_wire).items() if isinstance(v, type) and not k.startswith("_")} == {"Wire"}
+    assert {k for k, v in vars(_wire).items() if isinstance(v, type) and not k.startswith("_")} == {"Wire", "Beats"}
+    beats = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Beats")
+    assert {a.target.id for a in beats.body if isinstance(a, ast.AnnAssign)} == {
+        k for k, v in vars(_wire.Beats).items() if type(v).__name__ == "getset_descriptor"}
+    assert {f.name for f in beats.body if isinstance(f, ast.FunctionDef)} - {"__init__"} == {
+        k for k in vars(_wire.Beats) if not k.startswith("_")} - {"interval", "sample_every"}
 
 
 class _Polled:
@@ -187,3 +194,64 @@ def test_a_reader_thread_hands_over_small_and_large_frames_in_order_and_ends_on_
         assert ended.wait(10) and closed == [None]
     finally:
         reader.close()
+
+
+def _run(beats) -> threading.Thread:
+    t = threading.Thread(target=beats.run, daemon=True)
+    t.start()
+    return t
+
+
+def test_heartbeats_go_into_the_slot_until_stopped_and_the_stop_is_immediate():
+    seg = mmap.mmap(-1, 64)
+    samples = []
+    beats = _wire.Beats(time.monotonic, 0.01, lambda: samples.append(1), 3)
+    beats.slot(seg, 16)
+    t0 = time.monotonic()
+    t = _run(beats)
+    deadline = time.monotonic() + 10
+    while len(samples) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    (beat,) = struct.unpack_from("=d", seg, 16)
+    assert t0 < beat <= time.monotonic() and len(samples) >= 2  # (a sample every third beat)
+    assert seg[:16] == bytes(16) and seg[24:] == bytes(40)  # (its slot alone)
+    beats.interval = 60.0  # (the next wait would be a minute: the stop does not wait for it)
+    time.sleep(0.05)
+    s = time.monotonic()
+    beats.stop()
+    t.join(5)
+    assert not t.is_alive() and time.monotonic() - s < 1.0
+    beats.stop()  # (again: nothing)
+    _run(beats).join(5)  # (a run after the stop ends at once)
+
+
+def test_heartbeats_go_as_frames_without_a_slot_and_end_when_the_connection_breaks():
+    p = _Polled()
+    beats = _wire.Beats(time.monotonic, 0.01)
+    sent = []
+
+    def fallback():  # (what the worker gives: send, which raises once the connection is closed)
+        sent.append(1)
+        p.a.send(9)
+
+    beats.to(p.a, pack_frame(9, 0, 0, 0, 0, [], SMALL_FRAME, 1 << 30)[1], fallback)
+    t = _run(beats)
+    try:
+        p.wait_for(3)
+        assert {k for k, _, _ in p.got} == {9} and not sent  # (written whole by the compiled path)
+    finally:
+        p.close()
+    t.join(5)
+    assert not t.is_alive() and sent  # (the connection closed: send raised, the loop returned)
+
+
+def test_a_heartbeat_slot_outside_the_segment_or_a_bad_interval_is_refused():
+    beats = _wire.Beats(time.monotonic, 0.5)
+    seg = mmap.mmap(-1, 16)
+    with pytest.raises(ValueError, match="offset 16 .* 16 bytes"):
+        beats.slot(seg, 16)
+    with pytest.raises(ValueError, match="offset 4 "):
+        beats.slot(seg, 4)
+    beats.slot(seg, 8)
+    with pytest.raises(ValueError, match="interval must be > 0 seconds, got 0"):
+        _wire.Beats(time.monotonic, 0.0)
