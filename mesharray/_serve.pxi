@@ -182,6 +182,7 @@ cdef class CallServer(FrameHandler):
     cdef readonly int counted
     cdef dict actors
     cdef dict peer
+    cdef dict views_in    # (the channel's: the view shapes its VIEW frames defined)
     cdef object on_frame
     cdef CallOrder order
 
@@ -193,6 +194,7 @@ cdef class CallServer(FrameHandler):
         self.counted = counted
         self.actors = worker.actors
         self.peer = chan.peer
+        self.views_in = chan.views_in
         self.on_frame = chan._on_frame
         self.order = worker.order
 
@@ -216,7 +218,8 @@ cdef class CallServer(FrameHandler):
                 conn.more = more
                 self.worker._frame(self.chan, conn, kind, flags, msg_id, target, view, payload)
             else:
-                _serve(self.worker, self.chan, conn, slot, flags, msg_id, view, payload, more, self.peer)
+                _serve(self.worker, self.chan, conn, slot, flags, msg_id, view, payload, more, self.peer,
+                       self.views_in)
         else:
             conn.more = more
             self.on_frame(conn, kind, flags, msg_id, target, view, payload)
@@ -238,7 +241,7 @@ def serve_sync(worker, chan, conn, ActorSlot slot not None, unsigned int flags, 
     row per call (``runtime.recorder``) and the call in ``REC.current`` while it runs; the reply of a
     call (``flags & F_REPLY``) goes back on ``conn``, written at once unless more frames of the same
     read follow (``conn.more``: corked then)."""
-    _serve(worker, chan, conn, slot, flags, msg_id, view, payload, conn.more, chan.peer)
+    _serve(worker, chan, conn, slot, flags, msg_id, view, payload, conn.more, chan.peer, chan.views_in)
 
 
 cdef inline object _sv_args(payload, const unsigned char* p, Py_ssize_t size, Py_ssize_t at):
@@ -253,7 +256,7 @@ cdef inline object _sv_args(payload, const unsigned char* p, Py_ssize_t size, Py
 
 
 cdef _serve(worker, chan, conn, ActorSlot slot, unsigned int flags, unsigned long long msg_id,
-            unsigned long long view, payload, bint more, dict peer):
+            unsigned long long view, payload, bint more, dict peer, dict views_in):
     cdef bint reply = (flags & _sv_F_REPLY) != 0
     cdef const unsigned char* p = <const unsigned char*>PyByteArray_AS_STRING(payload)
     cdef Py_ssize_t size = PyByteArray_GET_SIZE(payload)
@@ -269,7 +272,7 @@ cdef _serve(worker, chan, conn, ActorSlot slot, unsigned int flags, unsigned lon
     if method is None:
         method = key[1:].decode()
         _sv_names[key] = method
-    vshape = chan.views_in.get(view) if view else None
+    vshape = views_in.get(view) if view else None
     result = None
     status = "ok"
     parts = None
