@@ -60,9 +60,12 @@ def start_agents(n: int) -> list[tuple[subprocess.Popen, str]]:
     out = []
     try:
         for i in range(n):
+            # (run from this directory: ``-m`` puts the working directory first on the agent's path,
+            # so that from a checkout's root its workers would run that checkout, whatever
+            # PYTHONPATH names: an A/B of two trees would compare one with itself)
             p = subprocess.Popen([sys.executable, "-m", "mesharray", "host", "--listen", f"tcp://127.0.0.{2 + i}:0",
                                   "--host-id", f"h{i}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                 text=True, env=env, start_new_session=True)
+                                 text=True, env=env, start_new_session=True, cwd=HERE)
             out.append((p, ""))
             assert p.stdout is not None
             out[-1] = (p, p.stdout.readline().strip().rsplit(" ", 1)[1])
