@@ -171,12 +171,22 @@ def _rss() -> int:
     from ``getrusage``."""
     global _statm
     pid = os.getpid()
-    try:
-        if _statm is None or _statm[0] != pid:  # (a child forked without os.fork's hooks leaves it open)
-            _statm = (pid, os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC))
-        return int(os.pread(_statm[1], 128, 0).split()[1]) * _PAGE
-    except (OSError, ValueError, IndexError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    for _ in range(2):  # (a descriptor that stopped working, closed by someone else: opened again once)
+        cached = _statm
+        try:
+            if cached is None or cached[0] != pid:  # (a child forked without os.fork's hooks leaves it open)
+                if not _HAVE_PROC:
+                    break
+                cached = (pid, os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC))
+                if _statm is not None and _statm[0] == pid:  # (another thread opened one meanwhile)
+                    os.close(cached[1])
+                    cached = _statm
+                _statm = cached
+            return int(os.pread(cached[1], 128, 0).split()[1]) * _PAGE
+        except (OSError, ValueError, IndexError):
+            if _statm is cached:
+                _statm = None  # (not closed: the number may be another file's by now)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 def _forget_statm() -> None:
@@ -190,6 +200,7 @@ def _forget_statm() -> None:
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_HAVE_PROC = os.path.exists("/proc/self/statm")
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_statm)
 
@@ -200,8 +211,9 @@ def process_sample() -> tuple[int, float, int, int, int]:
     rss = _rss()
     try:
         # Linux 6.2 and later give the count of open descriptors as the size of /proc/PID/fd (one
-        # stat, where listing it makes a string per descriptor); 0 before, which lists it
-        fds = os.stat("/proc/self/fd").st_size or len(os.listdir("/proc/self/fd"))
+        # stat, where listing it makes a string per descriptor); 0 before, which lists it (less
+        # the descriptor the listing itself holds open)
+        fds = os.stat("/proc/self/fd").st_size or len(os.listdir("/proc/self/fd")) - 1
     except OSError:
         fds = -1
     return (time.time_ns(), t.user + t.system, rss, threading.active_count(), fds)

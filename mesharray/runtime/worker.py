@@ -364,8 +364,8 @@ class Worker:
         When the main thread is busy with a task (a script blocked in a
         collective), a thread of its own ends the process instead.
         """
-        self.done.set()
         self.beats.stop()
+        self.done.set()
         tasks = self.main_tasks
         if tasks is not None:
             tasks.put(None)
@@ -736,7 +736,11 @@ class Worker:
                 os.close(f)
         except (OSError, ValueError):
             return
-        self.beats.slot(mm, offset)
+        try:
+            self.beats.slot(mm, offset)
+        except (ValueError, BufferError):  # (not a slot of this segment: beats go on as frames)
+            mm.close()
+            return
         self.beat_slot = (mm, offset)
 
     def heartbeat_loop(self) -> None:

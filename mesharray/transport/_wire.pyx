@@ -29,7 +29,13 @@ before (a reader thread is never the main thread: it gets none).
 """
 
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_WRITABLE
-from libc.string cimport memcpy
+
+cdef extern from *:
+    """
+    /* a heartbeat's time into the relay's slot: one relaxed atomic store (aligned: Beats.slot checks) */
+    static inline void mesharray_store_double(char *p, double v) { __atomic_store((double *)p, &v, __ATOMIC_RELAXED); }
+    """
+    void _store_double "mesharray_store_double" (char* p, double v) nogil
 
 cdef extern from "pythread.h":
     ctypedef void* PyThread_type_lock
@@ -526,10 +532,8 @@ cdef class Beats:
     cdef object fallback
     cdef object clock
     cdef object sample
-    #: seconds between beats (a new value applies from the next wait)
-    cdef public double interval
-    #: beats between two calls of ``sample``
-    cdef public int sample_every
+    cdef double _interval
+    cdef int _every
 
     def __cinit__(self):
         self._lock = PyThread_allocate_lock()
@@ -538,9 +542,30 @@ cdef class Beats:
         PyThread_acquire_lock(self._lock, 1)
 
     def __init__(self, clock, double interval, sample=None, int sample_every=4):
-        if not interval > 0:
-            raise ValueError(f"heartbeat interval must be > 0 seconds, got {interval}")
-        self.clock, self.interval, self.sample, self.sample_every = clock, interval, sample, max(1, sample_every)
+        self.clock, self.sample = clock, sample
+        self.interval, self.sample_every = interval, sample_every
+
+    @property
+    def interval(self):
+        """Seconds between beats (a new value applies from the next wait)."""
+        return self._interval
+
+    @interval.setter
+    def interval(self, double value):
+        if not (0 < value < 1e9):  # (also NaN and infinity: the wait is a C integer of microseconds)
+            raise ValueError(f"heartbeat interval must be > 0 and finite seconds, got {value}")
+        self._interval = value
+
+    @property
+    def sample_every(self):
+        """Beats between two calls of ``sample``."""
+        return self._every
+
+    @sample_every.setter
+    def sample_every(self, int value):
+        if value < 1:
+            raise ValueError(f"heartbeats between two samples must be >= 1, got {value}")
+        self._every = value
 
     def __dealloc__(self):
         if self._has_buf:
@@ -558,12 +583,14 @@ cdef class Beats:
         """Beat into ``mm`` (a writable buffer: the relay's segment) at ``offset`` from now on."""
         cdef Py_buffer buf
         PyObject_GetBuffer(mm, &buf, PyBUF_WRITABLE)
-        if offset < 0 or offset % <Py_ssize_t>sizeof(double) or offset + <Py_ssize_t>sizeof(double) > buf.len:
+        if (offset < 0 or offset > buf.len - <Py_ssize_t>sizeof(double)
+                or (<size_t>buf.buf + <size_t>offset) % sizeof(double)):
             n = buf.len
             PyBuffer_Release(&buf)
             raise ValueError(f"heartbeat slot at offset {offset} is not an aligned double within a segment of "
                              f"{n} bytes")
         if self._has_buf:
+            self._slot = NULL
             PyBuffer_Release(&self._buf)
         self._buf, self._has_buf, self._mm = buf, True, mm
         self._slot = <char*>buf.buf + offset
@@ -582,7 +609,7 @@ cdef class Beats:
         cdef double t
         cdef int beats = 0
         while True:
-            us = <long long>(self.interval * 1e6)
+            us = max(1, <long long>(self._interval * 1e6))
             with nogil:
                 got = PyThread_acquire_lock_timed(self._lock, us, 0)
             if got == PY_LOCK_ACQUIRED:
@@ -590,7 +617,7 @@ cdef class Beats:
                 return
             if self._slot != NULL:
                 t = self.clock()
-                memcpy(self._slot, &t, sizeof(double))  # (one aligned store: never read torn)
+                _store_double(self._slot, t)  # (one atomic store: the relay never reads it torn)
             elif self.conn is not None:
                 try:
                     if not _write_frame(self.conn, self.frame):
@@ -598,6 +625,6 @@ cdef class Beats:
                 except ConnectionError:
                     return
             beats += 1
-            if self.sample is not None and beats >= self.sample_every:
+            if self.sample is not None and beats >= self._every:
                 beats = 0
                 self.sample()

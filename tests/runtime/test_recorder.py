@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from mesharray.runtime import recorder
@@ -81,3 +83,35 @@ def test_call_rows_read_like_the_list_of_tuples_they_replace():
     with pytest.raises(ValueError, match="oldest first"):
         del rows[5:]
     assert list(rows) == ref  # (a refused row or deletion changes nothing)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads /proc (Linux)")
+def test_a_process_sample_counts_open_descriptors_and_resident_memory():
+    def listed() -> int:
+        return len(os.listdir("/proc/self/fd")) - 1  # (less the listing's own descriptor)
+
+    _, _, rss, threads, fds = recorder.process_sample()
+    assert fds == listed() and threads >= 1
+    with open("/proc/self/statm", "rb") as f:
+        assert abs(rss - int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")) < 64 << 20
+    r, w = os.pipe()
+    try:
+        assert recorder.process_sample()[4] == fds + 2 == listed()
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or not os.path.exists("/proc/self/statm"), reason="forks, reads /proc")
+def test_a_forked_child_samples_its_own_memory_and_a_lost_descriptor_is_opened_again():
+    recorder.process_sample()
+    pid = os.fork()
+    if pid == 0:  # (the child: its own statm, not its parent's through the inherited descriptor)
+        ok = recorder._statm is None
+        recorder.process_sample()
+        ok = ok and recorder._statm is not None and recorder._statm[0] == os.getpid()
+        os._exit(0 if ok else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+    fd = recorder._statm[1]
+    os.close(fd)  # (someone else closed it)
+    assert recorder.process_sample()[2] > 0 and recorder._statm is not None

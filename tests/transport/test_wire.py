@@ -222,7 +222,9 @@ def test_heartbeats_go_into_the_slot_until_stopped_and_the_stop_is_immediate():
     t.join(5)
     assert not t.is_alive() and time.monotonic() - s < 1.0
     beats.stop()  # (again: nothing)
-    _run(beats).join(5)  # (a run after the stop ends at once)
+    again = _run(beats)
+    again.join(5)
+    assert not again.is_alive()  # (a run after the stop ends at once)
 
 
 def test_heartbeats_go_as_frames_without_a_slot_and_end_when_the_connection_breaks():
@@ -252,6 +254,14 @@ def test_a_heartbeat_slot_outside_the_segment_or_a_bad_interval_is_refused():
         beats.slot(seg, 16)
     with pytest.raises(ValueError, match="offset 4 "):
         beats.slot(seg, 4)
+    with pytest.raises(ValueError, match="offset 9223372036854775800 "):
+        beats.slot(seg, 2**63 - 8)  # (past the end however the sum would wrap)
     beats.slot(seg, 8)
-    with pytest.raises(ValueError, match="interval must be > 0 seconds, got 0"):
+    with pytest.raises(ValueError, match="interval must be > 0 and finite seconds, got 0"):
         _wire.Beats(time.monotonic, 0.0)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="interval must be > 0 and finite"):
+            beats.interval = bad
+    assert beats.interval == 0.5  # (a refused value leaves the last one)
+    with pytest.raises(ValueError, match="must be >= 1, got 0"):
+        beats.sample_every = 0
