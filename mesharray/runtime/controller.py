@@ -132,8 +132,8 @@ class Controller:
 
     def __init__(self, *, listen: str = "unix", host: str = "127.0.0.1", heartbeat_interval: float = 0.5,
                  heartbeat_timeout: float = 5.0, name: str = "procs", kill_unresponsive: bool = False) -> None:
-        if heartbeat_timeout <= 0 or heartbeat_interval <= 0:
-            raise ValueError(f"heartbeat interval and timeout must be > 0, got "
+        if not (0 < heartbeat_timeout < 1e9 and 0 < heartbeat_interval < 1e9):  # (NaN and infinity too)
+            raise ValueError(f"heartbeat interval and timeout must be > 0 and finite seconds, got "
                              f"{heartbeat_interval} and {heartbeat_timeout}")
         interrupt.install()  # a Ctrl-C here interrupts the caller, never a connection
         self.router = get_router()

@@ -188,3 +188,11 @@ def test_workers_exit_when_the_controller_dies(tmp_path):
         for ch in psutil.Process().children(recursive=True):
             if ch.pid not in before:
                 ch.kill()
+
+
+@pytest.mark.parametrize("interval, timeout", [(0.0, 5.0), (float("nan"), 5.0), (0.5, float("inf")), (-1.0, 5.0)])
+def test_a_heartbeat_setting_that_is_not_a_positive_finite_time_is_refused_naming_it(interval, timeout):
+    from mesharray.runtime.controller import Controller
+
+    with pytest.raises(ValueError, match="must be > 0 and finite seconds, got"):
+        Controller(heartbeat_interval=interval, heartbeat_timeout=timeout)
