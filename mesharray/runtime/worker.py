@@ -313,6 +313,8 @@ _HEARTBEAT_FRAME: bytes = pack_header(P.HEARTBEAT, 0, 0)  # (a frame with no pay
 def _sample_every(interval: float) -> int:
     """Heartbeats between two process samples of the recorder: one every 2 s."""
     return max(1, round(2.0 / interval))
+
+
 # the compiled call path (mesharray._core's _serve.pxi): this module's constants and tables
 serve_setup({"CALL": P.CALL, "REPLY": P.REPLY, "OK": P.OK, "FENCE": P.FENCE, "F_REPLY": P.F_REPLY}, _COUNTED,
             framing.decode, _names, _NO_ARGS_BYTES, _EMPTY_OK, _EMPTY_OK_BYTES, current, perf_counter_ns, REC,
@@ -343,7 +345,7 @@ class Worker:
         #: the heartbeat thread's loop (heartbeat_loop), stopped by stop_serving
         self.beats = Beats(time.monotonic, self.heartbeat_interval, REC.sample if RECORD else None,
                            _sample_every(self.heartbeat_interval))
-        #: (the relay's segment, this rank's offset in it): where heartbeats go, if the relay gave one
+        #: (the relay's segment, this rank's offset in it): where ``beats`` go, if the relay gave one
         self.beat_slot: tuple | None = None
         self.exitcode = 0
         self.host_id = host_id()

@@ -30,6 +30,9 @@ before (a reader thread is never the main thread: it gets none).
 
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_WRITABLE
 
+from libc.errno cimport errno, EINTR
+from libc.string cimport memmove, strerror
+
 cdef extern from *:
     """
     /* a heartbeat's time into the relay's slot: one relaxed atomic store (aligned: Beats.slot checks) */
@@ -46,8 +49,6 @@ cdef extern from "pythread.h":
     int PyThread_acquire_lock(PyThread_type_lock, int waitflag) nogil
     PyLockStatus PyThread_acquire_lock_timed(PyThread_type_lock, long long microseconds, int intr_flag) nogil
     void PyThread_release_lock(PyThread_type_lock) nogil
-from libc.errno cimport errno, EINTR
-from libc.string cimport memmove, strerror
 
 cdef extern from "<sys/types.h>":
     ctypedef long ssize_t
