@@ -28,8 +28,11 @@ __all__ = ["Listener", "peer_uid", "MAX_HANDSHAKES"]
 log = logging.getLogger("mesharray.transport")
 
 #: connections a listener may hold unauthenticated at once (env ``MESHARRAY_MAX_HANDSHAKES``);
-#: one more closes the oldest of them
+#: more wait in the listen backlog, or close the oldest once it has waited :data:`EVICT_AFTER`
 MAX_HANDSHAKES = int(os.environ.get("MESHARRAY_MAX_HANDSHAKES", "128"))
+#: seconds a pending handshake is safe from eviction: a peer answers in microseconds on an idle
+#: machine, but in a good fraction of a second on one saturated by a thousand workers starting
+EVICT_AFTER = 1.0
 
 
 class Listener:
@@ -47,9 +50,14 @@ class Listener:
       env ``MESHARRAY_HANDSHAKE_TIMEOUT``) for the *whole* exchange, however
       it trickles its bytes in;
     - at most ``max_handshakes`` (:data:`MAX_HANDSHAKES`, env
-      ``MESHARRAY_MAX_HANDSHAKES``) handshakes are pending at once: a new
-      connection beyond that closes the oldest pending one (an idle socket,
-      most likely; a real peer answers in microseconds);
+      ``MESHARRAY_MAX_HANDSHAKES``) handshakes are pending at once. While
+      that many are, the listener stops accepting (new peers wait in the
+      kernel's listen backlog) until one finishes, or until the oldest has
+      waited ``evict_after`` seconds (:data:`EVICT_AFTER`): then the next
+      connection closes that oldest one (an idle socket, most likely). A
+      young handshake is never closed for a newer one: on a machine saturated
+      by a thousand workers starting at once, real peers answer slowly, and
+      closing them would fail their start;
     - a peer that fails the challenge, or stays silent, is logged and dropped,
       and no exception (not even a failed ``accept`` or ``on_connection``)
       ends the thread: it logs and keeps accepting.
@@ -61,7 +69,7 @@ class Listener:
 
     def __init__(self, secret: bytes, on_connection, kind: str = "unix", host: str = "127.0.0.1",
                  path: str | None = None, port: int = 0, handshake_timeout: float | None = None,
-                 max_handshakes: int | None = None) -> None:
+                 max_handshakes: int | None = None, evict_after: float | None = None) -> None:
         if kind == "tcp":
             _check_bind(host, secret)
         self.secret = secret
@@ -69,6 +77,7 @@ class Listener:
         self.refused = 0
         self.handshake_timeout = auth.HANDSHAKE_TIMEOUT if handshake_timeout is None else handshake_timeout
         self.max_handshakes = MAX_HANDSHAKES if max_handshakes is None else max(1, max_handshakes)
+        self.evict_after = EVICT_AFTER if evict_after is None else max(0.0, evict_after)
         self._path: str | None = None
         if kind == "unix":
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -101,6 +110,7 @@ class Listener:
         self._pending: dict[socket.socket, auth.ServerHandshake] = {}
         self._evicted = 0
         self._t_evict_log = 0.0
+        self._paused = False  # (its listening socket out of the selector: at the cap, all young)
         self._closed = False
         self._dropped = threading.Event()
         self._acc = _acceptor()
@@ -144,7 +154,7 @@ class Listener:
 
     def _accept(self) -> None:
         for _ in range(64):  # a batch, then the pending handshakes get their turn
-            if self._closed:
+            if self._closed or not self._room(time.monotonic()):
                 return
             try:
                 s, _ = self.sock.accept()
@@ -183,10 +193,40 @@ class Listener:
         hs = auth.ServerHandshake(self.secret, time.monotonic() + self.handshake_timeout)
         if s.send(hs.hello) != len(hs.hello):  # a fresh socket takes 36 bytes at once
             raise BrokenTransportError("peer does not take the handshake's first message")
-        if len(self._pending) >= self.max_handshakes:
-            self._evict()
         self._pending[s] = hs
         self._sel.register(s, selectors.EVENT_READ, self)
+
+    def _room(self, now: float) -> bool:
+        """Whether one more handshake may start: under the cap, or at it with the oldest evicted
+        (once it has waited ``evict_after``); otherwise accepting pauses (:meth:`_resume`)."""
+        if len(self._pending) < self.max_handshakes:
+            return True
+        if now - self._started(next(iter(self._pending.values()))) >= self.evict_after:
+            self._evict()
+            return True
+        if not self._paused:
+            self._paused = True
+            self._sel.unregister(self.sock)
+        return False
+
+    def _started(self, hs: auth.ServerHandshake) -> float:
+        return hs.deadline - self.handshake_timeout
+
+    def _wake_at(self) -> float | None:
+        """When the accept thread must look at this listener again: its oldest handshake's
+        deadline, or, paused, the moment that handshake may be evicted."""
+        if not self._pending:
+            return None
+        hs = next(iter(self._pending.values()))
+        return min(hs.deadline, self._started(hs) + self.evict_after) if self._paused else hs.deadline
+
+    def _resume(self, now: float) -> None:
+        """Accept again once a handshake ended or the oldest may be evicted."""
+        if self._paused and not self._closed and (
+                len(self._pending) < self.max_handshakes
+                or now - self._started(next(iter(self._pending.values()))) >= self.evict_after):
+            self._paused = False
+            self._sel.register(self.sock, selectors.EVENT_READ, self)
 
     def _evict(self) -> None:
         oldest = next(iter(self._pending))
@@ -196,7 +236,8 @@ class Listener:
         if now - self._t_evict_log > 1.0:  # a flood of idle sockets: one line a second, not one each
             self._t_evict_log = now
             log.warning("listener %s: over %d pending handshakes (MESHARRAY_MAX_HANDSHAKES); closed the "
-                        "oldest (%d so far)", self.address, self.max_handshakes, self._evicted)
+                        "oldest, silent for %g s (%d so far)", self.address, self.max_handshakes,
+                        self.evict_after, self._evicted)
 
     def _advance(self, s: socket.socket) -> None:
         hs = self._pending.get(s)
@@ -322,8 +363,8 @@ class _Acceptor:
             self._todo.popleft()()
         deadline = None
         for lst in self.listeners:
-            if lst._pending:
-                first = next(iter(lst._pending.values())).deadline
+            first = lst._wake_at()
+            if first is not None:
                 deadline = first if deadline is None else min(deadline, first)
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         for key, _ in self.sel.select(timeout):
@@ -348,6 +389,7 @@ class _Acceptor:
         for lst in list(self.listeners):
             try:
                 lst._expire(now)
+                lst._resume(now)
             except Exception:
                 log.exception("listener %s: unexpected error; still accepting", lst.address)
 

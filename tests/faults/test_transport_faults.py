@@ -464,7 +464,7 @@ def test_F10_slow_loris_is_closed_at_the_whole_handshake_deadline():
 
 
 def test_F10_idle_sockets_make_no_threads_and_are_capped():
-    srv = Server(max_handshakes=32)
+    srv = Server(max_handshakes=32, evict_after=0.05)
     try:
         threads0 = threading.active_count()
         idle = [_raw(srv.listener.address) for _ in range(400)]
@@ -474,6 +474,40 @@ def test_F10_idle_sockets_make_no_threads_and_are_capped():
         assert srv.works()  # a real peer gets in while the idle ones are there
         for s in idle:
             s.close()
+    finally:
+        srv.close()
+
+
+def test_F10_slow_real_peers_beyond_the_cap_wait_and_are_never_evicted():
+    # a thousand workers starting at once on two cores: every peer answers, but late (here 0.3 s,
+    # with 4 pending at most): the ones beyond the cap wait in the listen backlog, none is closed
+    srv = Server(max_handshakes=4, evict_after=2.0)
+    try:
+        def slow_client(out: list) -> None:
+            s = _raw(srv.listener.address)
+            try:
+                s.settimeout(10)
+                hello = s.recv(4 + 32)
+                time.sleep(0.3)
+                nc = os.urandom(32)
+                s.sendall(auth.MAGIC + nc + _mac(b"C", hello[4:], nc))
+                out.append(s.recv(32) == _mac(b"S", nc, hello[4:]))
+            except OSError as exc:
+                out.append(exc)
+            finally:
+                s.close()
+
+        out: list = []
+        threads = [threading.Thread(target=slow_client, args=(out,)) for _ in range(16)]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(15)
+        assert out == [True] * 16
+        assert srv.listener.refused == 0
+        assert time.monotonic() - t0 >= 4 * 0.3 * 0.9  # (in rounds of 4: the cap held)
+        assert srv.works()
     finally:
         srv.close()
 
