@@ -19,6 +19,10 @@ process mesh on the first ``size / 64`` hosts and measures:
 - "unresponsive" reports while the mesh idles (``--idle`` seconds) and over its
   whole run.
 
+``--spawns N`` only spawns the largest mesh N times, each starting 2 s after the
+previous one stopped (its workers still going away): spawn + first call each
+time, and whether it failed (a start that the load slows must still succeed).
+
 ``--compare`` measures the same sizes again with ``MESHARRAY_RELAY=0`` (every
 message from the controller to each rank, as before relays), in the same run.
 ``--ab-plans`` measures, in one mesh of each size, the 1-element sum with its
@@ -28,6 +32,7 @@ in rounds: separate runs on a loaded 2-core machine differ more than the two.
     python bench/bench_scale.py                 # 64, 256, 1024 (a few minutes)
     python bench/bench_scale.py --sizes 64,256 --compare
     python bench/bench_scale.py --sizes 1024 --ab-plans
+    python bench/bench_scale.py --sizes 1024 --spawns 4
 
 On a machine with 2 cores the 1,024 processes share them; figures taken while
 other jobs run say so (the load average is printed with them).
@@ -171,6 +176,29 @@ def measure(hosts, nhosts: int, calls: int, sums: int, idle: float) -> dict:
     return res
 
 
+def spawns(hosts, nhosts: int, n: int) -> list:
+    """Spawn + first call of the mesh ``n`` times back to back (seconds, or the error of a failed start)."""
+    out: list = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        try:
+            procs = hosts[0:nhosts].spawn_procs(per_host={"procs": PER_HOST})
+        except (ma.MeshArrayError, TimeoutError) as exc:
+            out.append(exc)
+        else:
+            try:
+                procs.spawn("bench", _bench_class()).noop.call().get(timeout=120)
+                out.append(time.perf_counter() - t0)
+            except (ma.MeshArrayError, TimeoutError) as exc:
+                out.append(exc)
+            finally:
+                procs.stop()
+        print(f"{nhosts * PER_HOST} ranks, spawn {len(out)}: " +
+              (f"{out[-1]:.2f} s" if isinstance(out[-1], float) else f"FAILED: {out[-1]}"), flush=True)
+        time.sleep(2.0)
+    return out
+
+
 def ab_plans(hosts, nhosts: int, rounds: int = 6, sums: int = 8) -> dict:
     """The 1-element sum's p50 with its plan by its bytes and by key, alternated in one mesh (ms)."""
     from mesharray.darray import context as dctx
@@ -239,6 +267,8 @@ def main(argv=None) -> None:
     ap.add_argument("--compare", action="store_true", help="every size again with MESHARRAY_RELAY=0")
     ap.add_argument("--ab-plans", action="store_true",
                     help="only the sum, its plan by its bytes against by key, alternated in one mesh per size")
+    ap.add_argument("--spawns", type=int, default=0,
+                    help="only spawn the largest mesh this many times back to back (2 s apart)")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     if any(s % PER_HOST for s in sizes):
@@ -250,6 +280,12 @@ def main(argv=None) -> None:
     try:
         hosts = ma.attach([u for _, u in agents], transport="tcp", timeout=120)
         time.sleep(3.0)  # (the agents start their zygotes at the attach)
+        if args.spawns:
+            got = spawns(hosts, nhosts, args.spawns)
+            ok = [g for g in got if isinstance(g, float)]
+            print(f"{len(ok)} of {len(got)} started" + (f"; spawn + first call {min(ok):.2f}-{max(ok):.2f} s" if ok else ""))
+            hosts.detach()
+            return
         if args.ab_plans:
             for n in sizes:
                 r = ab_plans(hosts, n // PER_HOST)
