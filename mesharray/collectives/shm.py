@@ -279,7 +279,11 @@ class ShmCollective(HostRounds):
         self._pending: tuple | None = None
         self._settling = threading.Lock()
         self._futex = _platform.LINUX_NATIVE  # (a host round's sleepers sleep on a futex, else nap)
-        self._host_poll, self._host_all = _HOST_POLL, _HOST_ALL
+        #: seconds between a crowded waiter's checks of every member for zombies (``/proc/PID/stat``
+        #: of each): each of N members reading N stats is N² reads a host, so a crowded host reads
+        #: them less often (1 s up to 16 members a CPU, then longer, 4 s at most)
+        self._check_all_every = min(4.0, max(1.0, self.size / _platform.usable_cpus() / 16))
+        self._host_poll, self._host_all = _HOST_POLL, round(_HOST_ALL * self._check_all_every)
         self.sleepy = False  # small allreduces are host rounds (agreed at the join)
         #: every member has a CPU more than the group has members (agreed at the join): a member's
         #: thread may reduce while its others compute (the gradient buckets, darray.overlap)
@@ -566,27 +570,33 @@ class ShmCollective(HostRounds):
                        nap: float = 0.002) -> None:
         """:meth:`_wait` for a member whose peers outnumber its cores: it looks, then sleeps (0.1 ms,
         doubling up to ``nap``: 2 ms, longer while the group is made), instead of spinning and
-        yielding in a core its peers need; it checks that the members it waits for exist every
-        0.1 s, and that every member lives (not a zombie) every second."""
+        yielding in a core its peers need. A look reads the flags from the first member not in
+        yet, so a member's looks cost O(members) in all, not each; it checks that the first member
+        it waits for exists every 0.1 s, and that every member lives (not a zombie) every second
+        (``_check_all_every``: longer on a host of many members a CPU)."""
         now = time.monotonic()
         deadline = now + self.timeout
-        check, check_all = now + 0.1, now + 1.0
+        check, check_all = now + 0.1, now + self._check_all_every
         pause = 0.0001
+        i, n = 0, len(ranks)  # ranks[:i] have arrived (flags only grow: a look starts at the first not in)
         while True:
-            ranks = [j for j in ranks if atomic_load(base + j * stride) < target]
-            if not ranks:
+            while i < n and atomic_load(base + ranks[i] * stride) >= target:
+                i += 1
+            if i == n:
                 return
             now = time.monotonic()
             if now >= check:
                 check = now + 0.1
                 if now >= check_all:  # every member, zombies too (reading /proc/PID/stat of a busy peer is slow)
-                    check_all = now + 1.0
+                    check_all = now + self._check_all_every
                     self._check_alive(self._all, what)
-                else:  # the members it waits for, with a signal 0
-                    self._check_alive(ranks if stride else self._all, what, _pid_exists)
+                else:  # the first member it waits for, with a signal 0 (the others' turn comes as it
+                    # arrives, or at the check of every member: N members signalling N each, ten times a
+                    # second, took the CPUs of a crowded host from the members they waited for)
+                    self._check_alive(ranks[i:i + 1] if stride else self._all, what, _pid_exists)
                 self._check_leader()
                 if now > deadline:
-                    whom = "the other members" if stride == 0 else f"rank {self.global_ranks[ranks[0]]}"
+                    whom = "the other members" if stride == 0 else f"rank {self.global_ranks[ranks[i]]}"
                     timeout = TimeoutError(f"shared-memory {what} timed out after {self.timeout} s waiting for "
                                            f"{whom} of group {self.name!r}")
                     self._broken = timeout

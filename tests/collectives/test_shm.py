@@ -302,3 +302,43 @@ def test_backends_refuse_the_same_mistakes_the_same_way():
 
     proc = subprocess.run([sys.executable, "-c", _MPI_CHECK], capture_output=True, text=True, timeout=50)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_crowded_join_names_a_dead_member_waiting_behind_a_late_one():
+    # six members on this machine's cores (crowded where they outnumber them): a waiting member
+    # signals only the first member not in yet every 0.1 s, here rank 1, alive and 3 s late; rank
+    # 4, dead, must still be named by the check of every member (each second at six members), not
+    # when rank 1 arrives, and the late member must not wait for a segment that is gone
+    import subprocess
+    import sys
+    import threading
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    me = os.getpid()
+    pids = (me, me, me, me, dead.pid, me)
+    name = unique_segment_name("test")
+    got: dict = {}
+
+    def member(rank: int) -> None:
+        t0 = time.monotonic()
+        if rank == 1:
+            time.sleep(3.0)
+        try:
+            ShmCollective(name, rank, 6, capacity=4096, timeout=20, peer_pids=pids).close()
+            got[rank] = ("joined", time.monotonic() - t0)
+        except ActorDiedError as exc:
+            got[rank] = (exc.ranks, time.monotonic() - t0)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in (0, 1, 2, 3, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert set(got) == {0, 1, 2, 3, 5}
+    for r in (0, 2, 3, 5):
+        ranks, took = got[r]
+        assert ranks == (4,), got
+        assert took < 2.5, got  # (rank 1 comes in at 3 s)
+    assert got[1][0] == (4,), got
+    assert not os.path.exists(f"/dev/shm/{name}")
