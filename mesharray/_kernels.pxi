@@ -797,6 +797,21 @@ def publish_word(uintptr_t addr, long long value, bint futex):
     _ma_wake_all(<long long*>addr, futex)
 
 
+def fetch_add(uintptr_t addr, long long value):
+    """Add ``value`` to the 8-byte word at ``addr`` (one atomic read-modify-write); return the old value."""
+    return _ma_fetch_add(<long long*>addr, value)
+
+
+def wait_word(uintptr_t addr, long long target, double seconds, bint futex):
+    """Sleep without the GIL until the 8-byte word at ``addr`` is ``>= target`` (0), or for
+    ``seconds`` (-1); :func:`publish_word` wakes the sleepers. With ``futex`` a sleep on the word
+    (Linux), else naps of 50 us."""
+    cdef int code
+    with nogil:
+        code = _sleep_until(<long long*>addr, target, seconds, futex)
+    return code
+
+
 cdef int _host_round(uintptr_t ctl, Py_ssize_t size, Py_ssize_t rank, long long r, uintptr_t src,
                      Py_ssize_t nbytes, uintptr_t dst, void** ptrs, uintptr_t result, Py_ssize_t capacity,
                      Py_ssize_t count, int code, int opc, bint failed, int stage, bint cross, bint leader,

@@ -62,7 +62,11 @@ CPUs, agreed at the join) does its small allreduces as *host rounds* instead
 (``_core.host_round``): one barrier whose waiters sleep on a futex, the last
 member to arrive reducing for everyone and waking them. Spinning members
 there take the cores that the members they wait for need: with 64 members on
-2 cores each round cost every member's time slices. A group that spans hosts
+2 cores each round cost every member's time slices. Such members also join on
+a futex (the last one in raises a word in the segment's first page), and check
+on each other less often the more members share a CPU (up to 4x): N members
+each checking N peers is N² per host, paid on the CPUs of the members waited
+for. A group that spans hosts
 (:class:`~.hier.HierCollective`) uses the same round for its host's part, its
 leader combining the hosts' partial results (:mod:`.tree`). Both kinds of
 round share the group's sequence, so they may follow each other in any order.
@@ -97,6 +101,7 @@ from .._core import (
     atomic_store,
     buffer_address,
     copy_bytes,
+    fetch_add,
     publish_word,
     reduce_addresses,
     reduce_remote,
@@ -104,6 +109,7 @@ from .._core import (
     small_round,
     vm_copy,
     wait_flags,
+    wait_word,
 )
 from ..errors import ActorDiedError, MeshArrayError, SupervisionError
 from ..transport import cma
@@ -119,6 +125,9 @@ REDUCE_OPS = ("sum", "prod", "min", "max", "mean")
 _MAGIC = 0x4D41534852454431  # "MASHRED1"
 _PAGE = 4096
 _LINE = 64
+# the first page: the magic at 0, then the join's count of members in and the word that its last
+# member raises (crowded waiters sleep on it), each on a line of its own
+_JOINED, _ALL_JOINED = 1 * _LINE, 2 * _LINE
 # control lines per rank: arrive, reduced, done, pid, single-copy verdict
 _ARRIVE, _REDUCED, _DONE, _PID, _CMA = 0, 1, 2, 3, 4
 _NFLAGS = 5
@@ -279,11 +288,13 @@ class ShmCollective(HostRounds):
         self._pending: tuple | None = None
         self._settling = threading.Lock()
         self._futex = _platform.LINUX_NATIVE  # (a host round's sleepers sleep on a futex, else nap)
-        #: seconds between a crowded waiter's checks of every member for zombies (``/proc/PID/stat``
-        #: of each): each of N members reading N stats is N² reads a host, so a crowded host reads
-        #: them less often (1 s up to 16 members a CPU, then longer, 4 s at most)
-        self._check_all_every = min(4.0, max(1.0, self.size / _platform.usable_cpus() / 16))
-        self._host_poll, self._host_all = _HOST_POLL, round(_HOST_ALL * self._check_all_every)
+        # how often a crowded waiter checks on its peers: each of N members checking N is N² a host,
+        # so a host of many members a CPU checks less often (x1 up to 16 members a CPU, x4 at most)
+        slow = min(4.0, max(1.0, self.size / _platform.usable_cpus() / 16))
+        #: seconds between a crowded waiter's signals 0 to the first member it waits for, and its
+        #: reads of every member's ``/proc/PID/stat`` (zombies)
+        self._check_every, self._check_all_every = 0.1 * slow, 1.0 * slow
+        self._host_poll, self._host_all = _HOST_POLL * slow, _HOST_ALL
         self.sleepy = False  # small allreduces are host rounds (agreed at the join)
         #: every member has a CPU more than the group has members (agreed at the join): a member's
         #: thread may reduce while its others compute (the gradient buckets, darray.overlap)
@@ -443,8 +454,10 @@ class ShmCollective(HostRounds):
         atomic_store(line + 24, 1 if self.size > _platform.usable_cpus() else 0)
         atomic_store(line + 40, _platform.usable_cpus())  # +40: its CPUs (spare_cpu; +32 is its leaving)
         atomic_store(line, os.getpid())
+        if fetch_add(self._base + _JOINED, 1) == self.size - 1:  # the last one in wakes the sleepers
+            publish_word(self._base + _ALL_JOINED, 1, self._futex)
         try:
-            self._wait(_PID, 1, range(self.size), "join", nap=self._join_nap)
+            self._wait(_PID, 1, range(self.size), "join", nap=self._join_nap, word=self._base + _ALL_JOINED)
             self.sleepy = self.size > 1 and any(atomic_load(self._flag(_PID, j) + 24) for j in range(self.size))
             self.spare_cpu = all(atomic_load(self._flag(_PID, j) + 40) > self.size for j in range(self.size))
             self.single_copy_min = self._agree_single_copy(offer)
@@ -531,11 +544,13 @@ class ShmCollective(HostRounds):
 
     # --- synchronisation ---------------------------------------------------------------
 
-    def _wait(self, kind: int, target: int, ranks, what: str, base: int = 0, nap: float = 0.002) -> None:
+    def _wait(self, kind: int, target: int, ranks, what: str, base: int = 0, nap: float = 0.002,
+              word: int = 0) -> None:
         """Wait until flag ``kind`` of every rank in ``ranks`` is ``>= target``, checking the peers' lives.
 
         With ``base``, wait for the one word at that address instead (``ranks`` is ``[0]``); ``nap``:
-        the longest sleep between looks of a crowded member (:meth:`_wait_sleeping`).
+        the longest sleep between looks of a crowded member; ``word``: a word raised to 1 once
+        every flag is there, which a crowded member sleeps on (:meth:`_wait_sleeping`).
         """
         stride = _LINE
         if base:
@@ -543,7 +558,7 @@ class ShmCollective(HostRounds):
         else:
             base = self._flag(kind, 0)
         if self._crowded:
-            self._wait_sleeping(base, stride, list(ranks), target, what, nap)
+            self._wait_sleeping(base, stride, list(ranks), target, what, nap, word)
             return
         pending = wait_flags(base, stride, ranks, target, _POLL)
         if pending < 0:
@@ -567,16 +582,19 @@ class ShmCollective(HostRounds):
             ranks = ranks[ranks.index(pending):]
 
     def _wait_sleeping(self, base: int, stride: int, ranks: list, target: int, what: str,
-                       nap: float = 0.002) -> None:
+                       nap: float = 0.002, word: int = 0) -> None:
         """:meth:`_wait` for a member whose peers outnumber its cores: it looks, then sleeps (0.1 ms,
         doubling up to ``nap``: 2 ms, longer while the group is made), instead of spinning and
-        yielding in a core its peers need. A look reads the flags from the first member not in
-        yet, so a member's looks cost O(members) in all, not each; it checks that the first member
-        it waits for exists every 0.1 s, and that every member lives (not a zombie) every second
-        (``_check_all_every``: longer on a host of many members a CPU)."""
+        yielding in a core its peers need; with a ``word`` that the last flag's writer raises, it
+        sleeps on that word (a futex) until its next check instead. A look reads the flags from
+        the first member not in yet, so a member's looks cost O(members) in all, not each; it
+        checks that the first member it waits for exists every 0.1 s, and that every member it
+        waits for lives (not a zombie) every second (``_check_every``, ``_check_all_every``:
+        longer on a host of many members a CPU)."""
         now = time.monotonic()
         deadline = now + self.timeout
-        check, check_all = now + 0.1, now + self._check_all_every
+        check, check_all = now + self._check_every, now + self._check_all_every
+        word = word if self._futex else 0
         pause = 0.0001
         i, n = 0, len(ranks)  # ranks[:i] have arrived (flags only grow: a look starts at the first not in)
         while True:
@@ -586,10 +604,11 @@ class ShmCollective(HostRounds):
                 return
             now = time.monotonic()
             if now >= check:
-                check = now + 0.1
-                if now >= check_all:  # every member, zombies too (reading /proc/PID/stat of a busy peer is slow)
+                check = now + self._check_every
+                if now >= check_all:  # zombies too (reading /proc/PID/stat of a busy peer is slow): of
+                    # every member it waits for (one already in holds nobody up here), or of all
                     check_all = now + self._check_all_every
-                    self._check_alive(self._all, what)
+                    self._check_alive(ranks[i:] if stride else self._all, what)
                 else:  # the first member it waits for, with a signal 0 (the others' turn comes as it
                     # arrives, or at the check of every member: N members signalling N each, ten times a
                     # second, took the CPUs of a crowded host from the members they waited for)
@@ -601,8 +620,11 @@ class ShmCollective(HostRounds):
                                            f"{whom} of group {self.name!r}")
                     self._broken = timeout
                     raise timeout
-            time.sleep(pause)
-            pause = min(pause * 2, nap)
+            if word:
+                wait_word(word, 1, check - now, True)
+            else:
+                time.sleep(pause)
+                pause = min(pause * 2, nap)
 
     def _pid(self, j: int) -> int:
         return atomic_load(self._flag(_PID, j)) or self._peer_pids[j]
