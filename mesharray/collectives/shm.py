@@ -292,7 +292,7 @@ class ShmCollective(HostRounds):
         # so a host of many members a CPU checks less often (x1 up to 16 members a CPU, x4 at most)
         slow = min(4.0, max(1.0, self.size / _platform.usable_cpus() / 16))
         #: seconds between a crowded waiter's signals 0 to the first member it waits for, and its
-        #: reads of every member's ``/proc/PID/stat`` (zombies)
+        #: reads of the ``/proc/PID/stat`` of those it waits for (zombies)
         self._check_every, self._check_all_every = 0.1 * slow, 1.0 * slow
         self._host_poll, self._host_all = _HOST_POLL * slow, _HOST_ALL
         self.sleepy = False  # small allreduces are host rounds (agreed at the join)

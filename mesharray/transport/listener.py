@@ -236,7 +236,7 @@ class Listener:
         if now - self._t_evict_log > 1.0:  # a flood of idle sockets: one line a second, not one each
             self._t_evict_log = now
             log.warning("listener %s: over %d pending handshakes (MESHARRAY_MAX_HANDSHAKES); closed the "
-                        "oldest, silent for %g s (%d so far)", self.address, self.max_handshakes,
+                        "oldest, pending for %g s or more (%d so far)", self.address, self.max_handshakes,
                         self.evict_after, self._evicted)
 
     def _advance(self, s: socket.socket) -> None:
