@@ -15,7 +15,7 @@ import os
 
 from . import _platform
 
-__all__ = ["stat_fields", "start_time", "state"]
+__all__ = ["stat_fields", "start_time", "state", "exists", "alive"]
 
 # psutil's status names -> the letters of proc(5)
 _PSUTIL_STATES = {"running": b"R", "sleeping": b"S", "disk-sleep": b"D", "stopped": b"T", "tracing-stop": b"t",
@@ -89,3 +89,27 @@ def state(pid: int) -> bytes | None:
             return None
     fields = stat_fields(pid)
     return fields[0][:1] if fields else None
+
+
+def exists(pid: int) -> bool:
+    """Whether process ``pid`` exists: a signal 0 (a zombie exists; :func:`alive` tells those apart).
+
+    A ``pid`` of 0 or less names no process yet (a peer that has not said
+    its pid): nothing is known against it, so it counts as there.
+    """
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is no zombie (a read of its stat; unknown state counts as alive)."""
+    if pid <= 0:
+        return True
+    return exists(pid) and state(pid) not in (b"Z", b"X")

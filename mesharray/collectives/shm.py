@@ -16,40 +16,10 @@ mapped once, at the group's creation, and pre-faulted). An allreduce is a
 reduce-scatter into the result area (each rank reduces 1/N of the elements
 with the nogil kernels of ``_core``) followed by an allgather of the result
 area — two barriers per round; small messages skip the second barrier (every
-rank reduces everything itself).
-
-Large allreduces (``single_copy_min`` bytes per member and more: by default
-1 MiB when every member can have a core of its own, 8 MiB when they share
-cores) skip the segment's slots: each member publishes the addresses of its
-``send`` and ``out`` with its arrival, and the data moves straight between
-the members' own buffers with cross-memory attach
-(``process_vm_readv``/``writev``, :func:`mesharray._core.reduce_remote`).
-The message is cut into chunks that the members take one at a time from a
-shared counter (compare and swap: the group's three counters are the one
-place where several members write one word, always with atomic
-read-modify-writes, still without locks): for a chunk it took, a member reads that
-chunk of every peer's ``send`` (one copy), reduces it with its own into its
-``out`` in rank order, and writes the reduced chunk, still in cache, into
-every peer's ``out`` (one copy), then raises a shared *finished* counter. A
-member returns once every chunk is finished: nobody reads its ``send`` or
-writes its ``out`` after that, so there is no barrier at the end. Taking
-chunks as they come rather than a fixed share means a member waiting for a
-core, or one whose share would lie on costlier pages (a page that is not
-huge costs twice as much to attach), holds nobody up. That is one barrier
-and about 4 bytes of memory traffic per byte of the message on each of two
-members, against two barriers and fourteen bytes through the slots. A chunk
-that fails (a peer died: ``ESRCH``) is still counted, marks the round in a
-shared *fault* word, and every member raises; before raising, a member waits
-until no live peer still copies to or from its buffers.
-
-Whether a group may do this is settled once, at the join: every member reads
-a probe word out of every peer and the group takes the single-copy path only
-if all reads worked everywhere (none under ``MESHARRAY_PORTABLE=1``, off
-Linux, or where Yama/seccomp refuse), and at the largest threshold offered,
-so that members never disagree on the algorithm. A member whose input failed
-(``allreduce_checked(..., failed=True)``) takes the slot path with a stand-in
-of one element; both paths open with the same arrival and status word, so the
-group still agrees that nothing is reduced.
+rank reduces everything itself). Large allreduces (``single_copy_min`` bytes
+per member and more) skip the slots: the members copy straight between their
+own buffers with cross-memory attach (:mod:`._single_copy`, a base of the
+group's class). Every word of the segment is drawn in :mod:`._shm_layout`.
 
 Waiting spins, then yields the core for ``MESHARRAY_SPIN_US`` (ranks may
 outnumber cores), then naps an eighth of the time waited so far (a peer far
@@ -82,7 +52,6 @@ reduction); this module keeps the rest and the rounds' rare branches.
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
 import pickle
@@ -104,16 +73,16 @@ from .._core import (
     fetch_add,
     publish_word,
     reduce_addresses,
-    reduce_remote,
     set_spin,
     small_round,
-    vm_copy,
     wait_flags,
     wait_word,
 )
 from ..errors import ActorDiedError, MeshArrayError, SupervisionError
 from ..transport import cma
 from ._args import as_contiguous, check_out, scatter_part_shape
+from ._shm_layout import ALL_JOINED, ARRIVE, DONE, HOST_WORDS, JOINED, LINE, MAGIC, NFLAGS, PAGE, PID, REDUCED, round_up
+from ._single_copy import SINGLE_COPY_MIN, SINGLE_COPY_MIN_SHARED_CORES, SingleCopy
 
 # how long a waiter yields its core before it naps (_core.set_spin)
 set_spin(float(os.environ.get("MESHARRAY_SPIN_US", "50")) * 1e-6)
@@ -122,37 +91,12 @@ __all__ = ["ShmCollective", "unique_segment_name", "REDUCE_OPS", "SINGLE_COPY_MI
 
 REDUCE_OPS = ("sum", "prod", "min", "max", "mean")
 
-_MAGIC = 0x4D41534852454431  # "MASHRED1"
-_PAGE = 4096
-_LINE = 64
-# the first page: the magic at 0, then the join's count of members in and the word that its last
-# member raises (crowded waiters sleep on it), each on a line of its own
-_JOINED, _ALL_JOINED = 1 * _LINE, 2 * _LINE
-# control lines per rank: arrive, reduced, done, pid, single-copy verdict
-_ARRIVE, _REDUCED, _DONE, _PID, _CMA = 0, 1, 2, 3, 4
-_NFLAGS = 5
 _SMALL = 64 * 1024  # bytes under which every rank reduces the whole round itself
-#: Bytes per member from which allreduce copies straight between the members' buffers,
-#: when each member can have a core: below it the copies through the shared slots cost
-#: no more than the cross-memory attach's system calls.
-SINGLE_COPY_MIN = 1 << 20
-#: The same when members outnumber the cores. Cross-memory attach pins every page it
-#: copies, which costs several times the CPU of a memcpy: while the data fits in cache
-#: and members queue for cores, the slots win. Both crossovers are measured, not derived:
-#: ``docs/internals.md``, "Distributed arrays" (shared-memory collectives).
-SINGLE_COPY_MIN_SHARED_CORES = 8 << 20
-# scratch of the single-copy path, all sources together: a step of reduce_remote (read the
-# peers' chunks, reduce, push the result) stays in L2, and its system calls are few and
-# long (each costs microseconds: 512 KiB per source for 2 members)
-_SCRATCH = 1 << 20
 _POLL = 0.005  # seconds between liveness checks while waiting
 #: seconds a sleeping member of a host round sleeps before it checks on the members that have not
 #: arrived (every member, each _HOST_ALL-th time): a sleeper costs nothing, but a check costs syscalls
 _HOST_POLL = 0.05
 _HOST_ALL = 20
-# a host round's words (_core.host_round): the arrival counter, the host partial's round, the result's
-# round, the number of failed inputs, then one line per member
-_HOST_WORDS = 4
 
 _DTYPES = {np.dtype(t): np.dtype(t).name for t in (
     "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")}
@@ -169,30 +113,7 @@ def unique_segment_name(prefix: str = "mesharray") -> str:
     return f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
 
 
-def _round_up(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
-
-
-def _pid_exists(pid: int) -> bool:
-    """Whether ``pid`` exists (a zombie does: :func:`_pid_alive` tells those apart, at a cost)."""
-    if pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return True  # not registered yet: nothing to say
-    return _pid_exists(pid) and _proc_stat.state(pid) not in (b"Z", b"X")  # unknown (None): alive
-
-
-class ShmCollective(HostRounds):
+class ShmCollective(HostRounds, SingleCopy):
     """A group of ``size`` processes on one host doing collectives through shared memory.
 
     Every member constructs it with the same ``name``, ``size`` and
@@ -250,8 +171,8 @@ class ShmCollective(HostRounds):
             raise ValueError(f"size must be >= 1, got {size}")
         if not 0 <= rank < size:
             raise ValueError(f"rank must be in [0, {size}), got {rank}")
-        if capacity < _LINE:
-            raise ValueError(f"capacity must be >= {_LINE} bytes, got {capacity}")
+        if capacity < LINE:
+            raise ValueError(f"capacity must be >= {LINE} bytes, got {capacity}")
         if single_copy_min == "auto":
             single_copy_min = SINGLE_COPY_MIN if size <= _platform.usable_cpus() else SINGLE_COPY_MIN_SHARED_CORES
         elif single_copy_min is not None:
@@ -262,7 +183,7 @@ class ShmCollective(HostRounds):
         self.name = name
         self.rank = int(rank)
         self.size = int(size)
-        self.capacity = _round_up(int(capacity), _LINE)
+        self.capacity = round_up(int(capacity), LINE)
         self.timeout = float(timeout)
         self.global_ranks = tuple(int(r) for r in (global_ranks if global_ranks is not None else range(size)))
         self._peer_pids = tuple(int(p) for p in peer_pids) if peer_pids is not None else (0,) * self.size
@@ -275,7 +196,7 @@ class ShmCollective(HostRounds):
         self._broken: BaseException | None = None
         self._closed = False
         # the per-rank flags, then the group's three counters of single-copy reductions
-        self._ctrl = _round_up(_PAGE + (self.size * _NFLAGS + 3 + _HOST_WORDS + self.size) * _LINE, _PAGE)
+        self._ctrl = round_up(PAGE + (self.size * NFLAGS + 3 + HOST_WORDS + self.size) * LINE, PAGE)
         self._hr = 0  # host rounds so far (the same count on every member)
         #: this member's peers outnumber its CPUs: its waits sleep rather than spin (_wait_sleeping)
         self._crowded = self.size > _platform.usable_cpus()
@@ -300,7 +221,7 @@ class ShmCollective(HostRounds):
         #: thread may reduce while its others compute (the gradient buckets, darray.overlap)
         self.spare_cpu = False
         self._chunks = 0  # chunks of single-copy reductions so far: where the counters start
-        self._slot_bytes = _round_up(self.capacity, _PAGE)
+        self._slot_bytes = round_up(self.capacity, PAGE)
         self._nbytes = self._ctrl + (self.size + 1) * self._slot_bytes
         # where the name lives, for messages: a file in /dev/shm on Linux, a shm_open name elsewhere
         self._path = f"/dev/shm/{name}" if _platform.LINUX_NATIVE else f"shm_open('/{name}')"
@@ -365,7 +286,7 @@ class ShmCollective(HostRounds):
                 looks += 1
                 dead = [] if looks % 20 else [
                     j for j in range(self.size)
-                    if j != self.rank and self._peer_pids[j] and not _pid_alive(self._peer_pids[j])]
+                    if j != self.rank and self._peer_pids[j] and not _proc_stat.alive(self._peer_pids[j])]
                 if dead:
                     raise ActorDiedError(
                         ranks=[self.global_ranks[j] for j in dead], pid=self._peer_pids[dead[0]],
@@ -387,15 +308,15 @@ class ShmCollective(HostRounds):
         self._slot_addr = [self._base + self._slot_off(j) for j in range(self.size)]
         self._res_addr = self._base + self._slot_off(self.size)
         self._all = list(range(self.size))
-        self._flags_at = self._flag(_ARRIVE, 0)  # the first flag line (small_round's ``flags``)
-        self._hctl = self._base + _PAGE + (self.size * _NFLAGS + 3) * _LINE  # (host_round's ``ctl``)
-        self._done_at = self._flag(_DONE, self.rank)
+        self._flags_at = self._flag(ARRIVE, 0)  # the first flag line (small_round's ``flags``)
+        self._hctl = self._base + PAGE + (self.size * NFLAGS + 3) * LINE  # (host_round's ``ctl``)
+        self._done_at = self._flag(DONE, self.rank)
         self._bad: np.ndarray | None = None  # small_round's failed-member bytes (made on first use)
         if self.rank == 0:
-            atomic_store(self._base, _MAGIC)
+            atomic_store(self._base, MAGIC)
         else:
-            while atomic_load(self._base) != _MAGIC:
-                if self._peer_pids[0] and not _pid_alive(self._peer_pids[0]):
+            while atomic_load(self._base) != MAGIC:
+                if self._peer_pids[0] and not _proc_stat.alive(self._peer_pids[0]):
                     self.close()
                     raise ActorDiedError(ranks=[self.global_ranks[0]], pid=self._peer_pids[0],
                                          reason=f"died while creating shared-memory group {self.name!r}")
@@ -411,33 +332,15 @@ class ShmCollective(HostRounds):
         # page faults during it would otherwise halve its bandwidth. Not before: a group that
         # only reduces small messages (a loss, a norm) touches a page of each, not megabytes
         self._faulted = True
-        self._slots[self.rank][::_PAGE] = 0
+        self._slots[self.rank][::PAGE] = 0
         lo, hi = self._share(self.capacity, self.rank)
-        self._result[lo:hi:_PAGE] = 0
+        self._result[lo:hi:PAGE] = 0
 
     def _slot_off(self, j: int) -> int:
         return self._ctrl + j * self._slot_bytes
 
     def _flag(self, kind: int, j: int) -> int:
-        return self._base + _PAGE + (kind * self.size + j) * _LINE
-
-    def _counter(self, i: int) -> int:
-        # 0: chunks claimed, 1: chunks finished, 2: the last round a chunk failed in (each
-        # on its own line: claims must not bounce the line the waiters poll)
-        return self._base + _PAGE + (self.size * _NFLAGS + i) * _LINE
-
-    def _quiesce(self, k: int) -> None:
-        """Before an error leaves round k: wait until no live peer touches our buffers any more.
-
-        A peer may still be reading our ``send`` or writing our ``out`` in a
-        chunk it took; the caller may free them once we raise. Each member
-        sets ``done`` once its copies are over; dead peers copy nothing.
-        """
-        deadline = time.monotonic() + self.timeout
-        while True:
-            live = [j for j in self._all if j != self.rank and _pid_alive(self._pid(j))]
-            if wait_flags(self._flag(_DONE, 0), _LINE, live, k, _POLL) < 0 or time.monotonic() > deadline:
-                return
+        return self._base + PAGE + (kind * self.size + j) * LINE
 
     def _join(self) -> None:
         # what this member offers for single-copy reductions rides on the pid's line:
@@ -446,20 +349,20 @@ class ShmCollective(HostRounds):
         if self.single_copy_min is not None and self.size > 1 and _platform.LINUX_NATIVE:
             cma.allow_attach()
             offer = self.single_copy_min
-        self._probe = np.array([_MAGIC], dtype=np.int64)
-        line = self._flag(_PID, self.rank)
+        self._probe = np.array([MAGIC], dtype=np.int64)
+        line = self._flag(PID, self.rank)
         atomic_store(line + 8, offer)
         atomic_store(line + 16, int(self._probe.ctypes.data))
         # +24: whether this member has fewer CPUs than the group has members (host rounds, if any does)
         atomic_store(line + 24, 1 if self.size > _platform.usable_cpus() else 0)
         atomic_store(line + 40, _platform.usable_cpus())  # +40: its CPUs (spare_cpu; +32 is its leaving)
         atomic_store(line, os.getpid())
-        if fetch_add(self._base + _JOINED, 1) == self.size - 1:  # the last one in wakes the sleepers
-            publish_word(self._base + _ALL_JOINED, 1, self._futex)
+        if fetch_add(self._base + JOINED, 1) == self.size - 1:  # the last one in wakes the sleepers
+            publish_word(self._base + ALL_JOINED, 1, self._futex)
         try:
-            self._wait(_PID, 1, range(self.size), "join", nap=self._join_nap, word=self._base + _ALL_JOINED)
-            self.sleepy = self.size > 1 and any(atomic_load(self._flag(_PID, j) + 24) for j in range(self.size))
-            self.spare_cpu = all(atomic_load(self._flag(_PID, j) + 40) > self.size for j in range(self.size))
+            self._wait(PID, 1, range(self.size), "join", nap=self._join_nap, word=self._base + ALL_JOINED)
+            self.sleepy = self.size > 1 and any(atomic_load(self._flag(PID, j) + 24) for j in range(self.size))
+            self.spare_cpu = all(atomic_load(self._flag(PID, j) + 40) > self.size for j in range(self.size))
             self.single_copy_min = self._agree_single_copy(offer)
             self._joined = True
         except BaseException:
@@ -468,33 +371,6 @@ class ShmCollective(HostRounds):
             raise
         if self.rank == 0:
             self._unlink()
-
-    def _agree_single_copy(self, offer: int) -> int | None:
-        """The group's single-copy threshold, the same on every member (None: slots only).
-
-        Every member reads a word out of every peer (the kernel may refuse:
-        Yama, seccomp, another user) and publishes whether all reads worked;
-        single copy is on only if every member offered it and every read
-        worked. One more barrier, once per group.
-        """
-        offers = [atomic_load(self._flag(_PID, j) + 8) for j in range(self.size)]
-        ok = offer >= 0 and min(offers) >= 0
-        if ok:
-            word = np.zeros(1, dtype=np.int64)
-            for j in range(self.size):
-                if j != self.rank:
-                    err = vm_copy(False, self._pid(j), int(word.ctypes.data),
-                                  atomic_load(self._flag(_PID, j) + 16), 8)
-                    if err or int(word[0]) != _MAGIC:
-                        ok = False
-                        break
-        line = self._flag(_CMA, self.rank)
-        atomic_store(line + 8, 1 if ok else 2)
-        atomic_store(line, 1)
-        self._wait(_CMA, 1, range(self.size), "join", nap=self._join_nap)
-        if all(atomic_load(self._flag(_CMA, j) + 8) == 1 for j in range(self.size)):
-            return max(offers)
-        return None
 
     def _unlink(self) -> None:
         if not self._created:
@@ -513,7 +389,7 @@ class ShmCollective(HostRounds):
         if self._arr is not None and self._joined:
             # +32 of the pid's line: this member left the group on purpose; a peer that
             # finds its process gone later names it as having left, not as dead
-            atomic_store(self._flag(_PID, self.rank) + 32, 1)
+            atomic_store(self._flag(PID, self.rank) + 32, 1)
         self._unlink()
         self._slots = []
         self._scratch = None
@@ -552,7 +428,7 @@ class ShmCollective(HostRounds):
         the longest sleep between looks of a crowded member; ``word``: a word raised to 1 once
         every flag is there, which a crowded member sleeps on (:meth:`_wait_sleeping`).
         """
-        stride = _LINE
+        stride = LINE
         if base:
             stride = 0
         else:
@@ -612,7 +488,7 @@ class ShmCollective(HostRounds):
                 else:  # the first member it waits for, with a signal 0 (the others' turn comes as it
                     # arrives, or at the check of every member: N members signalling N each, ten times a
                     # second, took the CPUs of a crowded host from the members they waited for)
-                    self._check_alive(ranks[i:i + 1] if stride else self._all, what, _pid_exists)
+                    self._check_alive(ranks[i:i + 1] if stride else self._all, what, _proc_stat.exists)
                 self._check_leader()
                 if now > deadline:
                     whom = "the other members" if stride == 0 else f"rank {self.global_ranks[ranks[i]]}"
@@ -627,7 +503,7 @@ class ShmCollective(HostRounds):
                 pause = min(pause * 2, nap)
 
     def _pid(self, j: int) -> int:
-        return atomic_load(self._flag(_PID, j)) or self._peer_pids[j]
+        return atomic_load(self._flag(PID, j)) or self._peer_pids[j]
 
     def _check_alive(self, look, what: str, alive=None) -> None:
         """Raise (and break the group) when a member of ``look`` other than this one is gone.
@@ -636,11 +512,11 @@ class ShmCollective(HostRounds):
         left (:class:`~mesharray.errors.SupervisionError`); only members whose processes
         ended without closing are named in the :class:`~mesharray.errors.ActorDiedError`.
         """
-        alive = alive or _pid_alive
+        alive = alive or _proc_stat.alive
         gone = [j for j in look if j != self.rank and not alive(self._pid(j))]
         if not gone:
             return
-        dead = [j for j in gone if not atomic_load(self._flag(_PID, j) + 32)]
+        dead = [j for j in gone if not atomic_load(self._flag(PID, j) + 32)]
         err: BaseException
         if dead:
             err = ActorDiedError(ranks=[self.global_ranks[j] for j in dead], pid=self._pid(dead[0]),
@@ -667,12 +543,12 @@ class ShmCollective(HostRounds):
             )
         k = self._seq + 1
         if k > 1:
-            self._wait(_DONE, k - 1, self._all, what)
+            self._wait(DONE, k - 1, self._all, what)
         self._seq = k
         return k
 
     def _end(self, k: int) -> None:
-        atomic_store(self._flag(_DONE, self.rank), k)
+        atomic_store(self._flag(DONE, self.rank), k)
 
     def _share(self, count: int, j: int) -> tuple[int, int]:
         # element range [lo, hi) of `count` that rank j reduces, split evenly
@@ -704,8 +580,8 @@ class ShmCollective(HostRounds):
     def barrier(self) -> None:
         """Return once every member has entered the barrier."""
         k = self._begin("barrier")
-        atomic_store(self._flag(_ARRIVE, self.rank), k)
-        self._wait(_ARRIVE, k, range(self.size), "barrier")
+        atomic_store(self._flag(ARRIVE, self.rank), k)
+        self._wait(ARRIVE, k, range(self.size), "barrier")
         self._end(k)
 
     def allreduce(self, send: Any, out: Any = None, op: str = "sum") -> np.ndarray:
@@ -821,10 +697,10 @@ class ShmCollective(HostRounds):
         while code < 0:  # a wait ran past _POLL: check that the member waited for lives, then go on
             j = -code - 1
             if j < self.size:
-                self._wait(_DONE, k - 1, self._all[j:], "reduction")
+                self._wait(DONE, k - 1, self._all[j:], "reduction")
                 start = 1
             else:
-                self._wait(_ARRIVE, k, self._all[j - self.size:], "reduction")
+                self._wait(ARRIVE, k, self._all[j - self.size:], "reduction")
                 start = 2
             code = small_round(self._flags_at, self.size, self.rank, k, src, nb, dst, self._slot_addr, send.size,
                                kdt, kop, False, start, _POLL, bad)
@@ -872,7 +748,7 @@ class ShmCollective(HostRounds):
     def _wait_round(self, k: int) -> None:
         # a host round after slot round k (HostRounds._host_round): nobody may still read the
         # slots or the result area
-        self._wait(_DONE, k, self._all, "reduction")
+        self._wait(DONE, k, self._all, "reduction")
 
     def _host_failed_round(self, k: int) -> tuple[int, list[int]]:
         """The end of host round ``k`` (sequence number) whose inputs failed (``_host_round``'s code 1):
@@ -914,7 +790,7 @@ class ShmCollective(HostRounds):
             flat = result.reshape(-1).view(np.uint8)
             self._result[:flat.nbytes] = flat
         publish_word(self._hctl + 128, self._hr, self._futex)
-        atomic_store(self._flag(_DONE, self.rank), self._seq)
+        atomic_store(self._flag(DONE, self.rank), self._seq)
 
     def host_fail(self, err: BaseException) -> None:
         """The leader's end of a host round that returned 2 when its step across hosts raised ``err``:
@@ -939,7 +815,7 @@ class ShmCollective(HostRounds):
         res[8:8 + len(data)] = np.frombuffer(data, dtype=np.uint8)
         atomic_store(self._hctl + 192, -1)
         publish_word(self._hctl + 128, self._hr, self._futex)
-        atomic_store(self._flag(_DONE, self.rank), self._seq)
+        atomic_store(self._flag(DONE, self.rank), self._seq)
         self._broken = err
 
     def _check_leader(self) -> None:
@@ -972,7 +848,7 @@ class ShmCollective(HostRounds):
             self._check_alive([j for j in self._all if j != self.rank], "reduction")
         else:
             look = [j for j in self._all if j != self.rank and atomic_load(self._hctl + 256 + j * 64) < r]
-            self._check_alive(look, "reduction", _pid_exists)
+            self._check_alive(look, "reduction", _proc_stat.exists)
         if time.monotonic() > deadline:
             err2 = TimeoutError(f"shared-memory reduction timed out after {self.timeout} s waiting for the other "
                                 f"members of group {self.name!r}")
@@ -1014,19 +890,19 @@ class ShmCollective(HostRounds):
             if failed is not None and start == 0:
                 # the status word sits after the arrival flag in its line: written
                 # before the (release) store of the flag, read after the (acquire) wait
-                atomic_store(self._flag(_ARRIVE, self.rank) + 8, k if failed else 0)
+                atomic_store(self._flag(ARRIVE, self.rank) + 8, k if failed else 0)
                 if not failed:
                     copy_bytes(mine, src + off, nb)
-                atomic_store(self._flag(_ARRIVE, self.rank), k)
-                self._wait(_ARRIVE, k, everyone, "reduction")
-                bad = [j for j in everyone if atomic_load(self._flag(_ARRIVE, j) + 8) == k]
+                atomic_store(self._flag(ARRIVE, self.rank), k)
+                self._wait(ARRIVE, k, everyone, "reduction")
+                bad = [j for j in everyone if atomic_load(self._flag(ARRIVE, j) + 8) == k]
                 if bad:
                     self._end(k)
                     return bad
             else:
                 copy_bytes(mine, src + off, nb)
-                atomic_store(self._flag(_ARRIVE, self.rank), k)
-                self._wait(_ARRIVE, k, everyone, "reduction")
+                atomic_store(self._flag(ARRIVE, self.rank), k)
+                self._wait(ARRIVE, k, everyone, "reduction")
             if nb <= _SMALL or self.size == 1:
                 if dst:
                     # every member reduces the whole (small) round itself: one barrier
@@ -1035,109 +911,14 @@ class ShmCollective(HostRounds):
                 lo, hi = self._share(count, self.rank)
                 if hi > lo:
                     reduce_addresses(self._res_addr + lo * isz, [a + lo * isz for a in slot_addrs], hi - lo, kdt, op)
-                atomic_store(self._flag(_REDUCED, self.rank), k)
+                atomic_store(self._flag(REDUCED, self.rank), k)
                 if dst:
-                    self._wait(_REDUCED, k, everyone, "reduction")
+                    self._wait(REDUCED, k, everyone, "reduction")
                     copy_bytes(dst + off, self._res_addr, nb)
             self._end(k)
             start += count
             if start >= total:
                 return []
-
-    def _reduce_single_copy(self, send: np.ndarray, out: np.ndarray | None, src: int, dst: int, op: str,
-                            kdt: str, checked: bool) -> list[int]:
-        """Allreduce by cross-memory attach: one barrier in, a shared count of chunks out, no staging.
-
-        Each member publishes its buffers' addresses with its arrival. Then the
-        members take the message's chunks one at a time from a shared counter;
-        for a chunk it took, a member reads the chunk of every peer's ``send``
-        straight out of the peer (``process_vm_readv``), reduces it with its own
-        into its ``out`` and writes the reduced chunk, still in cache, into every
-        peer's ``out`` (``process_vm_writev``), then counts it finished. Taking
-        chunks as they come, not a fixed share, is what keeps a member that is
-        waiting for a core (members may outnumber cores) from holding up the
-        rest. A member returns once every chunk is finished: nobody reads its
-        ``send`` or writes its ``out`` after that.
-        """
-        assert out is not None
-        if dst != src and dst < src + send.nbytes and src < dst + out.nbytes:
-            # a partial overlap: the peers would read what this member already overwrote
-            send = send.copy()
-            src = buffer_address(send)[0]
-        k = self._begin("reduction")
-        line = self._flag(_ARRIVE, self.rank)
-        atomic_store(line + 8, 0)  # the status word of allreduce_checked: this input is fine
-        atomic_store(line + 16, src)
-        atomic_store(line + 24, dst)
-        atomic_store(line + 32, send.nbytes)  # (with +40, the round: see below)
-        atomic_store(line + 40, k)
-        atomic_store(line, k)
-        everyone = self._all
-        self._wait(_ARRIVE, k, everyone, "reduction")
-        if checked:
-            bad = [j for j in everyone if atomic_load(self._flag(_ARRIVE, j) + 8) == k]
-            if bad:
-                self._end(k)
-                return bad
-        # Every peer must have published this round's buffers of this size: a member that
-        # passed another size (or took the slot path with it) would have its own memory
-        # written past its buffer. Everyone reads the same words after the arrival: all the
-        # members on this path refuse alike, and the group stays in step.
-        sizes = [atomic_load(self._flag(_ARRIVE, j) + 32) if atomic_load(self._flag(_ARRIVE, j) + 40) == k
-                 else -1 for j in everyone]
-        if any(n != send.nbytes for n in sizes):
-            self._end(k)
-            # (a member that published nothing this round took the slots: its message was smaller)
-            said = [f"{n} bytes" if n >= 0 else f"under {self.single_copy_min} bytes" for n in sizes]
-            raise ValueError(
-                f"members of shared-memory group {self.name!r} passed different sizes to one allreduce ("
-                + ", ".join(f"rank {self.global_ranks[j]}: {w}" for j, w in zip(everyone, said))
-                + "); every member must pass the same shape and dtype"
-            )
-        me = self.rank
-        srcs, pids, dests = [], [], []
-        for j in everyone:
-            peer = self._flag(_ARRIVE, j)
-            srcs.append(src if j == me else atomic_load(peer + 16))
-            pids.append(0 if j == me else self._pid(j))
-            dests.append(0 if j == me else atomic_load(peer + 24))
-        # chunks of whole cache lines, at least one per member
-        most = max(64 << 10, _SCRATCH // self.size // _PAGE * _PAGE)
-        chunk = min(most, _round_up(-(-send.nbytes // self.size), _LINE))
-        nchunks = -(-send.nbytes // chunk)
-        base = self._chunks
-        self._chunks = base + nchunks  # the same on every member: same sizes, same order
-        if self._scratch is None:
-            self._scratch = np.zeros(self.size * most, dtype=np.uint8)  # zeros: touched, no faults later
-        failed, err = reduce_remote(dst, srcs, pids, dests, send.size, kdt, op,
-                                    buffer_address(self._scratch, True)[0], chunk, self._counter(0), base, k)
-        if failed >= 0:
-            # who failed, for the peers' message (before done's release store)
-            atomic_store(self._flag(_DONE, me) + 8, k)
-        self._end(k)  # done: this member no longer touches anybody's buffers
-        try:
-            if failed >= 0 and err == errno.ESRCH:
-                raise ActorDiedError(ranks=[self.global_ranks[failed]], pid=pids[failed],
-                                     reason=f"died during shared-memory reduction of group {self.name!r}")
-            # every chunk finished: nobody reads our send or writes our out any more
-            self._wait(0, base + nchunks, [0], "reduction", base=self._counter(1))
-            if atomic_load(self._counter(2)) == k:
-                self._quiesce(k)
-                # a peer died while another took chunks from it
-                self._check_alive(everyone, "reduction")
-                if failed >= 0:
-                    why = (f"rank {self.global_ranks[me]} could not copy to or from rank "
-                           f"{self.global_ranks[failed]}: {os.strerror(err)} (errno {err})")
-                else:
-                    who = [self.global_ranks[j] for j in everyone if atomic_load(self._flag(_DONE, j) + 8) == k]
-                    why = f"rank(s) {who} could not copy their chunks"
-                raise MeshArrayError(f"single-copy reduction of shared-memory group {self.name!r} failed: {why}")
-        except BaseException as exc:
-            self._quiesce(k)
-            if self._broken is None:
-                self._broken = exc
-            raise
-        return []
 
     def broadcast(self, buf: Any, root: int = 0) -> np.ndarray:
         """Copy ``buf`` of ``root`` into ``buf`` of every member (in place); returns ``buf``."""
@@ -1153,10 +934,10 @@ class ShmCollective(HostRounds):
             k = self._begin("broadcast")
             if self.rank == root:
                 self._slots[root][:nb] = data[start:start + nb]
-                atomic_store(self._flag(_ARRIVE, self.rank), k)
+                atomic_store(self._flag(ARRIVE, self.rank), k)
             else:
-                atomic_store(self._flag(_ARRIVE, self.rank), k)
-                self._wait(_ARRIVE, k, [root], "broadcast")
+                atomic_store(self._flag(ARRIVE, self.rank), k)
+                self._wait(ARRIVE, k, [root], "broadcast")
                 data[start:start + nb] = self._slots[root][:nb]
             self._end(k)
             start += nb
@@ -1175,8 +956,8 @@ class ShmCollective(HostRounds):
             nb = min(self.capacity, total - start)
             k = self._begin("allgather")
             self._slots[self.rank][:nb] = src[start:start + nb]
-            atomic_store(self._flag(_ARRIVE, self.rank), k)
-            self._wait(_ARRIVE, k, range(self.size), "allgather")
+            atomic_store(self._flag(ARRIVE, self.rank), k)
+            self._wait(ARRIVE, k, range(self.size), "allgather")
             for j in range(self.size):
                 dst[j, start:start + nb] = self._slots[j][:nb]
             self._end(k)
@@ -1208,8 +989,8 @@ class ShmCollective(HostRounds):
             # slot layout of one round: size pieces of `count` elements, piece j for member j
             mine = self._slots[self.rank][:count * self.size * isz].view(send.dtype).reshape(self.size, count)
             mine[...] = src[:, start:start + count]
-            atomic_store(self._flag(_ARRIVE, self.rank), k)
-            self._wait(_ARRIVE, k, range(self.size), "reduce_scatter")
+            atomic_store(self._flag(ARRIVE, self.rank), k)
+            self._wait(ARRIVE, k, range(self.size), "reduce_scatter")
             if count:
                 off = self.rank * count * isz
                 reduce_addresses(int(dst[start:].ctypes.data), [a + off for a in slot_addrs], count, kdt, kop)

@@ -207,7 +207,7 @@ def test_peer_killed_mid_operation_fails_survivors_quickly(size):
 
 
 def _leave_then_die(rank, size, name):
-    from mesharray.collectives.shm import _pid_alive
+    from mesharray._proc_stat import alive as _pid_alive
     g = ShmCollective(name, rank, size, timeout=30)
     g.allreduce(np.ones(8))
     if rank == 0:  # closes the group and exits: it left, it did not die
