@@ -17,7 +17,11 @@ process mesh on the first ``size / 64`` hosts and measures:
   its first call) and after the run (the calls and sums);
 - SIGKILL of one rank → the error at a ``call()`` pending on every rank;
 - "unresponsive" reports while the mesh idles (``--idle`` seconds) and over its
-  whole run.
+  whole run;
+- what a worker's start cost it by the first call's reply (its CPU and page faults),
+  and the machine's state before the spawn: the first touch of a page of fresh memory
+  (:func:`fresh_page_us`: on this VM 0.1-0.3 us once memory is warm, up to 20 us after
+  the host took it back), and the CPU the hypervisor stole during the spawn.
 
 ``--spawns N`` only spawns the largest mesh N times, each starting 2 s after the
 previous one stopped (its workers still going away): spawn + first call each
@@ -105,6 +109,36 @@ def pss_mib(pid: int) -> float | None:
     return None
 
 
+def fresh_page_us(mib: int = 32) -> float:
+    """Microseconds to first touch a page of fresh anonymous memory (``mib`` MiB of 4 KiB pages).
+
+    The machine's state, printed with the figures: this VM's host takes back guest memory
+    that has been free a while (free page reporting), and the guest pays a host fault when
+    it touches such a page again. A spawn writes ~1,000 fresh pages per worker (its copies
+    of the zygote's pages), so this cost moves every start-up figure.
+    """
+    import mmap
+
+    n = mib << 20
+    m = mmap.mmap(-1, n)
+    a = np.frombuffer(m, dtype=np.uint8)
+    t = time.perf_counter()
+    a[::4096] = 1
+    dt = time.perf_counter() - t
+    del a
+    m.close()
+    return dt / (n // 4096) * 1e6
+
+
+def steal_ticks() -> int:
+    """The machine's CPU time stolen by the hypervisor so far (clock ticks, all CPUs; 0 if unknown)."""
+    try:
+        with open("/proc/stat") as f:
+            return int(f.readline().split()[8])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def _bench_class() -> type:
     # (in a module of its own, which workers import by name as they would a user's: not the class of
     # __main__, which each would unpickle by value, nor this module, which imports more than they need)
@@ -115,6 +149,25 @@ def _bench_class() -> type:
     return importlib.import_module("_scale_actor").Bench
 
 
+def start_costs(pids: list[int]) -> tuple[float, float]:
+    """The mean CPU (ms, its live threads' ``schedstat``: the precise run time, which
+    ``/proc/PID/stat`` rounds down to ticks) and minor page faults of the workers ``pids``."""
+    rows = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                faults = int(f.read().rsplit(b")", 1)[1].split()[7])
+            ns = 0
+            for t in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                    ns += int(f.read().split()[0])
+            rows.append((ns / 1e6, faults))
+        except (OSError, IndexError, ValueError):
+            pass
+    cpu, faults = np.mean(rows, axis=0) if rows else (float("nan"),) * 2
+    return float(cpu), float(faults)
+
+
 def _mean_pss(pids: list[int]) -> float:
     sizes = [pss_mib(p) for p in pids]
     return float(np.mean([s for s in sizes if s is not None]))
@@ -122,7 +175,8 @@ def _mean_pss(pids: list[int]) -> float:
 
 def measure(hosts, nhosts: int, calls: int, sums: int, idle: float) -> dict:
     """The figures of one mesh of ``nhosts`` x 64 ranks (see the module docstring)."""
-    res: dict = {"ranks": nhosts * PER_HOST}
+    res: dict = {"ranks": nhosts * PER_HOST, "fresh_page_us": fresh_page_us()}
+    s0 = steal_ticks()
     t0 = time.perf_counter()
     c0 = time.process_time()
     procs = hosts[0:nhosts].spawn_procs(per_host={"procs": PER_HOST})
@@ -131,6 +185,9 @@ def measure(hosts, nhosts: int, calls: int, sums: int, idle: float) -> dict:
         b.noop.call().get(timeout=120)
         res["spawn_first_call_s"] = time.perf_counter() - t0
         res["spawn_ctl_cpu_s"] = time.process_time() - c0
+        res["start_cpu_ms"], res["start_faults"] = start_costs(procs.pids)
+        res["spawn_steal_pct"] = (steal_ticks() - s0) / os.sysconf("SC_CLK_TCK") / res["spawn_first_call_s"] / (
+            os.cpu_count() or 1) * 100
         res["relays"] = procs._root.controller.plane is not None
         time.sleep(1.0)
         res["pss_spawned_mib"] = _mean_pss(procs.pids)
@@ -180,6 +237,7 @@ def spawns(hosts, nhosts: int, n: int) -> list:
     """Spawn + first call of the mesh ``n`` times back to back (seconds, or the error of a failed start)."""
     out: list = []
     for _ in range(n):
+        fresh = fresh_page_us()
         t0 = time.perf_counter()
         try:
             procs = hosts[0:nhosts].spawn_procs(per_host={"procs": PER_HOST})
@@ -194,7 +252,8 @@ def spawns(hosts, nhosts: int, n: int) -> list:
             finally:
                 procs.stop()
         print(f"{nhosts * PER_HOST} ranks, spawn {len(out)}: " +
-              (f"{out[-1]:.2f} s" if isinstance(out[-1], float) else f"FAILED: {out[-1]}"), flush=True)
+              (f"{out[-1]:.2f} s" if isinstance(out[-1], float) else f"FAILED: {out[-1]}") +
+              f" (a fresh page cost {fresh:.2f} us before it)", flush=True)
         time.sleep(2.0)
     return out
 
@@ -230,6 +289,10 @@ def ab_plans(hosts, nhosts: int, rounds: int = 6, sums: int = 8) -> dict:
 ROWS = [
     ("spawn + first call", "spawn_first_call_s", "{:.1f} s", "≤ 6 s at 1,024"),
     ("  the controller's CPU meanwhile", "spawn_ctl_cpu_s", "{:.2f} s", ""),
+    ("  a worker's CPU by then", "start_cpu_ms", "{:.1f} ms", ""),
+    ("  a worker's page faults by then", "start_faults", "{:.0f}", ""),
+    ("  a fresh page's first touch before it (the VM's state)", "fresh_page_us", "{:.2f} us", ""),
+    ("  CPU stolen by the hypervisor meanwhile", "spawn_steal_pct", "{:.1f} %", ""),
     ("`call()` to all, p50 wall", "call_p50_ms", "{:.1f} ms", "≤ 40 ms at 1,024"),
     ("controller CPU per `call()` to all", "call_cpu_ms", "{:.2f} ms", ""),
     ("  the same, against 64 ranks on one host", "cpu_ratio", "{:.2f}x", "≤ 2x"),
