@@ -12,7 +12,8 @@ process mesh on the first ``size / 64`` hosts and measures:
   process time over the calls; every thread counts), and that CPU against the
   64-rank mesh's (one host: the direct path);
 - a 1-element ``x.sum().fetch()`` over all ranks, p50 (the first one, which
-  makes the groups, apart);
+  makes the groups, apart, with a worker's CPU and page faults in it and the
+  share of the machine's CPU spent in the kernel meanwhile);
 - PSS per idle worker (``/proc/PID/smaps_rollup``), once spawned (an actor and
   its first call) and after the run (the calls and sums);
 - SIGKILL of one rank → the error at a ``call()`` pending on every rank;
@@ -139,6 +140,17 @@ def steal_ticks() -> int:
         return 0
 
 
+def machine_busy() -> tuple[float, float]:
+    """The machine's busy CPU time so far and the part of it in the kernel (seconds, all CPUs)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    return (sum(v) - v[3] - v[4]) / tick, (v[2] + v[5] + v[6]) / tick
+
+
 def _bench_class() -> type:
     # (in a module of its own, which workers import by name as they would a user's: not the class of
     # __main__, which each would unpickle by value, nor this module, which imports more than they need)
@@ -203,9 +215,15 @@ def measure(hosts, nhosts: int, calls: int, sums: int, idle: float) -> dict:
         res["call_p50_ms"] = float(np.median(walls)) * 1e3
         res["call_cpu_ms"] = float(np.mean(cpus)) * 1e3
         x = procs.ones(())
+        cpu0, faults0 = start_costs(procs.pids)
+        busy0 = machine_busy()
         w = time.perf_counter()
         assert float(x.sum().fetch()) == procs.size()
         res["sum_first_ms"] = (time.perf_counter() - w) * 1e3
+        cpu1, faults1 = start_costs(procs.pids)
+        busy1 = machine_busy()
+        res["sum_first_cpu_ms"], res["sum_first_faults"] = cpu1 - cpu0, faults1 - faults0
+        res["sum_first_kernel_pct"] = (busy1[1] - busy0[1]) / max(busy1[0] - busy0[0], 1e-9) * 100
         times = []
         for _ in range(sums):
             w = time.perf_counter()
@@ -298,6 +316,8 @@ ROWS = [
     ("  the same, against 64 ranks on one host", "cpu_ratio", "{:.2f}x", "≤ 2x"),
     ("1-element `x.sum().fetch()`, p50", "sum_p50_ms", "{:.1f} ms", "≤ 50 ms at 1,024"),
     ("  its first one (makes the groups)", "sum_first_ms", "{:.0f} ms", ""),
+    ("  a worker's CPU and page faults in it", "sum_first_costs", "{}", ""),
+    ("  the machine's CPU in the kernel meanwhile", "sum_first_kernel_pct", "{:.0f} %", ""),
     ("PSS per idle worker, spawned (an actor, one call)", "pss_spawned_mib", "{:.1f} MiB", "≤ 6 MiB"),
     ("  the same after the run (calls, sums, idle)", "pss_mib", "{:.1f} MiB", ""),
     ("SIGKILL of one rank → error at a pending `call()`", "kill_error_ms", "{:.0f} ms", "≤ 1 s"),
@@ -312,6 +332,7 @@ def table(results: list[dict]) -> str:
         r = dict(r)
         r["cpu_ratio"] = r["call_cpu_ms"] / base["call_cpu_ms"] if base else float("nan")
         r["unresponsive"] = f"{r['unresponsive_idle']} / {r['unresponsive_run']}"
+        r["sum_first_costs"] = f"{r['sum_first_cpu_ms']:.1f} ms, {r['sum_first_faults']:.0f}"
         cols.append(r)
     head = ["measure"] + [f"{r['ranks']} ranks ({r['ranks'] // PER_HOST} host{'s' if r['ranks'] > PER_HOST else ''}"
                           f"{'' if r['relays'] or r['ranks'] == PER_HOST else ', no relays'})" for r in cols] + ["target"]
