@@ -33,11 +33,15 @@ message from the controller to each rank, as before relays), in the same run.
 ``--ab-plans`` measures, in one mesh of each size, the 1-element sum with its
 plan sent by its bytes every time and by key (``context.MAX_PLANS``), alternated
 in rounds: separate runs on a loaded 2-core machine differ more than the two.
+``--ab-recv`` measures ``call()`` in two meshes of each size alive together, one
+waiting for messages the default way (a poll, then a non-blocking recv) and one
+with a blocking recv (``MESHARRAY_RECV_WAIT=recv``), alternated in rounds.
 
     python bench/bench_scale.py                 # 64, 256, 1024 (a few minutes)
     python bench/bench_scale.py --sizes 64,256 --compare
     python bench/bench_scale.py --sizes 1024 --ab-plans
     python bench/bench_scale.py --sizes 1024 --spawns 4
+    python bench/bench_scale.py --sizes 512 --ab-recv
 
 On a machine with 2 cores the 1,024 processes share them; figures taken while
 other jobs run say so (the load average is printed with them).
@@ -304,6 +308,48 @@ def ab_plans(hosts, nhosts: int, rounds: int = 6, sums: int = 8) -> dict:
     return {m: float(np.median(v)) * 1e3 for m, v in times.items()}
 
 
+def ab_recv(hosts, nhosts: int, rounds: int = 6, calls: int = 100) -> dict:
+    """``call()`` to all in two meshes of ``nhosts`` x 64 alive together, one whose processes wait for
+    a message with a poll then a non-blocking recv (the default) and one with a blocking recv
+    (``MESHARRAY_RECV_WAIT=recv``), alternated in rounds: the call's p50 (ms), a worker's CPU per
+    call (us), the machine's busy CPU per call (ms) and a 1-element sum's p50 (ms), the median over
+    the rounds of each."""
+    meshes = {}
+    try:
+        for mode in ("recv", "poll"):
+            procs = hosts[0:nhosts].spawn_procs(per_host={"procs": PER_HOST}, env={"MESHARRAY_RECV_WAIT": mode})
+            b = procs.spawn("bench", _bench_class())
+            for _ in range(10):
+                b.noop.call().get(timeout=120)
+            x = procs.ones(())
+            float(x.sum().fetch())  # (the groups made)
+            meshes[mode] = (procs, b, x)
+        got: dict = {m: {"p50": [], "worker": [], "machine": [], "sum": []} for m in meshes}
+        for r in range(rounds):
+            for mode in (("recv", "poll") if r % 2 == 0 else ("poll", "recv")):
+                procs, b, x = meshes[mode]
+                c0, m0 = start_costs(procs.pids)[0], machine_busy()[0]
+                walls = []
+                for _ in range(calls):
+                    w = time.perf_counter()
+                    b.noop.call().get(timeout=60)
+                    walls.append(time.perf_counter() - w)
+                c1, m1 = start_costs(procs.pids)[0], machine_busy()[0]
+                got[mode]["p50"].append(float(np.median(walls)) * 1e3)
+                got[mode]["worker"].append((c1 - c0) / calls * 1e3)
+                got[mode]["machine"].append((m1 - m0) / calls * 1e3)
+                sums = []
+                for _ in range(calls // 10):
+                    w = time.perf_counter()
+                    float(x.sum().fetch())
+                    sums.append(time.perf_counter() - w)
+                got[mode]["sum"].append(float(np.median(sums)) * 1e3)
+    finally:
+        for procs, _, _ in meshes.values():
+            procs.stop()
+    return {m: {k: float(np.median(v)) for k, v in d.items()} | {"rounds": d} for m, d in got.items()}
+
+
 ROWS = [
     ("spawn + first call", "spawn_first_call_s", "{:.1f} s", "≤ 6 s at 1,024"),
     ("  the controller's CPU meanwhile", "spawn_ctl_cpu_s", "{:.2f} s", ""),
@@ -351,6 +397,9 @@ def main(argv=None) -> None:
     ap.add_argument("--compare", action="store_true", help="every size again with MESHARRAY_RELAY=0")
     ap.add_argument("--ab-plans", action="store_true",
                     help="only the sum, its plan by its bytes against by key, alternated in one mesh per size")
+    ap.add_argument("--ab-recv", action="store_true",
+                    help="only call(), in two meshes of each size alive together (waits by poll, by blocking recv), "
+                         "alternated in rounds")
     ap.add_argument("--spawns", type=int, default=0,
                     help="only spawn the largest mesh this many times back to back (2 s apart)")
     args = ap.parse_args(argv)
@@ -368,6 +417,18 @@ def main(argv=None) -> None:
             got = spawns(hosts, nhosts, args.spawns)
             ok = [g for g in got if isinstance(g, float)]
             print(f"{len(ok)} of {len(got)} started" + (f"; spawn + first call {min(ok):.2f}-{max(ok):.2f} s" if ok else ""))
+            hosts.detach()
+            return
+        if args.ab_recv:
+            for n in sizes:
+                r = ab_recv(hosts, n // PER_HOST)
+                for mode in ("recv", "poll"):
+                    d = r[mode]
+                    print(f"{n} ranks, waits by {mode}: call() p50 {d['p50']:.2f} ms, a worker's CPU per call "
+                          f"{d['worker']:.1f} us, the machine's {d['machine']:.2f} ms; 1-element sum p50 "
+                          f"{d['sum']:.1f} ms (medians of "
+                          f"{len(d['rounds']['p50'])} rounds; p50 by round "
+                          f"{', '.join(f'{x:.1f}' for x in d['rounds']['p50'])})", flush=True)
             hosts.detach()
             return
         if args.ab_plans:

@@ -88,6 +88,8 @@ cdef extern from *:
     enum: MSG_NOSIGNAL
     bint _again "mesharray_again" (int err) nogil
 
+import os as _os
+
 from mesharray._core import dispatch_frames as _dispatch_frames
 
 __all__ = ["Wire", "read_polled", "poll_events", "write_frame", "read_loop", "spin_recv", "setup", "Beats"]
@@ -180,13 +182,23 @@ cdef inline double _now() noexcept nogil:
     return <double>ts.tv_sec + <double>ts.tv_nsec * 1e-9
 
 
+# MESHARRAY_RECV_WAIT=recv: the blocking recv of before (_recv_wait), for an A/B in one run
+# (bench/bench_scale.py --ab-recv); read once, by each process as it imports this module
+cdef bint _POLL_FIRST = _os.environ.get("MESHARRAY_RECV_WAIT", "poll") != "recv"
+
+
 cdef ssize_t _recv_wait(int fd, char* buf, size_t n, int timeout_ms, int* err) noexcept nogil:
-    # a blocking recv: on a socket without a timeout, one syscall; on one with a timeout (or a
-    # non-blocking one), poll for it first; a signal retries. -2: the timeout passed
+    # a blocking recv, as a poll for input then a non-blocking recv (timeout_ms < 0: no timeout); a
+    # signal retries. -2: the timeout passed. Not one blocking recv: a thread asleep in recv on a
+    # unix socket wakes each time the peer reads a message that this process wrote to it (the
+    # kernel's "write space" wake-up, when the peer frees it, takes every sleeper of the socket),
+    # finds nothing and sleeps again: a second context switch per call for a worker, and on its
+    # relay the wake-up of each of its ranks. A poll's wait takes only the events it asked for.
+    # (A socket shut down wakes a poll as it woke the recv: the recv then returns 0.)
     cdef ssize_t got
     cdef pollfd p
     cdef int r
-    if timeout_ms < 0:
+    if timeout_ms < 0 and not _POLL_FIRST:
         while True:
             got = c_recv(fd, buf, n, 0)
             if got >= 0:

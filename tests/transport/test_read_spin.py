@@ -3,6 +3,7 @@ settings' copies that the per-message paths read."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -162,3 +163,42 @@ def _until(cond, timeout: float = 10.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.001)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts a thread's context switches in /proc (Linux)")
+def test_a_blocked_reader_sleeps_through_its_peer_reading_what_it_wrote():
+    # A thread asleep in recv on a unix socket used to wake each time the peer read a message
+    # that this process had written there (the kernel's write-space wake-up), then sleep again:
+    # a second context switch per call on every worker. The reader now waits in a poll for input.
+    a, b = socket.socketpair()
+    buf = bytearray(64)
+    got: list[int] = []
+    tid: list[int] = []
+
+    def read() -> None:
+        tid.append(threading.get_native_id())
+        got.append(spin_recv(a, buf, 0.0, [0, 0]))
+
+    def switches() -> int:
+        with open(f"/proc/self/task/{tid[0]}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+
+    t = threading.Thread(target=read, daemon=True)
+    try:
+        t.start()
+        while not tid:
+            time.sleep(0.001)
+        time.sleep(0.05)  # (asleep in its wait by now)
+        before = switches()
+        for _ in range(50):
+            a.send(b"x" * 32)  # what this side wrote, read by the peer while the reader waits
+            assert b.recv(64) == b"x" * 32
+            time.sleep(0.001)
+        woken = switches() - before
+        b.send(b"end")
+        t.join(10)
+        assert got == [3] and bytes(buf[:3]) == b"end"
+        assert woken <= 5, f"the waiting reader woke {woken} times for 50 reads of its peer"
+    finally:
+        a.close()
+        b.close()
