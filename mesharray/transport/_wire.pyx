@@ -182,23 +182,25 @@ cdef inline double _now() noexcept nogil:
     return <double>ts.tv_sec + <double>ts.tv_nsec * 1e-9
 
 
-# MESHARRAY_RECV_WAIT=recv: the blocking recv of before (_recv_wait), for an A/B in one run
+# MESHARRAY_RECV_WAIT=recv: always the single blocking recv (_recv_wait), for an A/B in one run
 # (bench/bench_scale.py --ab-recv); read once, by each process as it imports this module
 cdef bint _POLL_FIRST = _os.environ.get("MESHARRAY_RECV_WAIT", "poll") != "recv"
 
 
-cdef ssize_t _recv_wait(int fd, char* buf, size_t n, int timeout_ms, int* err) noexcept nogil:
-    # a blocking recv, as a poll for input then a non-blocking recv (timeout_ms < 0: no timeout); a
-    # signal retries. -2: the timeout passed. Not one blocking recv: a thread asleep in recv on a
-    # unix socket wakes each time the peer reads a message that this process wrote to it (the
-    # kernel's "write space" wake-up, when the peer frees it, takes every sleeper of the socket),
-    # finds nothing and sleeps again: a second context switch per call for a worker, and on its
-    # relay the wake-up of each of its ranks. A poll's wait takes only the events it asked for.
-    # (A socket shut down wakes a poll as it woke the recv: the recv then returns 0.)
+cdef ssize_t _recv_wait(int fd, char* buf, size_t n, int timeout_ms, int* err, bint poll_first) noexcept nogil:
+    # a blocking recv (timeout_ms < 0: no timeout); a signal retries. -2: the timeout passed.
+    # ``poll_first``: a poll for input, then a non-blocking recv, not one blocking recv. A thread
+    # asleep in recv on a unix socket wakes each time the peer reads a message that this process
+    # wrote to it (the kernel's "write space" wake-up, when the peer frees it, takes every sleeper
+    # of the socket), finds nothing and sleeps again: after a reply, a second context switch per
+    # call for a worker, and on its relay the wake-up of each of its ranks. A poll's wait takes
+    # only the events it asked for, for one more system call: read_loop asks for it when its
+    # connection sent frames since its last wait. (A socket shut down wakes a poll as it woke the
+    # recv: the recv then returns 0.)
     cdef ssize_t got
     cdef pollfd p
     cdef int r
-    if timeout_ms < 0 and not _POLL_FIRST:
+    if timeout_ms < 0 and not (poll_first and _POLL_FIRST):
         while True:
             got = c_recv(fd, buf, n, 0)
             if got >= 0:
@@ -230,17 +232,17 @@ cdef ssize_t _recv_wait(int fd, char* buf, size_t n, int timeout_ms, int* err) n
 
 
 cdef ssize_t _spin_recv(int fd, char* buf, size_t n, double spin, int* skip, int* backoff, int timeout_ms,
-                        int* err) noexcept nogil:
+                        int* err, bint poll_first) noexcept nogil:
     # the read spin (spin.set_read_spin): poll without waiting for up to ``spin`` seconds, yielding
     # the CPU between tries, then block; after a spin that found nothing, the next 1, 2, 4 ... 64
     # reads block at once, and a message found while polling resets that
     cdef ssize_t got
     cdef double deadline
     if spin <= 0.0:
-        return _recv_wait(fd, buf, n, timeout_ms, err)
+        return _recv_wait(fd, buf, n, timeout_ms, err, poll_first)
     if skip[0]:
         skip[0] -= 1
-        return _recv_wait(fd, buf, n, timeout_ms, err)
+        return _recv_wait(fd, buf, n, timeout_ms, err, poll_first)
     deadline = _now() + spin
     while True:
         got = c_recv(fd, buf, n, MSG_DONTWAIT)
@@ -255,20 +257,21 @@ cdef ssize_t _spin_recv(int fd, char* buf, size_t n, double spin, int* skip, int
         sched_yield()  # (a thread that wants this CPU runs: see spin.set_read_spin)
     backoff[0] = min(64, 2 * backoff[0] if backoff[0] else 1)
     skip[0] = backoff[0]
-    return _recv_wait(fd, buf, n, timeout_ms, err)
+    return _recv_wait(fd, buf, n, timeout_ms, err, poll_first)
 
 
-def spin_recv(sock, buf, double spin, list state not None):
+def spin_recv(sock, buf, double spin, list state not None, bint poll_first=True):
     """One read of a reader thread (:func:`read_loop`'s): ``sock.recv_into(buf)`` polled first for
     up to ``spin`` seconds (:func:`.spin.set_read_spin`). ``state``: ``[reads left to block at once,
-    back-off]``, updated. Returns what ``recv`` returned (0: the peer closed)."""
+    back-off]``, updated; ``poll_first``: block in a poll for input, not in the recv (see
+    ``_recv_wait``). Returns what ``recv`` returned (0: the peer closed)."""
     cdef Py_buffer b
     cdef int skip = state[0], backoff = state[1], err = 0, fd = sock.fileno()
     cdef ssize_t got
     PyObject_GetBuffer(buf, &b, PyBUF_WRITABLE)
     try:
         with nogil:
-            got = _spin_recv(fd, <char*>b.buf, <size_t>b.len, spin, &skip, &backoff, -1, &err)
+            got = _spin_recv(fd, <char*>b.buf, <size_t>b.len, spin, &skip, &backoff, -1, &err, poll_first)
     finally:
         PyBuffer_Release(&b)
     state[0] = skip
@@ -332,7 +335,8 @@ cdef object _read_polled(Wire conn):
     cdef ssize_t got
     cdef int fd, err = 0
     cdef Py_ssize_t status = 0  # (a frame's whole size when it is longer than the buffer: up to 4 GiB)
-    cdef bint held = False
+    cdef bint held = False, poll_first
+    cdef long long sent = conn.frames_out  # (frames this connection sent by its last wait)
     c = <object>conn  # (its Python methods)
     if conn._big is not None:
         return c._read_some()
@@ -452,7 +456,8 @@ def read_loop(Wire conn):
     cdef ssize_t got
     cdef int fd, err = 0, skip = 0, backoff = 0, timeout_ms = -1
     cdef double spin
-    cdef bint held = False
+    cdef bint held = False, poll_first
+    cdef long long sent = conn.frames_out  # (frames this connection sent by its last wait)
     c = <object>conn  # (its Python methods)
     view = conn._view
     start = conn._start
@@ -476,9 +481,12 @@ def read_loop(Wire conn):
                     c.flush()  # the reply to a large frame: out now, not at the flusher's next round
                 continue
             spin = _settings["_spin"]
+            # sent frames since the last wait (a reply): the peer's reads of them would wake a recv
+            poll_first = conn.frames_out != sent
+            sent = conn.frames_out
             with nogil:
                 got = _spin_recv(fd, <char*>buf.buf + end, <size_t>(cap - end), spin, &skip, &backoff, timeout_ms,
-                                 &err)
+                                 &err, poll_first)
             if got < 0:
                 if got == -2:
                     raise TimeoutError("timed out")

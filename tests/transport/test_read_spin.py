@@ -165,11 +165,49 @@ def _until(cond, timeout: float = 10.0) -> None:
         time.sleep(0.001)
 
 
+def _switches(tid: int) -> int:
+    with open(f"/proc/self/task/{tid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts a thread's context switches in /proc (Linux)")
-def test_a_blocked_reader_sleeps_through_its_peer_reading_what_it_wrote():
+def test_a_reader_that_replied_sleeps_through_its_peer_reading_the_reply():
     # A thread asleep in recv on a unix socket used to wake each time the peer read a message
     # that this process had written there (the kernel's write-space wake-up), then sleep again:
-    # a second context switch per call on every worker. The reader now waits in a poll for input.
+    # a second context switch per call on every worker. After a reply, the reader now waits in a
+    # poll for input. Here a connection's reader thread answers each frame at once, as a worker
+    # does, and the peer reads the answer 5 ms later, while the reader waits for the next frame.
+    a, b = socket.socketpair()
+    tid: list[int] = []
+
+    def answer(conn, kind, flags, msg_id, target, view, payload):
+        if not tid:
+            tid.append(threading.get_native_id())
+        conn.send(2, 0, msg_id, 0, 0, [b"ok"])
+
+    reader = Connection(a, handler=answer, name="answering")
+    reader.start()
+    writer = Connection(b, name="asking")
+    try:
+        writer.send(1, 0, 0, 0, 0, [b"first"])
+        assert len(b.recv(64)) > 0  # (its answer: the reader thread is known)
+        time.sleep(0.05)
+        before = _switches(tid[0])
+        for i in range(1, 41):
+            writer.send(1, 0, i, 0, 0, [b"again"])
+            time.sleep(0.005)  # (answered, and waiting again)
+            assert len(b.recv(64)) > 0
+            time.sleep(0.002)
+        per_frame = (_switches(tid[0]) - before) / 40
+        assert per_frame < 1.5, f"the reader slept {per_frame:.2f} times per frame (1: only for the next frame)"
+    finally:
+        writer.close()
+        reader.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts a thread's context switches in /proc (Linux)")
+def test_a_blocked_reader_sleeps_through_its_peer_reading_what_it_wrote():
+    # spin_recv's wait, polled first: the peer's reads of what this side wrote do not wake it
     a, b = socket.socketpair()
     buf = bytearray(64)
     got: list[int] = []
@@ -179,22 +217,18 @@ def test_a_blocked_reader_sleeps_through_its_peer_reading_what_it_wrote():
         tid.append(threading.get_native_id())
         got.append(spin_recv(a, buf, 0.0, [0, 0]))
 
-    def switches() -> int:
-        with open(f"/proc/self/task/{tid[0]}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
-
     t = threading.Thread(target=read, daemon=True)
     try:
         t.start()
         while not tid:
             time.sleep(0.001)
         time.sleep(0.05)  # (asleep in its wait by now)
-        before = switches()
+        before = _switches(tid[0])
         for _ in range(50):
             a.send(b"x" * 32)  # what this side wrote, read by the peer while the reader waits
             assert b.recv(64) == b"x" * 32
             time.sleep(0.001)
-        woken = switches() - before
+        woken = _switches(tid[0]) - before
         b.send(b"end")
         t.join(10)
         assert got == [3] and bytes(buf[:3]) == b"end"
