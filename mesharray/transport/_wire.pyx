@@ -335,8 +335,7 @@ cdef object _read_polled(Wire conn):
     cdef ssize_t got
     cdef int fd, err = 0
     cdef Py_ssize_t status = 0  # (a frame's whole size when it is longer than the buffer: up to 4 GiB)
-    cdef bint held = False, poll_first
-    cdef long long sent = conn.frames_out  # (frames this connection sent by its last wait)
+    cdef bint held = False
     c = <object>conn  # (its Python methods)
     if conn._big is not None:
         return c._read_some()
