@@ -4,7 +4,9 @@ Public: actors may make and use groups directly (the names in ``__all__``);
 the backend modules' other names are internal.
 
 - ``shm`` (:mod:`.shm`): built in; ranks on one host share a segment
-  (:class:`ShmCollective`).
+  (:class:`ShmCollective`), whose words are drawn in :mod:`._shm_layout`; its
+  large allreduces copy straight between the members' buffers
+  (:mod:`._single_copy`).
 - ``mpi`` (:mod:`.mpi`): mpi4py's buffer API on a communicator, when launched
   under mpirun (:class:`MpiCollective`); :mod:`.mpi_comms` makes mesharray's
   communicators inside the workers of an MPI mesh.
