@@ -33,7 +33,7 @@ message from the controller to each rank, as before relays), in the same run.
 ``--ab-plans`` measures, in one mesh of each size, the 1-element sum with its
 plan sent by its bytes every time and by key (``context.MAX_PLANS``), alternated
 in rounds: separate runs on a loaded 2-core machine differ more than the two.
-``--ab-recv`` measures ``call()`` in two meshes of each size alive together, one
+``--ab-recv`` measures ``call()`` and the sum in two meshes of each size alive together, one
 waiting for messages the default way (a poll, then a non-blocking recv) and one
 with a blocking recv (``MESHARRAY_RECV_WAIT=recv``), alternated in rounds.
 
@@ -398,8 +398,8 @@ def main(argv=None) -> None:
     ap.add_argument("--ab-plans", action="store_true",
                     help="only the sum, its plan by its bytes against by key, alternated in one mesh per size")
     ap.add_argument("--ab-recv", action="store_true",
-                    help="only call(), in two meshes of each size alive together (waits by poll, by blocking recv), "
-                         "alternated in rounds")
+                    help="only call() and the sum, in two meshes of each size alive together (waits by poll, by "
+                         "blocking recv), alternated in rounds")
     ap.add_argument("--spawns", type=int, default=0,
                     help="only spawn the largest mesh this many times back to back (2 s apart)")
     args = ap.parse_args(argv)
