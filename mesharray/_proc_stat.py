@@ -1,4 +1,5 @@
-"""``/proc/<pid>/stat``: the one parser (below every layer that needs it).
+"""``/proc/<pid>/stat``: the one parser (below every layer that needs it), and the liveness
+checks built on it (:func:`exists`: a signal 0; :func:`alive`: no zombie either).
 
 Fields after the parenthesised command name (which may itself hold spaces and
 parentheses, hence the split at the *last* ``)``), numbered as in ``proc(5)``
