@@ -19,10 +19,11 @@ to top (``docs/internals.md``, "Layers"):
 - :mod:`.calls` — arguments that hold MeshArrays, as a template with slots.
 - :mod:`.mesh` — :class:`MeshTrait`: indexing, slicing and reshaping for
   every mesh-like object.
-- :mod:`.array` — :class:`MeshArray`; :mod:`.storage` — the ``Storage``
-  protocol behind it and the gathered storage; :mod:`.elementwise` — how the
-  operands of an operation line up, and which storage runs it; :mod:`.indexing`
-  — an index split into its mesh part and its local part.
+- :mod:`.array` — :class:`MeshArray` (its reductions: :mod:`.reductions`);
+  :mod:`.storage` — the ``Storage`` protocol behind it and the gathered
+  storage; :mod:`.elementwise` — how the operands of an operation line up,
+  and which storage runs it; :mod:`.indexing` — an index split into its mesh
+  part and its local part.
 - :mod:`.transport`, :mod:`.engines`, :mod:`.collectives` — bytes, frames,
   sockets and data planes; tensor engines; collectives across ranks.
 - :mod:`.runtime` — the actor runtime: controller, workers, channels, the caller.

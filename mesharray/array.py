@@ -49,12 +49,13 @@ from .elementwise import (
 from .errors import DimensionError, MeshShapeError
 from .indexing import is_advanced, is_full_slice, split_key
 from .mesh import MeshTrait, mesh_size
+from .reductions import Reductions, no_out, normalize_axes, single_axis
 from .storage import GatheredStorage, Storage, StoredArray, WorkerStorage
 
 __all__ = ["GatheredStorage", "MeshArray"]
 
 
-class MeshArray(NDArrayOperatorsMixin, MeshTrait, StoredArray):
+class MeshArray(Reductions, NDArrayOperatorsMixin, MeshTrait, StoredArray):
     """A NumPy-like array whose leading ``mesh_ndim`` axes are named mesh dims.
 
     ``MeshArray(values, names)`` wraps ``values`` (anything ``numpy.asarray``
@@ -633,7 +634,7 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait, StoredArray):
             a = inputs[0]
             axis = kwargs.pop("axis", 0)
             keepdims = kwargs.pop("keepdims", False)
-            _no_out(kwargs.pop("out", None), f"{ufunc.__name__}.reduce")
+            no_out(kwargs.pop("out", None), f"{ufunc.__name__}.reduce")
             return a._reduce(f"{ufunc.__name__}.reduce", ufunc.reduce, axis, keepdims, kwargs)
         if method != "__call__":
             return NotImplemented
@@ -727,181 +728,9 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait, StoredArray):
         _keep_recipe(key, getattr(st, "attr_recipe", None), self, name, plan, value)
         return value
 
-    # -- reductions ------------------------------------------------------------------------
-
-    def _reduce(self, op: str, func: Any, axis: Any, keepdims: bool, kwargs: dict) -> Any:
-        keepdims = bool(keepdims)
-        last = self._last_reduce
-        if last is not None and last[0] is axis and last[1] is keepdims:
-            hit = last[2]  # the same request on the same array (a loss in a loop; the same axis object)
-        else:
-            # the axes and the result's mesh Shape depend only on the Shape, ndim and the request:
-            # a reduction in a loop (a loss) looks them up (an axis of exactly str, int or a tuple
-            # of those: True == 1 must still be refused, and lists are not hashable)
-            t = type(axis)
-            key = (self._shape, self.ndim, axis, keepdims) if axis is None or t is str or t is int or (
-                t is tuple and all(type(a) is str or type(a) is int for a in axis)) else None
-            hit = _REDUCED.get(key) if key is not None else None
-            if hit is None:
-                axes = _normalize_axes(axis, self)
-                m = self._shape.ndim
-                reduced_mesh = range(m) if axes is None else [i for i in axes if i < m]
-                hit = (axes, self._reduced_shape(set(reduced_mesh), keepdims))
-                if key is not None:
-                    if len(_REDUCED) >= 512:
-                        _REDUCED.clear()
-                    _REDUCED[key] = hit
-            if key is not None:
-                self._last_reduce = (axis, keepdims, hit)
-        storage = self._storage.reduce(op, func, hit[0], keepdims, kwargs)
-        return _wrap(hit[1], storage)
-
-    def _reduced_shape(self, mesh_axes: set[int], keepdims: bool) -> Shape:
-        if not mesh_axes:
-            return self._shape
-        sizes = tuple(self._shape.sizes)
-        if any(sizes[i] == 0 for i in mesh_axes):
-            # an empty group has no first rank to stand for it
-            names = tuple(self._shape.names)
-            kept = [(n, 1 if i in mesh_axes else s) for i, (n, s) in enumerate(zip(names, sizes)) if keepdims or i not in mesh_axes]
-            return Shape(dict(kept))
-        key = tuple((slice(0, 1) if keepdims else 0) if i in mesh_axes else slice(None) for i in range(len(sizes)))
-        return self._shape[key]
-
-    def sum(self, axis: Any = None, dtype: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> Any:
-        """Sum over ``axis`` (int, mesh dim name, tuple of either, or None for all).
-
-        Examples
-        --------
-        >>> import numpy as np
-        >>> import mesharray as ma
-        >>> a = ma.MeshArray(np.arange(8).reshape(2, 4), ["hosts", "procs"])
-        >>> a.sum(axis="procs").tolist(), a.sum()
-        ([6, 22], np.int64(28))
-        """
-        _no_out(out, "sum")
-        return self._reduce("sum", np.sum, axis, keepdims, kwargs if dtype is None else _kw(kwargs, dtype=dtype))
-
-    def prod(self, axis: Any = None, dtype: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> Any:
-        """Product over ``axis`` (see :meth:`sum`)."""
-        _no_out(out, "prod")
-        return self._reduce("prod", np.prod, axis, keepdims, kwargs if dtype is None else _kw(kwargs, dtype=dtype))
-
-    def mean(self, axis: Any = None, dtype: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> Any:
-        """Arithmetic mean over ``axis`` (see :meth:`sum`)."""
-        _no_out(out, "mean")
-        return self._reduce("mean", np.mean, axis, keepdims, kwargs if dtype is None else _kw(kwargs, dtype=dtype))
-
-    def std(self, axis: Any = None, dtype: Any = None, out: Any = None, ddof: float = 0, keepdims: bool = False, **kwargs: Any) -> Any:
-        """Standard deviation over ``axis`` (``ddof`` as NumPy; see :meth:`var`)."""
-        _no_out(out, "std")
-        if self._storage.kind == "distributed" and not kwargs and dtype is None:
-            return np.sqrt(self._spread(axis, ddof, keepdims))
-        return self._reduce("std", np.std, axis, keepdims, _kw(kwargs, dtype=dtype, ddof=ddof or None))
-
-    def var(self, axis: Any = None, dtype: Any = None, out: Any = None, ddof: float = 0, keepdims: bool = False, **kwargs: Any) -> Any:
-        """Variance over ``axis`` (``ddof`` as NumPy; see :meth:`sum`).
-
-        On a distributed array it is computed where the blocks live: each rank
-        reduces its block to its mean and sum of squared deviations, and the
-        parts combine as Chan et al. do (two collectives over the mesh axes:
-        the mean, then the deviations from it; numerically stable, unlike
-        ``E[x²] − E[x]²``); nothing but the result reaches the controller.
-
-        Examples
-        --------
-        >>> import numpy as np
-        >>> import mesharray as ma
-        >>> a = ma.MeshArray(np.array([[1.0, 3.0], [2.0, 6.0]]), ["hosts", "procs"])
-        >>> a.var(axis="procs").tolist(), float(a.std())
-        ([1.0, 4.0], 1.8708286933869707)
-        """
-        _no_out(out, "var")
-        if self._storage.kind == "distributed" and not kwargs and dtype is None:
-            return self._spread(axis, ddof, keepdims)
-        return self._reduce("var", np.var, axis, keepdims, _kw(kwargs, dtype=dtype, ddof=ddof or None))
-
-    def _spread(self, axis: Any, ddof: float, keepdims: bool) -> Any:
-        """The variance of a distributed array, computed where its blocks live (see :meth:`var`).
-
-        Chan, Golub and LeVeque's combination of parts: each block's mean and
-        sum of squared deviations ``M2`` over its local axes (no message), then
-        ``M2 = Σ M2ₚ + Σ nₚ (meanₚ − mean)²`` over the mesh axes, where the
-        mean is itself a collective; every subtraction comes before a square.
-        """
-        x = self if self.dtype.kind in "fc" else self.astype("float64")
-        axes = _normalize_axes(axis, x)
-        full = tuple(range(x.ndim)) if axes is None else axes
-        m = self._shape.ndim
-        mesh_axes = tuple(i for i in full if i < m)
-        local_axes = tuple(i for i in full if i >= m)
-        n = math.prod(x.shape[i] for i in full)
-        n_part = math.prod(x.shape[i] for i in local_axes)
-        if local_axes:
-            mean_p = x.mean(axis=local_axes, keepdims=True)  # each block's own: no message
-            m2_p = _abs2(x - mean_p).sum(axis=local_axes, keepdims=True)
-        else:
-            mean_p, m2_p = x, None
-        if mesh_axes:
-            dev = _abs2(mean_p - mean_p.mean(axis=mesh_axes, keepdims=True)) * n_part
-            m2_p = dev if m2_p is None else m2_p + dev
-        assert m2_p is not None
-        ss = m2_p.sum(axis=full, keepdims=keepdims)  # (local axes are of size 1 by now)
-        return ss / (n - ddof) if n - ddof > 0 else ss * np.nan
-
-    # min, max, any and all (like prod and mean above): one method per NumPy reduction with
-    # NumPy's signature, written out for autodoc, type checkers and readers; _reduce does the work
-    def min(self, axis: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> Any:
-        """Minimum over ``axis`` (see :meth:`sum`)."""
-        _no_out(out, "min")
-        return self._reduce("min", np.min, axis, keepdims, kwargs)
-
-    def max(self, axis: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> Any:
-        """Maximum over ``axis`` (see :meth:`sum`)."""
-        _no_out(out, "max")
-        return self._reduce("max", np.max, axis, keepdims, kwargs)
-
-    def any(self, axis: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> Any:
-        """Whether any element is true, over ``axis`` (see :meth:`sum`)."""
-        _no_out(out, "any")
-        return self._reduce("any", np.any, axis, keepdims, kwargs)
-
-    def all(self, axis: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> Any:
-        """Whether all elements are true, over ``axis`` (see :meth:`sum`)."""
-        _no_out(out, "all")
-        return self._reduce("all", np.all, axis, keepdims, kwargs)
-
-    def argmin(self, axis: Any = None, out: Any = None, *, keepdims: bool = False) -> Any:
-        """Index of the minimum along one ``axis`` (int or name), or of the flattened array.
-
-        Examples
-        --------
-        >>> import mesharray as ma
-        >>> ma.MeshArray([[3, 1], [0, 2]], ["hosts", "procs"]).argmin(axis="procs").tolist()
-        [1, 0]
-        """
-        _no_out(out, "argmin")
-        ax = _single_axis(axis, "argmin")
-        if self._storage.kind == "distributed" and ax is not None:
-            i = _normalize_axes(ax, self)[0]  # type: ignore[index]
-            if i < self._shape.ndim:
-                return self._arg_along_mesh(i, "min", keepdims)
-        return self._reduce("argmin", np.argmin, ax, keepdims, {})
-
-    def argmax(self, axis: Any = None, out: Any = None, *, keepdims: bool = False) -> Any:
-        """Index of the maximum along one ``axis`` (int or name), or of the flattened array.
-
-        Along a mesh axis of a distributed array it runs as collectives where the
-        blocks live (the extreme value, then the lowest position holding it:
-        NumPy's first-occurrence rule); nothing but the indices reaches the controller.
-        """
-        _no_out(out, "argmax")
-        ax = _single_axis(axis, "argmax")
-        if self._storage.kind == "distributed" and ax is not None:
-            i = _normalize_axes(ax, self)[0]  # type: ignore[index]
-            if i < self._shape.ndim:
-                return self._arg_along_mesh(i, "max", keepdims)
-        return self._reduce("argmax", np.argmax, ax, keepdims, {})
+    def _result(self, shape: Shape, storage: Storage) -> Any:
+        """A reduction's result (:class:`~.reductions.Reductions`): see ``_wrap``."""
+        return _wrap(shape, storage)
 
     def roll(self, shift: int, axis: Any = None) -> MeshArray:
         """Elements shifted by ``shift`` along ``axis`` (NumPy's ``np.roll``); ``axis`` may be a mesh dim.
@@ -922,12 +751,12 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait, StoredArray):
             raise TypeError(f"roll takes one integer shift, got {shift!r}")
         st = self._storage
         if axis is not None and st.kind == "distributed":
-            i = _normalize_axes(_single_axis(axis, "roll"), self)[0]
+            i = normalize_axes(single_axis(axis, "roll"), self)[0]
             return MeshArray.from_storage(self._shape, cast(WorkerStorage, st).roll(i, int(shift), self._shape.ndim))
         values = self.to_numpy()
         if axis is None:
             return MeshArray.from_storage(self._shape, GatheredStorage(np.roll(values, int(shift))))
-        i = _normalize_axes(_single_axis(axis, "roll"), self)[0]
+        i = normalize_axes(single_axis(axis, "roll"), self)[0]
         return MeshArray.from_storage(self._shape, GatheredStorage(np.roll(values, int(shift), axis=i)))
 
     def to_mesh(self, procs: Any) -> MeshArray:
@@ -965,21 +794,6 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait, StoredArray):
         values = self._values().reshape((-1,) + local)[idx.reshape(-1)]
         return procs.from_numpy(values.reshape(idx.shape + local))
 
-    def _arg_along_mesh(self, axis: int, kind: str, keepdims: bool) -> Any:
-        """argmin/argmax along mesh axis ``axis`` of a distributed array, as collectives."""
-        best = self.min(axis=axis, keepdims=True) if kind == "min" else self.max(axis=axis, keepdims=True)
-        n = self._shape.sizes[axis]
-        # each position's index along ``axis``, as a distributed array of this one's mesh
-        pos = cast(WorkerStorage, self._storage).positions(self._shape, axis)
-        if self.dtype.kind == "f":
-            # NumPy's rule: the first NaN wins (NaN != NaN marks those positions)
-            hit = np.logical_or(np.equal(self, best), np.not_equal(self, self))
-        else:
-            hit = np.equal(self, best)
-        # the position where it hits, else n: the smallest is the first occurrence
-        cand = (pos - n) * hit.astype("int64") + n
-        return cand.min(axis=axis, keepdims=keepdims)
-
     # -- display ----------------------------------------------------------------------------
 
     def __repr__(self) -> str:
@@ -1006,11 +820,6 @@ class MeshArray(NDArrayOperatorsMixin, MeshTrait, StoredArray):
 
 _NUMBER_TYPES = (bool, int, float, complex)
 _IS_NONE = functools.partial(operator.is_, None)  # identity only: ``==`` on an ndarray is elementwise
-
-
-def _abs2(x: Any) -> Any:
-    """``|x|²`` (``x * x`` for reals)."""
-    return np.square(np.abs(x)) if x.dtype.kind == "c" else x * x
 
 
 def _rebuild(shape: Shape, values: np.ndarray) -> MeshArray:
@@ -1087,62 +896,6 @@ def _infer_shape(old: tuple[int, ...], new: Sequence[Any]) -> tuple[int, ...]:
     if unknown and dims[unknown[0]] == -1 or math.prod(dims) != total:
         raise MeshShapeError(f"cannot reshape local shape {tuple(old)} into {tuple(int(x) for x in new)}")
     return tuple(dims)
-
-
-def _kw(kwargs: dict, **extra: Any) -> dict:
-    out = dict(kwargs)
-    for k, v in extra.items():
-        if v is not None:
-            out[k] = v
-    return out
-
-
-def _no_out(out: Any, what: str) -> None:
-    if out is not None:
-        raise TypeError(f"{what}() of a MeshArray does not take out=; assign the result instead")
-
-
-def _single_axis(axis: Any, what: str) -> Any:
-    if isinstance(axis, (tuple, list)):
-        raise TypeError(f"{what}() takes one axis (an int or a mesh dim name) or None, got {axis!r}")
-    return axis
-
-
-def _axis_labels(a: MeshArray) -> tuple:
-    return tuple(a._shape.names) + tuple(f"local:{i}" for i in range(a.local_ndim))
-
-
-#: (mesh Shape, ndim, axis, keepdims) -> (the axes of _normalize_axes, the reduced mesh Shape)
-_REDUCED: dict[tuple, tuple] = {}
-
-
-def _normalize_axes(axis: Any, a: MeshArray) -> tuple[int, ...] | None:
-    """``axis`` (int, name, tuple/list of either, or None) as sorted axes of the full shape."""
-    if axis is None:
-        return None
-    single = not isinstance(axis, (tuple, list))
-    items = (axis,) if single else tuple(axis)
-    names = tuple(a._shape.names)
-    ndim = a.ndim
-    out = []
-    for ax in items:
-        if isinstance(ax, str):
-            if ax not in names:
-                raise DimensionError(ax, names)
-            i = names.index(ax)
-        elif isinstance(ax, (numbers.Integral, np.integer)) and not isinstance(ax, (bool, np.bool_)):
-            i = int(ax)
-            if not -ndim <= i < ndim:
-                raise DimensionError(i, _axis_labels(a), what="array")
-            i %= ndim
-        else:
-            raise TypeError(f"axis must be an int, a mesh dim name or a tuple of them, got {type(ax).__name__}: {ax!r}")
-        out.append(i)
-    if len(set(out)) != len(out):
-        raise ValueError(f"duplicate value in 'axis': {axis!r}")
-    if single:
-        return (out[0],)
-    return tuple(sorted(out))
 
 
 # -- operations whose results become MeshArrays -------------------------------------------

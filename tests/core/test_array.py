@@ -619,7 +619,7 @@ def test_shapes_example_runs():
     assert "MeshArray(hosts=2, dtype=int64)" in text
 
 
-@pytest.mark.parametrize("module", ["mesharray.array", "mesharray.mesh", "mesharray.storage"])
+@pytest.mark.parametrize("module", ["mesharray.array", "mesharray.reductions", "mesharray.mesh", "mesharray.storage"])
 def test_docstring_examples_run(module):
     import doctest
     import importlib

@@ -17,7 +17,7 @@ PKG = pathlib.Path(__file__).resolve().parents[2] / "mesharray"
 
 LAYERS = [
     ("mesharray._core", "mesharray.errors", "mesharray._proc_stat", "mesharray._platform", "mesharray.calls"),
-    ("mesharray.mesh", "mesharray.array", "mesharray.storage", "mesharray.elementwise", "mesharray.indexing",
+    ("mesharray.mesh", "mesharray.array", "mesharray.reductions", "mesharray.storage", "mesharray.elementwise", "mesharray.indexing",
      "mesharray.transport",
      "mesharray.engines", "mesharray.collectives"),
     ("mesharray.runtime",),
