@@ -55,6 +55,13 @@ from .storage import GatheredStorage, Storage, StoredArray, WorkerStorage
 __all__ = ["GatheredStorage", "MeshArray"]
 
 
+def _wrap(shape: Shape, storage: Storage) -> Any:
+    """A MeshArray, or the bare element when there is no axis left (as NumPy gives a scalar)."""
+    if shape.ndim == 0 and type(storage) is GatheredStorage and storage.array.ndim == 0:
+        return storage.array[()]
+    return MeshArray._from_parts(shape, storage)
+
+
 class MeshArray(Reductions, NDArrayOperatorsMixin, MeshTrait, StoredArray):
     """A NumPy-like array whose leading ``mesh_ndim`` axes are named mesh dims.
 
@@ -728,9 +735,8 @@ class MeshArray(Reductions, NDArrayOperatorsMixin, MeshTrait, StoredArray):
         _keep_recipe(key, getattr(st, "attr_recipe", None), self, name, plan, value)
         return value
 
-    def _result(self, shape: Shape, storage: Storage) -> Any:
-        """A reduction's result (:class:`~.reductions.Reductions`): see ``_wrap``."""
-        return _wrap(shape, storage)
+    #: a reduction's result (:class:`~.reductions.Reductions`): ``_wrap`` itself, no call between
+    _result = staticmethod(_wrap)
 
     def roll(self, shift: int, axis: Any = None) -> MeshArray:
         """Elements shifted by ``shift`` along ``axis`` (NumPy's ``np.roll``); ``axis`` may be a mesh dim.
@@ -843,13 +849,6 @@ def _unique_names(names: list[str], shape: tuple[int, ...]) -> list[tuple[str, i
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate mesh dim names in {tuple(names)}")
     return list(zip(names, shape))
-
-
-def _wrap(shape: Shape, storage: Storage) -> Any:
-    """A MeshArray, or the bare element when there is no axis left (as NumPy gives a scalar)."""
-    if shape.ndim == 0 and type(storage) is GatheredStorage and storage.array.ndim == 0:
-        return storage.array[()]
-    return MeshArray._from_parts(shape, storage)
 
 
 def _to_item(x: Any) -> Any:
