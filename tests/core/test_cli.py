@@ -177,6 +177,7 @@ def test_main_is_callable_in_process(capsys):
 
 def test_mpi_bootstrap_asked_for_in_a_plain_process_is_a_world_of_one():
     # no launcher: MPI starts as a singleton; rank 0's worker is a thread here
+    pytest.importorskip("mpi4py", reason="the mpi bootstrap needs mpi4py (pip install 'mesharray[mpi]')")
     out = subprocess.run(
         [sys.executable, "-c",
          "import os, numpy as np, mesharray as ma\n"
