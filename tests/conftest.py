@@ -123,13 +123,17 @@ def torchrun_ddp():
         pytest.skip("torchrun is not installed")
     args = ["--steps", "6"]
     # torch's own launcher is the reference here, and its gloo teardown sometimes aborts a rank
-    # after the script finished ("terminate called without an active exception", ~1 run in 5
-    # on this machine, with or without a barrier before destroy_process_group): a run that
-    # died so is tried again, up to three times; any other failure fails at once
+    # after the script finished ("terminate called without an active exception", ~1 run in 5-8
+    # on this machine, more under load, with or without a barrier before destroy_process_group):
+    # a run that died so is tried again, up to three times; any other failure fails at once. If
+    # every try died so, a run whose rank 0 printed the digest still stands: the digest comes
+    # after the last step's allreduce, so both ranks trained to the end before the abort
+    aborted = "terminate called without an active exception"
     for _ in range(3):
         r = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", _DDP_SCRIPT, *args],
                            capture_output=True, text=True, timeout=300)
-        if r.returncode == 0 or "terminate called without an active exception" not in r.stderr:
+        if r.returncode == 0 or aborted not in r.stderr:
             break
-    assert r.returncode == 0, r.stdout + r.stderr
+    torn_down = aborted in r.stderr and r.stdout.count("final weights sha256") == 1
+    assert r.returncode == 0 or torn_down, r.stdout + r.stderr
     return SimpleNamespace(script=_DDP_SCRIPT, args=args, digest=_ddp_digest(r.stdout), digest_of=_ddp_digest)
