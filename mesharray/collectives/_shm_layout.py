@@ -22,7 +22,9 @@ offset from the segment's start              what
                                              +32 ``send``'s bytes, +40 the round of those three
 - ``REDUCED``                                +0 the round whose share ``r`` reduced
 - ``DONE``                                   +0 the last round ``r`` is done with; +8 the round
-                                             in which a chunk of ``r`` failed (single copy)
+                                             in which a chunk of ``r`` failed (single copy),
+                                             +16 the member it could not copy to or from,
+                                             +24 the ``errno`` (``ESRCH``: that member died)
 - ``PID``                                    +0 the pid (written last: ``r`` joined); +8 its
                                              single-copy offer (-1: none); +16 the address of
                                              its probe word; +24 1 if it has fewer CPUs than

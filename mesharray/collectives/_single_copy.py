@@ -216,8 +216,11 @@ class SingleCopy:
         failed, err = reduce_remote(dst, srcs, pids, dests, send.size, kdt, op,
                                     buffer_address(self._scratch, True)[0], chunk, self._counter(0), base, k)
         if failed >= 0:
-            # who failed, for the peers' message (before done's release store)
-            atomic_store(self._flag(DONE, me) + 8, k)
+            # who failed, with whom and why, for the peers' message (before done's release store)
+            line = self._flag(DONE, me)
+            atomic_store(line + 16, failed)
+            atomic_store(line + 24, err)
+            atomic_store(line + 8, k)
         self._end(k)  # done: this member no longer touches anybody's buffers
         try:
             if failed >= 0 and err == errno.ESRCH:
@@ -233,8 +236,15 @@ class SingleCopy:
                     why = (f"rank {self.global_ranks[me]} could not copy to or from rank "
                            f"{self.global_ranks[failed]}: {os.strerror(err)} (errno {err})")
                 else:
-                    who = [self.global_ranks[j] for j in everyone if atomic_load(self._flag(DONE, j) + 8) == k]
-                    why = f"rank(s) {who} could not copy their chunks"
+                    bad = [j for j in everyone if atomic_load(self._flag(DONE, j) + 8) == k]
+                    # a peer whose memory was gone (ESRCH) died, though its process may not be a
+                    # zombie yet for _check_alive: its address space goes early in its exit
+                    gone = sorted({atomic_load(self._flag(DONE, j) + 16) for j in bad
+                                   if atomic_load(self._flag(DONE, j) + 24) == errno.ESRCH})
+                    if gone:
+                        raise ActorDiedError(ranks=[self.global_ranks[j] for j in gone], pid=pids[gone[0]],
+                                             reason=f"died during shared-memory reduction of group {self.name!r}")
+                    why = f"rank(s) {[self.global_ranks[j] for j in bad]} could not copy their chunks"
                 raise MeshArrayError(f"single-copy reduction of shared-memory group {self.name!r} failed: {why}")
         except BaseException as exc:
             self._quiesce(k)
