@@ -45,9 +45,20 @@ cdef class HostRounds:
     cdef public long long _seq, _hr, _last_host
     cdef public uintptr_t _hctl, _res_addr, _done_at
     cdef public bint _closed, _futex
-    cdef public object _broken, _pending, _settling, _slot_addr
+    cdef public object _broken, _pending, _slot_addr
+    cdef object _lock, _lock_acquire, _lock_release, _lock_locked  # (_settling and its bound methods)
     cdef void** _ptrs  # _slot_addr as C pointers (built once per list)
     cdef object _ptrs_of
+
+    @property
+    def _settling(self):
+        return self._lock
+
+    @_settling.setter
+    def _settling(self, lock):
+        # its methods looked up once: settle runs on every small operation of a member
+        self._lock = lock
+        self._lock_acquire, self._lock_release, self._lock_locked = lock.acquire, lock.release, lock.locked
 
     def __dealloc__(self):
         free(self._ptrs)
@@ -161,10 +172,10 @@ cdef class HostRounds:
         wait until its result is published, copy it, mark the round done, and hand the outcome to
         the round's ``done``. Also the first step of every operation of the group: a member arrives
         at a round only once it no longer reads the round before."""
-        lock = self._settling  # (a worker's actor threads may read the block while its program runs)
-        if self._pending is None and not lock.locked():
+        # (the lock: a worker's actor threads may read the block while its program runs)
+        if self._pending is None and not self._lock_locked():
             return  # (nothing pending, and nobody settling it: a settler sets _pending to None first)
-        lock.acquire()
+        self._lock_acquire()
         try:
             p = self._pending
             if p is None:
@@ -172,7 +183,7 @@ cdef class HostRounds:
             self._pending = None
             self._settle(<tuple>p)
         finally:
-            lock.release()
+            self._lock_release()
 
     cdef _settle(self, tuple p):
         cdef long long k = p[0], r = p[1]

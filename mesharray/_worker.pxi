@@ -110,11 +110,15 @@ def fast_op(raw, dict blocks, dict engines, dict failed):
 def free_blocks(store, list bids):
     """``BlockStore.free(bids)`` where no block is a NumPy array (whose memory the store may keep for
     reuse) and none failed; False, with nothing done, otherwise."""
-    cdef dict blocks = store.blocks, engines = store.engines, failed = store.failed
+    return _free_blocks(store.blocks, store.engines, store.failed, store.lazy, bids)
+
+
+cdef bint _free_blocks(dict blocks, dict engines, dict failed, dict lazy, list bids) except -1:
+    # free_blocks on the store's dicts themselves: PlanRunner holds them, so a member's free of the
+    # last result looks up no attribute of the store (each lookup a cold type and instance dict)
     for b in bids:
-        if isinstance(blocks.get(b), _np.ndarray) or b in failed:
+        if isinstance(blocks.get(b), cnp.ndarray) or b in failed:
             return False
-    lazy = store.lazy
     for b in bids:
         if lazy:
             lazy.pop(b, None)
@@ -284,7 +288,7 @@ cdef class PlanRunner:
         for raw in program:
             code = raw[0]
             if code == "free":
-                if not free_blocks(self.store, raw[1]):
+                if not _free_blocks(self.blocks, self.engines, self.failed, self.lazy, raw[1]):
                     self.store.free(raw[1])
                 continue
             if code != "kplan":
