@@ -125,6 +125,15 @@ _KERNEL_DTYPES["?"] = -1  # bool: reported as unsupported with a clear error
 
 _KERNEL_DTYPE_NAMES = ("float32", "float64", "int8", "int16", "int32", "int64",
                        "uint8", "uint16", "uint32", "uint64")
+cdef dict _KERNEL_DTYPE_CODES = {name: i for i, name in enumerate(_KERNEL_DTYPE_NAMES)}
+
+
+cdef int _kernel_dtype_code(str kdt) except -1:
+    # a kernel dtype's index in _KERNEL_DTYPE_NAMES (the reduction kernels' dtype code)
+    code = _KERNEL_DTYPE_CODES.get(kdt)
+    if code is None:
+        raise TypeError(f"reduction kernels support {', '.join(_KERNEL_DTYPE_NAMES)}; got {kdt!r}")
+    return code
 
 DEF _BLOCK = 2048
 

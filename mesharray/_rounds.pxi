@@ -128,9 +128,7 @@ cdef class HostRounds:
         cdef int code, stage = 0, dcode, opc
         cdef long polls = 0
         cdef double deadline
-        if kdt not in _KERNEL_DTYPE_NAMES:
-            raise TypeError(f"reduction kernels support {', '.join(_KERNEL_DTYPE_NAMES)}; got {kdt!r}")
-        dcode = _KERNEL_DTYPE_NAMES.index(kdt)
+        dcode = _kernel_dtype_code(kdt)
         kop = "sum" if op == "mean" else op
         opc = _op_code(kop)
         if not failed:
@@ -144,7 +142,7 @@ cdef class HostRounds:
             dst = <uintptr_t>view.buf
             PyBuffer_Release(&view)
         if self._pending is not None:
-            self.settle()
+            self._settle_pending()
         if self._closed or self._broken is not None:
             self._begin("reduction")  # raises the group's error
         k = self._seq + 1
@@ -172,6 +170,11 @@ cdef class HostRounds:
         wait until its result is published, copy it, mark the round done, and hand the outcome to
         the round's ``done``. Also the first step of every operation of the group: a member arrives
         at a round only once it no longer reads the round before."""
+        self._settle_pending()
+
+    cdef _settle_pending(self):
+        # settle, called without a lookup of the method (on a Python subclass: its type's MRO
+        # and its instance's dict)
         # (the lock: a worker's actor threads may read the block while its program runs)
         if self._pending is None and not self._lock_locked():
             return  # (nothing pending, and nobody settling it: a settler sets _pending to None first)

@@ -23,6 +23,7 @@ cdef extern from "pythread.h":
 cdef object _sv_decode = None        # framing.decode
 from pickle import loads as _sv_loads
 cdef dict _sv_names = None           # u8 n + method name -> name (worker._names)
+cdef object _sv_last_name = None      # (its key, name) of the last call's method
 cdef bytes _sv_no_args = b""         # the pickled payload of a call without arguments
 cdef object _sv_empty_ok = None      # the parts of a reply of None
 cdef Py_ssize_t _sv_empty_ok_bytes = 0
@@ -257,6 +258,7 @@ cdef inline object _sv_args(payload, const unsigned char* p, Py_ssize_t size, Py
 
 cdef _serve(worker, chan, conn, ActorSlot slot, unsigned int flags, unsigned long long msg_id,
             unsigned long long view, payload, bint more, dict peer, dict views_in):
+    global _sv_last_name
     cdef bint reply = (flags & _sv_F_REPLY) != 0
     cdef const unsigned char* p = <const unsigned char*>PyByteArray_AS_STRING(payload)
     cdef Py_ssize_t size = PyByteArray_GET_SIZE(payload)
@@ -267,11 +269,17 @@ cdef _serve(worker, chan, conn, ActorSlot slot, unsigned int flags, unsigned lon
     if size < 1 or size < 1 + p[0]:
         raise ValueError(f"call payload of {size} bytes has no method name")
     n = p[0]
-    key = PyBytes_FromStringAndSize(<const char*>p, 1 + n)
-    method = _sv_names.get(key)
-    if method is None:
-        method = key[1:].decode()
-        _sv_names[key] = method
+    last = _sv_last_name  # (the method of the last call: a loop calls one, and its name needs no bytes made)
+    if last is not None and PyBytes_GET_SIZE((<tuple>last)[0]) == 1 + n and memcmp(
+            PyBytes_AS_STRING((<tuple>last)[0]), p, 1 + n) == 0:
+        method = (<tuple>last)[1]
+    else:
+        key = PyBytes_FromStringAndSize(<const char*>p, 1 + n)
+        method = _sv_names.get(key)
+        if method is None:
+            method = key[1:].decode()
+            _sv_names[key] = method
+        _sv_last_name = (key, method)
     vshape = views_in.get(view) if view else None
     result = None
     status = "ok"

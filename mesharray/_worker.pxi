@@ -6,6 +6,9 @@
 # look-ahead over a program (``bucket_scan``, for darray.overlap.prepare). Each does exactly what
 # the Python path does, and hands back to it what it does not know (None / False).
 
+from cpython.unicode cimport PyUnicode_1BYTE_KIND, PyUnicode_DATA, PyUnicode_GET_LENGTH, PyUnicode_KIND
+from libc.string cimport memcmp
+
 
 def expand_calls(program, dict calls, dict plans, missing):
     """``DataActor._expand`` for a program without captured steps (no ``def``, ``undef``, ``replay``:
@@ -216,6 +219,31 @@ cdef class Settled:
         self.slow(self.out, self.res, self.eng, outcome)
 
 
+cdef enum:  # (the codes of _plan_code)
+    _PC_OTHER = 0
+    _PC_FREE = 1
+    _PC_CHECK = 2
+    _PC_KPLAN = 3
+
+
+cdef inline int _plan_code(code) noexcept:
+    # an instruction's code among PlanRunner's three, read from the str's bytes: a program's codes
+    # are fresh strs of its unpickling, so == would compare them through PyUnicode_Compare
+    cdef Py_ssize_t n
+    cdef const char* d
+    if type(code) is not str or PyUnicode_KIND(code) != PyUnicode_1BYTE_KIND:
+        return _PC_OTHER
+    n = PyUnicode_GET_LENGTH(code)
+    d = <const char*>PyUnicode_DATA(code)
+    if n == 4 and memcmp(d, b"free", 4) == 0:
+        return _PC_FREE
+    if n == 5 and memcmp(d, b"check", 5) == 0:
+        return _PC_CHECK
+    if n == 5 and memcmp(d, b"kplan", 5) == 0:
+        return _PC_KPLAN
+    return _PC_OTHER
+
+
 cdef class PlanRunner:
     """``DataActor.run`` of the program a small reduction sends every member but its roots:
     ``[("free", blocks), ("kplan", out, src, key, roots, nbytes), ("check", ranks)]``, in any
@@ -264,18 +292,19 @@ cdef class PlanRunner:
         cdef list states = []
         cdef tuple fast
         cdef cnp.ndarray block
+        cdef int kop
         me = self.me
         if me is None:
             return False
         for raw in program:
-            code = raw[0]
-            if code == "free":
+            kop = _plan_code(raw[0])
+            if kop == _PC_FREE:
                 continue
-            if code == "check":
+            if kop == _PC_CHECK:
                 if me in raw[1]:
                     return False
                 continue
-            if code != "kplan" or me in raw[4]:
+            if kop != _PC_KPLAN or me in raw[4]:
                 return False
             got = self._state(raw[3])
             if got is None:
@@ -286,12 +315,12 @@ cdef class PlanRunner:
             states.append(got)
         i = 0
         for raw in program:
-            code = raw[0]
-            if code == "free":
+            kop = _plan_code(raw[0])
+            if kop == _PC_FREE:
                 if not _free_blocks(self.blocks, self.engines, self.failed, self.lazy, raw[1]):
                     self.store.free(raw[1])
                 continue
-            if code != "kplan":
+            if kop != _PC_KPLAN:
                 continue
             plan, st = states[i]
             i += 1

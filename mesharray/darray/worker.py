@@ -1018,7 +1018,9 @@ class DataActor(Actor):
                     kdt = grp._kernel_dtype(dtype, ins.op)
                 except (TypeError, ValueError):  # no kernel for it: the general path, which says so
                     return None
-                st[1] = (grp, ins.op, dtype, get_engine("numpy"), grp.small_bytes, kdt, grp.lazy_target())
+                # (the names interned: the compiled path compares them with its own by identity)
+                st[1] = (grp, sys.intern(ins.op), dtype, get_engine("numpy"), grp.small_bytes, sys.intern(kdt),
+                         grp.lazy_target())
         return None
 
     def _move(self, me: int, ins: I.Move | list[I.Move]) -> None:
