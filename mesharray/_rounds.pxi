@@ -216,13 +216,23 @@ cdef class HostRounds:
         done(outcome)
 
 
+cdef object _hr_type = None  # the type of arrive_lazy's last group (a subclass of HostRounds)
+
+
 def arrive_lazy(tuple target, send, out, str op, str kdt, done):
     """A small allreduce's host round for a member that needs the result later, if at all
     (``small_allreduce_lazy`` of ``ShmCollective`` and ``HierCollective``): it arrives and
     returns None, the round left pending until ``settle`` hands ``done`` its outcome, unless the
     result is in already (then the outcome: ``[]``, or the failed inputs' ranks).
     ``target``: the group's ``lazy_target()``, ``(host rounds, across hosts, finish)``."""
-    cdef HostRounds g = target[0]
+    global _hr_type
+    cdef HostRounds g
+    t = target[0]
+    if type(t) is _hr_type:  # (the group's type checked before: not its MRO walked again)
+        g = <HostRounds>t
+    else:
+        g = t
+        _hr_type = type(t)
     finish = target[2]
     code, bad = g._arrive(send, out, op, kdt, False, target[1], False, (out, op, done, finish))
     return None if code < 0 else finish(out, op, code, bad)

@@ -24,6 +24,12 @@ cdef object _sv_decode = None        # framing.decode
 from pickle import loads as _sv_loads
 cdef dict _sv_names = None           # u8 n + method name -> name (worker._names)
 cdef object _sv_last_name = None      # (its key, name) of the last call's method
+cdef object _sv_slot_type = None      # the type of an actor's slot (a subclass of ActorSlot), once checked
+
+
+cdef void _sv_note_slot_type(t) noexcept:
+    global _sv_slot_type
+    _sv_slot_type = t
 cdef bytes _sv_no_args = b""         # the pickled payload of a call without arguments
 cdef object _sv_empty_ok = None      # the parts of a reply of None
 cdef Py_ssize_t _sv_empty_ok_bytes = 0
@@ -214,7 +220,11 @@ cdef class CallServer(FrameHandler):
         if kind == _sv_CALL:
             found = self.actors.get(target)
             if found is not None:
-                slot = <ActorSlot?>found
+                if type(found) is _sv_slot_type:  # (the type checked before: not its MRO walked again)
+                    slot = <ActorSlot>found
+                else:
+                    slot = <ActorSlot?>found
+                    _sv_note_slot_type(type(found))
             if slot is None or slot.failure is not None or slot.is_async:
                 conn.more = more
                 self.worker._frame(self.chan, conn, kind, flags, msg_id, target, view, payload)

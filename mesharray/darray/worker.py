@@ -25,7 +25,7 @@ import numpy as np
 import mesharray.darray.instructions as I
 from mesharray.darray.instructions import InputFailed
 
-from .._core import PlanRunner, expand_calls, fast_op, free_blocks
+from .._core import FastRun, PlanRunner, expand_calls, fast_op, free_blocks
 from ..actor import Actor, context, endpoint
 from ..collectives import new_group
 from ..collectives.hier import HierCollective
@@ -712,6 +712,8 @@ class DataActor(Actor):
         self.unreported: BaseException | None = None
         #: a member's program of a small reduction (frees, plans by key, checks), compiled
         self._runner = PlanRunner(STORE, self.plans, _PLANS, _LAST_PLAN, self._planned, _settled)
+        # the endpoint as the worker's call path finds it (this instance's attribute first): compiled
+        self.__dict__["run"] = FastRun(self._runner, self._run_program)
 
     def _me(self) -> int:
         if self.rank is None:
@@ -745,6 +747,10 @@ class DataActor(Actor):
         """
         if self._runner.run(program):  # (a member's part of a small reduction: _core.PlanRunner)
             return None
+        return self._run_program(program)
+
+    def _run_program(self, program: list) -> Any:
+        # run's Python path (its instance's FastRun calls it when PlanRunner does not run the program)
         me = self._me()
         for raw in program:
             if raw[0] in _CAPTURED:  # (a captured step's definition or replay: see darray.function)
