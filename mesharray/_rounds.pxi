@@ -173,9 +173,8 @@ cdef class HostRounds:
         self._settle_pending()
 
     cdef _settle_pending(self):
-        # settle, called without a lookup of the method (on a Python subclass: its type's MRO
-        # and its instance's dict)
-        # (the lock: a worker's actor threads may read the block while its program runs)
+        # settle without a lookup of the method (on a Python subclass: its type's MRO and its
+        # instance's dict); the lock: a worker's actor threads may read the block while its program runs
         if self._pending is None and not self._lock_locked():
             return  # (nothing pending, and nobody settling it: a settler sets _pending to None first)
         self._lock_acquire()

@@ -25,11 +25,6 @@ from pickle import loads as _sv_loads
 cdef dict _sv_names = None           # u8 n + method name -> name (worker._names)
 cdef object _sv_last_name = None      # (its key, name) of the last call's method
 cdef object _sv_slot_type = None      # the type of an actor's slot (a subclass of ActorSlot), once checked
-
-
-cdef void _sv_note_slot_type(t) noexcept:
-    global _sv_slot_type
-    _sv_slot_type = t
 cdef bytes _sv_no_args = b""         # the pickled payload of a call without arguments
 cdef object _sv_empty_ok = None      # the parts of a reply of None
 cdef Py_ssize_t _sv_empty_ok_bytes = 0
@@ -170,6 +165,11 @@ cdef class RelayReplies(FrameHandler):
             del self.gathers[msg_id]
             self.answer(msg_id, g)
         return 0
+
+
+cdef void _sv_note_slot_type(t) noexcept:
+    global _sv_slot_type
+    _sv_slot_type = t
 
 
 cdef class CallServer(FrameHandler):

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.timeout(90),
 
 def _members(rank, size, name):
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-    from mesharray._core import PlanRunner
+    from mesharray._core import FastRun, PlanRunner
     from mesharray.darray import worker as W
     from mesharray.engines import get_engine
 
@@ -51,6 +51,12 @@ def _members(rank, size, name):
         if rank:
             assert runner.run([("kplan", 10, 1, 1, (0,), 8)]) is True
             assert slow == [(rank, 10, 1, b"sum-plan", True)], slow
+        # DataActor.run as the call path finds it: PlanRunner, else the Python path with the program
+        fast = FastRun(runner, lambda p: ("python", p))
+        other = [("free", [99]), ("apply", 5, None, [])]
+        assert fast(other) == ("python", other)
+        assert fast((("kplan", 10, 1, 1, (0,), 8),)) == ("python", (("kplan", 10, 1, 1, (0,), 8),))  # (a tuple)
+        assert fast([("kplans", 10, 1, 1, (0,), 8)])[0] == "python"  # (codes compared whole)
         prev = None
         for i in range(8):
             store.put(1, np.full((), float(rank + i)), eng)
@@ -62,7 +68,10 @@ def _members(rank, size, name):
                 out[i] = float(res)
             else:
                 prog = [("free", [prev] if prev else []), ("kplan", bid, 1, 1, (0,), 8), ("check", (0,))]
-                assert runner.run(prog) is True
+                if i % 2:
+                    assert runner.run(prog) is True
+                else:
+                    assert fast(prog) is None
                 if prev is not None:
                     assert prev not in store.blocks and prev not in store.lazy
             prev = bid
