@@ -29,6 +29,7 @@
 #include <stdint.h>
 #include <signal.h>
 
+#define MAX_RELAYS 1024
 static int R = 16, K = 64, ITERS = 300, MODE = 0;
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
 static long futex(uint32_t *a, int op, uint32_t v) { return syscall(SYS_futex, a, op, v, NULL, NULL, 0); }
@@ -132,6 +133,10 @@ int main(int argc, char **argv) {
   if (argc > 1) MODE = atoi(argv[1]);
   if (argc > 2) R = atoi(argv[2]);
   if (argc > 3) ITERS = atoi(argv[3]);
+  if (MODE < 0 || MODE > 5 || R < 1 || R > MAX_RELAYS || ITERS < 10) {
+    fprintf(stderr, "usage: wake_floor MODE(0-5) [RELAYS(1-%d) [OPS(>=10)]]\n", MAX_RELAYS);
+    return 2;
+  }
   struct host *hs = mmap(NULL, sizeof(struct host) * R, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   int up[R];
   for (int r = 0; r < R; r++) {
@@ -147,7 +152,7 @@ int main(int argc, char **argv) {
     if (it == 0) { rewind(f); fscanf(f, "cpu %llu %llu %llu %llu", &a[0], &a[1], &a[2], &a[3]); }
     double t0 = now();
     for (int r = 0; r < R; r++) send(up[r], buf, 64, 0);
-    int got = 0; char seen[64 > R ? 64 : R]; memset(seen, 0, sizeof(seen));
+    int got = 0; char seen[MAX_RELAYS] = {0};
     while (got < R) {
       int m = 0, idx[R];
       for (int r = 0; r < R; r++) if (!seen[r]) { pf[m].fd = up[r]; pf[m].events = POLLIN; idx[m++] = r; }
